@@ -1,0 +1,108 @@
+"""Plain-torch references of the eviction kernels. They are the spec and the CPU path.
+
+Never edit a reference to agree with a kernel: the kernels are tested against these.
+
+Shapes: B batch, H KV heads, T cached slots, K kept slots, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def protected_slots(positions: Tensor, n_sink: int, n_recent: int) -> Tensor:
+    """``[B, H, T]`` bool: attention sinks (position < n_sink) and the n_recent newest positions.
+
+    Protection is defined on original positions, not slot indices, so it is right with left padding
+    (padding slots have position -1 and are never protected).
+    """
+    newest = positions.max(dim=-1, keepdim=True).values
+    sink = (positions >= 0) & (positions < n_sink)
+    recent = (positions >= 0) & (positions > newest - n_recent)
+    return sink | recent
+
+
+def _rank_prefer_recent(priority: Tensor) -> Tensor:
+    """Slot indices ``[B, H, T]`` from highest to lowest priority; ties go to the more recent (higher) slot.
+
+    A deterministic tie-break matters: many policies give exactly equal scores (LazyEviction's saturated
+    sigmoids, StreamingLLM's constant scores), and `torch.topk`'s order among ties is unspecified.
+    """
+    T = priority.shape[-1]
+    order = torch.argsort(priority.flip(-1), dim=-1, descending=True, stable=True)
+    return T - 1 - order
+
+
+def select_keep_reference(
+    scores: Tensor, positions: Tensor, keep: int, n_sink: int, n_recent: int, block_size: int = 1
+) -> Tensor:
+    """Which slots to keep.
+
+    Parameters
+    ----------
+    scores : Tensor
+        ``[B, H, T]`` importance, higher means keep.
+    positions : Tensor
+        ``[B, H, T]`` int64 original positions, -1 for padding (padding is evicted first).
+    keep : int
+        Token mode: keep exactly ``min(keep, T)`` slots. Block mode: drop the fewest whole blocks that bring
+        the cache to at most ``keep`` slots.
+    n_sink, n_recent : int
+        Protected sink positions and recent window (see `protected_slots`).
+    block_size : int
+        1 for token granularity. Otherwise slots ``[j*bs, (j+1)*bs)`` form block j; the trailing partial block
+        is always kept and a block's score is the mean score of its non-padding slots.
+
+    Returns
+    -------
+    Tensor
+        ``[B, H, K]`` int64 slot indices in ascending order (so kept tokens stay in original order).
+    """
+    B, H, T = scores.shape
+    device = scores.device
+    if T <= keep:
+        return torch.arange(T, device=device).expand(B, H, T).clone()
+    valid = positions >= 0
+    protected = protected_slots(positions, n_sink, n_recent)
+    prio = scores.float().masked_fill(~valid, float("-inf")).masked_fill(protected, float("inf"))
+
+    if block_size <= 1:
+        kept = _rank_prefer_recent(prio)[..., :keep]
+        return kept.sort(dim=-1).values
+
+    bs = block_size
+    n_full = T // bs
+    n_drop = -(-(T - keep) // bs)  # ceil
+    if n_drop > n_full:
+        raise ValueError(f"cannot drop {n_drop} blocks of {bs} from {T} slots (only {n_full} full blocks)")
+    blocks = scores.float()[..., : n_full * bs].reshape(B, H, n_full, bs)
+    bvalid = valid[..., : n_full * bs].reshape(B, H, n_full, bs)
+    n_valid = bvalid.sum(-1)
+    bscore = (blocks * bvalid).sum(-1) / n_valid.clamp(min=1)
+    bscore = bscore.masked_fill(n_valid == 0, float("-inf"))
+    bprot = protected[..., : n_full * bs].reshape(B, H, n_full, bs).any(-1)
+    bprio = bscore.masked_fill(bprot, float("inf"))
+    kept_blocks = _rank_prefer_recent(bprio)[..., : n_full - n_drop].sort(dim=-1).values
+    slots = (kept_blocks[..., None] * bs + torch.arange(bs, device=device)).flatten(-2)
+    tail = torch.arange(n_full * bs, T, device=device).expand(B, H, T - n_full * bs)
+    return torch.cat([slots, tail], dim=-1)
+
+
+def gather_tokens_reference(x: Tensor, index: Tensor, dim: int) -> Tensor:
+    """Gather kept slots along the token axis.
+
+    Parameters
+    ----------
+    x : Tensor
+        ``[B, H, ...]`` with the token axis at ``dim`` (-2 for keys/values ``[B, H, T, D]``, -1 for positions and
+        policy state ``[B, H, ..., T]``).
+    index : Tensor
+        ``[B, H, K]`` slot indices.
+    """
+    dim = dim % x.ndim
+    shape = list(x.shape)
+    shape[dim] = index.shape[-1]
+    # index [B, H, K] -> broadcast to x's layout with K on the token axis
+    idx = index.reshape(index.shape[0], index.shape[1], *([1] * (dim - 2)), index.shape[-1], *([1] * (x.ndim - dim - 1)))
+    return x.gather(dim, idx.expand(shape))

@@ -1,0 +1,115 @@
+"""Command line: `python -m learnkv policies` and `python -m learnkv generate ...`.
+
+    python -m learnkv policies
+    python -m learnkv generate --policy lazy --budget 64 --max-new-tokens 64 --prompt "What is 12 times 7?"
+
+`generate` prints the continuation(s), then one JSON line: policy, budget, max_kept_tokens, peak_kv_bytes,
+tokens_per_s and the rest of `GenerationResult.summary()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _parse_value(text: str):
+    """'16' -> 16, '0.5' -> 0.5, 'true' -> True, else the string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _parse_params(pairs: list[str]) -> dict:
+    params = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--param takes NAME=VALUE, got {pair!r}")
+        key, value = pair.split("=", 1)
+        params[key.strip()] = _parse_value(value.strip())
+    return params
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m learnkv", description="learned KV-cache eviction")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("policies", help="list the registered eviction policies, one per line")
+
+    gen = sub.add_parser("generate", help="decode a prompt under an eviction policy and a KV budget")
+    gen.add_argument("--policy", default="full", help="registered policy name (see `policies`)")
+    gen.add_argument("--budget", default=None, help="tokens per layer and KV head (e.g. 64) or a fraction (e.g. 0.25)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    gen.add_argument("--model", default=None, help="bundled alias, local folder or hub id (default: SmolLM2-135M)")
+    gen.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="policy hyperparameter")
+    gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return parser
+
+
+def cmd_generate(args) -> None:
+    import torch
+
+    from learnkv.decode import generate, resolve_budget
+    from learnkv.model import DEFAULT_MODEL, load_model
+    from learnkv.policies import make_policy
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    params = _parse_params(args.param)
+    policy = make_policy(args.policy, **params)  # fail on bad input before loading a model
+    if policy.evicts:
+        if args.budget is None:
+            raise ValueError(f"policy {policy.name!r} needs --budget (tokens, e.g. 64, or a fraction, e.g. 0.25)")
+        resolve_budget(args.budget, 1)
+    model, tokenizer = load_model(args.model or DEFAULT_MODEL)
+    result = generate(
+        model,
+        tokenizer,
+        args.prompt,
+        policy=policy,
+        budget=args.budget,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat=not args.no_chat,
+        progress=sys.stderr.isatty(),
+    )
+    for text in result.texts:
+        print(text)
+    print(json.dumps(result.summary()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "policies":
+            from learnkv.policies import POLICIES
+
+            print("\n".join(POLICIES))
+        elif args.command == "generate":
+            cmd_generate(args)
+    except ValueError as e:  # bad input: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

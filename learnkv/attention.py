@@ -1,0 +1,87 @@
+"""The "learnkv" attention function (registered with transformers' `AttentionInterface`).
+
+It computes ordinary scaled-dot-product attention over the (budgeted) cache, GQA-aware without expanding
+keys and values, and hands the cache the attention statistics the policy asked for, reduced per KV head,
+without `output_attentions` and without returning the per-head probability matrix:
+
+- ``attn``       [B, H, W, T]  the step's last W query rows (W = policy.obs_window), group-reduced;
+- ``attn_sum``   [B, H, T]     summed over all the step's query rows;
+- ``attn_sq_sum``[B, H, T]     sum of squares (only for policies that need it).
+
+The mask comes from the cache's slot positions (key position <= query position, padding excluded), so
+transformers builds no mask for this implementation. Without a BudgetCache (`learnkv_cache` kwarg) it
+falls back to plain causal attention by index.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+NAME = "learnkv"
+
+
+def learnkv_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    learnkv_cache=None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """query ``[B, Hq, q, D]``, key/value ``[B, H, T, D]`` -> output ``[B, q, Hq, D]``."""
+    B, Hq, q, D = query.shape
+    H, T = key.shape[1], key.shape[2]
+    G = Hq // H
+    if scaling is None:
+        scaling = D**-0.5
+    # query heads j*G .. j*G+G-1 share KV head j (the order repeat_kv uses), so a reshape groups them
+    scores = torch.matmul(query.reshape(B, H, G * q, D), key.transpose(-1, -2)) * scaling
+    scores = scores.view(B, H, G, q, T)
+
+    if learnkv_cache is not None:
+        key_pos = learnkv_cache.layer_positions(module.layer_idx)[:, :, None, None, :]  # [B, H, 1, 1, T]
+        query_pos = learnkv_cache.step_positions.to(key.device)  # [B, q]
+        allowed = (key_pos >= 0) & (key_pos <= query_pos[:, None, None, :, None])
+    else:
+        allowed = torch.ones(q, T, dtype=torch.bool, device=key.device).tril(T - q)
+        if attention_mask is not None:  # a user-supplied 4D additive mask [B, 1 or Hq, q, T] replaces causality
+            m = attention_mask
+            scores = scores + (m[:, :, None] if m.shape[1] == 1 else m.view(B, H, G, q, T))
+            allowed = torch.ones_like(allowed)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    out = torch.matmul(probs.to(query.dtype).view(B, H, G * q, T), value)
+    out = out.view(B, Hq, q, D).transpose(1, 2).contiguous()
+
+    if learnkv_cache is not None:
+        _hand_statistics(learnkv_cache, module.layer_idx, probs, query_pos)
+    return out, None
+
+
+def _hand_statistics(cache, layer_idx: int, probs: Tensor, query_pos: Tensor) -> None:
+    """Reduce ``probs [B, H, G, q, T]`` per KV head as the policy asked, and give them to the cache."""
+    policy = cache.policy
+    if not (policy.evicts and policy.needs_attention):
+        cache.observe(layer_idx)
+        return
+    r = probs.amax(dim=2) if policy.group_reduce == "max" else probs.mean(dim=2)  # [B, H, q, T]
+    r = r * (query_pos >= 0)[:, None, :, None]  # padding query rows contribute nothing
+    w = min(policy.obs_window, r.shape[2])
+    cache.observe(
+        layer_idx,
+        attn=r[:, :, -w:, :],
+        attn_sum=r.sum(dim=2),
+        attn_sq_sum=(r * r).sum(dim=2) if policy.needs_sq_sum else None,
+    )
+
+
+def register() -> str:
+    """Register the attention function with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, learnkv_attention)
+    return NAME

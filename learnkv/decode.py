@@ -1,0 +1,285 @@
+"""The decode loop: prefill, one step at a time, with a budgeted cache and explicit positions.
+
+`generate` is the one function users call. It knows nothing about any particular policy: it builds a
+`BudgetCache` for the named policy, runs the model with the "learnkv" attention function and reports what
+the cache held. Positions are threaded explicitly (transformers 5.x ignores `cache_position` and would
+derive positions from the physical cache length, which is wrong after eviction).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from learnkv import attention
+from learnkv.cache import BudgetCache
+from learnkv.policies import Policy, make_policy
+
+
+@dataclass
+class GenerationResult:
+    """What `generate` returns.
+
+    Attributes
+    ----------
+    tokens : Tensor
+        ``[B, N]`` generated token ids (rows that hit EOS are padded with the pad id).
+    texts : list[str] or None
+        Decoded continuations, if a tokenizer was given.
+    policy : str
+        Policy name; ``params`` its resolved hyperparameters.
+    budget : int or None
+        Token budget per layer and KV head (None for ``full``).
+    kept_per_step : list[list[int]]
+        Slots each layer held after each forward pass (prefill first).
+    max_kept_tokens : int
+        The most slots any layer/KV head held after any step.
+    peak_kv_bytes : int
+        High-water mark of K/V bytes: the max over steps of the slots every layer attended to (the cache
+        holds one token over the budget between append and eviction), times bytes per slot.
+    full_kv_bytes : int
+        K/V bytes a full cache would hold at the end of the same run.
+    tokens_per_s : float
+        Generated tokens (all rows) per second of wall time, prefill included.
+    eviction_share : float
+        Share of that wall time spent in policy updates, scoring, selection and compaction.
+    """
+
+    tokens: Tensor
+    texts: list[str] | None
+    policy: str
+    budget: int | None
+    params: dict
+    kept_per_step: list[list[int]]
+    max_kept_tokens: int
+    peak_kv_bytes: int
+    full_kv_bytes: int
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    tokens_per_s: float
+    eviction_share: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        """One JSON-able record (what the CLI prints as its last line)."""
+        return {
+            "policy": self.policy,
+            "budget": self.budget,
+            "max_kept_tokens": self.max_kept_tokens,
+            "peak_kv_bytes": self.peak_kv_bytes,
+            "full_kv_bytes": self.full_kv_bytes,
+            "kv_share": round(self.peak_kv_bytes / max(self.full_kv_bytes, 1), 4),
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": int(self.tokens.shape[1]),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "eviction_share": round(self.eviction_share, 4),
+            "params": self.params,
+        }
+
+
+def resolve_budget(budget: int | float | str | None, full_length: int) -> int | None:
+    """A budget in tokens from a token count (int >= 1) or a fraction of the full length (float in (0, 1])."""
+    if budget is None:
+        return None
+    if isinstance(budget, str):
+        try:
+            budget = int(budget) if budget.strip().isdigit() else float(budget)
+        except ValueError:
+            raise ValueError(f"budget must be a token count or a fraction in (0, 1], got {budget!r}") from None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"budget must be a token count or a fraction in (0, 1], got {budget!r}")
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0 or math.isnan(budget):
+            raise ValueError(
+                f"budget fraction must be in (0, 1], got {budget} (give a token count as an integer, e.g. 64)"
+            )
+        return max(1, math.ceil(budget * full_length))
+    if budget <= 0:
+        raise ValueError(f"budget must be >= 1 token, got {budget}")
+    return int(budget)
+
+
+def encode_prompts(tokenizer, prompts: str | Sequence[str], chat: bool = True) -> tuple[Tensor, Tensor]:
+    """Tokenize prompts with left padding; ``chat`` applies the tokenizer's chat template if it has one."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
+        raise ValueError("prompt is empty: give at least one non-empty prompt")
+    if chat and getattr(tokenizer, "chat_template", None):
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            for p in prompts
+        ]
+        add_special = False
+    else:
+        add_special = True
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=add_special)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def _next_token(logits: Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float, gen) -> Tensor:
+    """``logits [B, V]`` -> ``[B]``: greedy, or sampled with temperature / top-k / top-p."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / max(temperature, 1e-6)
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer=None,
+    prompts: str | Sequence[str] | None = None,
+    *,
+    input_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    policy: str | Policy = "full",
+    budget: int | float | str | None = None,
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    chat: bool = True,
+    stop_at_eos: bool = True,
+    policy_params: dict | None = None,
+    observer: Callable[[BudgetCache], None] | None = None,
+    progress: bool = False,
+) -> GenerationResult:
+    """Decode with a KV cache that never holds more than ``budget`` tokens per layer and KV head.
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+        A causal LM; its attention implementation is switched to "learnkv".
+    tokenizer, prompts
+        Prompt strings (left-padded into a batch), or pass ``input_ids`` ``[B, L]`` (+ ``attention_mask``).
+    policy : str or Policy
+        A registered policy name (`learnkv.policies.POLICIES`) or a policy object.
+    budget : int, float or None
+        Tokens per layer and KV head, or a fraction of the full length (prompt + max_new_tokens).
+    max_new_tokens : int
+        Tokens to generate per row (fewer if every row hits EOS and ``stop_at_eos``).
+    do_sample, temperature, top_k, top_p, seed
+        Greedy by default; sampling is seeded.
+    observer : callable, optional
+        Called with the cache after every forward pass (after eviction).
+    """
+    policy_obj = make_policy(policy, **(policy_params or {}))
+    if input_ids is None:
+        if tokenizer is None or prompts is None:
+            raise ValueError("give prompts and a tokenizer, or input_ids")
+        input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat=chat)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.numel() == 0 or input_ids.shape[1] == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    attention_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)
+
+    prompt_len = input_ids.shape[1]
+    budget_tokens = resolve_budget(budget, prompt_len + max_new_tokens) if policy_obj.evicts else None
+    if policy_obj.evicts and budget_tokens is None:
+        raise ValueError(f"policy {policy_obj.name!r} needs a budget (tokens, or a fraction of the full length)")
+    policy_obj = policy_obj.resolve(budget_tokens) if policy_obj.evicts else policy_obj
+
+    if model.config._attn_implementation != attention.NAME:
+        attention.register()
+        model.set_attn_implementation(attention.NAME)
+    cache = BudgetCache(model.config.num_hidden_layers, policy_obj, budget_tokens)
+    eos = torch.tensor(_eos_ids(model, tokenizer) if stop_at_eos else [], device=device, dtype=torch.long)
+    pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    pad_id = pad_id if pad_id is not None else (int(eos[0]) if len(eos) else 0)
+    gen = torch.Generator().manual_seed(seed)
+
+    positions = attention_mask.long().cumsum(-1) - 1
+    positions = positions.masked_fill(attention_mask == 0, -1)  # -1 marks padding slots in the cache
+    next_pos = positions.max(dim=-1).values + 1  # [B]
+
+    def forward(ids: Tensor, pos: Tensor) -> Tensor:
+        cache.begin_step(pos)
+        out = model(
+            input_ids=ids,
+            position_ids=pos.clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            learnkv_cache=cache,
+        )
+        cache.end_step()
+        if observer is not None:
+            observer(cache)
+        return out.logits[:, -1, :]
+
+    t0 = time.perf_counter()
+    logits = forward(input_ids, positions)
+    t1 = time.perf_counter()
+    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
+    out_tokens = []
+    steps = range(max_new_tokens)
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc=f"decode [{policy_obj.name}]", unit="tok", leave=False)
+    for i in steps:
+        tok = _next_token(logits, do_sample, temperature, top_k, top_p, gen)
+        tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
+        out_tokens.append(tok)
+        if len(eos):
+            finished |= torch.isin(tok, eos)
+        if i == max_new_tokens - 1 or bool(finished.all()):
+            break
+        logits = forward(tok[:, None], next_pos[:, None])
+        next_pos = next_pos + 1
+    t2 = time.perf_counter()
+
+    tokens = torch.stack(out_tokens, dim=1).cpu()
+    per_slot = cache.bytes_per_slot()
+    n_generated = tokens.numel()
+    return GenerationResult(
+        tokens=tokens,
+        texts=tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokenizer is not None else None,
+        policy=policy_obj.name,
+        budget=budget_tokens,
+        params=policy_obj.params(),
+        kept_per_step=cache.kept_per_step,
+        max_kept_tokens=cache.max_kept,
+        peak_kv_bytes=cache.peak_slots * per_slot,
+        full_kv_bytes=model.config.num_hidden_layers * (prompt_len + tokens.shape[1] - 1) * per_slot,
+        prompt_tokens=prompt_len,
+        prefill_s=t1 - t0,
+        decode_s=t2 - t1,
+        tokens_per_s=n_generated / max(t2 - t0, 1e-9),
+        eviction_share=cache.eviction_s / max(t2 - t0, 1e-9),
+    )

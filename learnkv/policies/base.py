@@ -1,0 +1,185 @@
+"""The policy contract: what a policy sees (`LayerView`), what it declares, what it returns (scores).
+
+A policy is pure tensor math over one layer of the cache. It never touches Hugging Face modules, never
+selects or compacts (the cache does that, once, for every policy), and keeps its per-token state in
+`view.state`, a dict of tensors whose *last* dimension is the token (slot) axis. The cache appends zeros
+for new slots and gathers every state tensor with the kept indices, so state always stays aligned with
+the keys and values.
+
+Shapes use B (batch), H (KV heads), T (cached slots), D (head dim), W (observed query rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class LayerView:
+    """One layer of the cache as a policy sees it, right after the step's attention.
+
+    Attributes
+    ----------
+    layer : int
+        Decoder layer index.
+    step : int
+        0 for the prefill, then 1, 2, ... for each decode step.
+    keys, values : Tensor
+        ``[B, H, T, D]`` as cached (keys after RoPE).
+    positions : Tensor
+        ``[B, H, T]`` int64 original token positions; -1 marks a padding slot.
+    n_new : int
+        The last ``n_new`` slots were appended in this step.
+    attn : Tensor or None
+        ``[B, H, W, T]`` fp32 attention of the step's last ``W <= policy.obs_window`` query rows, reduced over
+        the query heads of each KV head (``policy.group_reduce``). None if the policy does not need attention.
+    attn_sum : Tensor or None
+        ``[B, H, T]`` the same attention summed over all of the step's (non-padding) query rows.
+    attn_sq_sum : Tensor or None
+        ``[B, H, T]`` sum of squared attention over the step's query rows (only if ``policy.needs_sq_sum``).
+    keep : int
+        How many slots the cache keeps if it evicts now.
+    state : dict[str, Tensor]
+        The policy's own per-token tensors, token axis last.
+    """
+
+    layer: int
+    step: int
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    n_new: int
+    attn: Tensor | None = None
+    attn_sum: Tensor | None = None
+    attn_sq_sum: Tensor | None = None
+    keep: int = 0
+    state: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def valid(self) -> Tensor:
+        """``[B, H, T]`` bool, False on padding slots."""
+        return self.positions >= 0
+
+
+def window_tokens(value: int | float, budget: int) -> int:
+    """A window given as a token count (int) or as a fraction of the budget (float in (0, 1])."""
+    if isinstance(value, float):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"a window given as a fraction of the budget must be in [0, 1], got {value}")
+        return int(value * budget)
+    if value < 0:
+        raise ValueError(f"a window must be >= 0 tokens, got {value}")
+    return int(value)
+
+
+@dataclass
+class Policy:
+    """Base class of every eviction policy: the capabilities the cache reads, and the score contract.
+
+    Parameters
+    ----------
+    n_sink : int or float
+        Tokens at positions ``< n_sink`` are never evicted (attention sinks). A float is a fraction of the budget.
+    n_recent : int or float
+        The ``n_recent`` most recent tokens are never evicted. A float is a fraction of the budget.
+    interval : int
+        Evict every ``interval`` steps (lagged eviction). To keep the cache within the budget at the end of every
+        step, a lagged policy evicts down to ``budget - interval + 1`` slots.
+    block_size : int
+        Evict whole blocks of this many consecutive slots (block score = mean of the token scores).
+    """
+
+    name: ClassVar[str] = ""
+    #: whether the attention function must hand this policy attention statistics
+    needs_attention: ClassVar[bool] = True
+    #: how the attention of the query heads that share a KV head is reduced: "mean" or "max"
+    group_reduce: ClassVar[str] = "mean"
+    #: whether the policy needs the sum of squared attention (RoCo's std)
+    needs_sq_sum: ClassVar[bool] = False
+    #: False only for the full cache
+    evicts: ClassVar[bool] = True
+
+    n_sink: int | float = 0
+    n_recent: int | float = 0
+    interval: int = 1
+    block_size: int = 1
+
+    # -- what the cache reads ------------------------------------------------------------------------------
+
+    @property
+    def obs_window(self) -> int:
+        """How many of the step's last query rows the policy wants in ``view.attn``."""
+        return 1
+
+    def block_size_at(self, step: int) -> int:
+        """Eviction granularity at this step (PagedEviction drops single tokens at prefill, blocks after)."""
+        return self.block_size
+
+    def keep_target(self, budget: int) -> int:
+        """Slots kept after an eviction, so that the cache never holds more than ``budget`` at a step's end."""
+        if self.block_size > 1:
+            return (budget // self.block_size) * self.block_size
+        return budget - self.interval + 1
+
+    # -- what a policy implements --------------------------------------------------------------------------
+
+    def update(self, view: LayerView) -> None:
+        """Fold this step's attention into ``view.state`` (in place). Called every step, every layer."""
+
+    def score(self, view: LayerView) -> Tensor:
+        """``[B, H, T]`` importance, higher means keep. Called only when the cache evicts."""
+        raise NotImplementedError
+
+    # -- configuration -------------------------------------------------------------------------------------
+
+    def resolve_defaults(self, budget: int) -> dict:
+        """Concrete values for fields left at None (paper defaults that depend on the budget). Override."""
+        return {}
+
+    def resolve(self, budget: int) -> Policy:
+        """A copy with every window in tokens for this budget; raises ValueError if it cannot fit."""
+        if not self.evicts:
+            return self
+        if budget < 1:
+            raise ValueError(f"budget must be >= 1 token, got {budget}")
+        p = dataclasses.replace(self, **self.resolve_defaults(budget))
+        p.n_sink = window_tokens(p.n_sink, budget)
+        p.n_recent = window_tokens(p.n_recent, budget)
+        if p.interval < 1:
+            raise ValueError(f"{p.name}: interval must be >= 1, got {p.interval}")
+        if p.block_size < 1:
+            raise ValueError(f"{p.name}: block_size must be >= 1, got {p.block_size}")
+        target = p.keep_target(budget)
+        # a block policy also always keeps the newest, partly filled block
+        protected = p.n_sink + p.n_recent + (p.block_size if p.block_size > 1 else 0)
+        if target < 1 or protected > target:
+            raise ValueError(
+                f"policy {p.name!r}: sink tokens ({p.n_sink}) + recent window ({p.n_recent})"
+                + (f" + newest block ({p.block_size})" if p.block_size > 1 else "")
+                + (f" with interval {p.interval}" if p.interval > 1 else "")
+                + f" do not fit in a budget of {budget} tokens (at most {max(target, 0)} can be kept);"
+                " lower the windows or raise the budget"
+            )
+        return p
+
+    def params(self) -> dict:
+        """The policy's hyperparameters, for logs and results."""
+        return dataclasses.asdict(self)
+
+
+def reduce_heads(x: Tensor) -> Tensor:
+    """Mean over the KV-head axis of a ``[B, H, ...]`` tensor, broadcast back to H (layer-wide decisions)."""
+    return x.mean(dim=1, keepdim=True).expand_as(x)
+
+
+def new_slot_mask(view: LayerView) -> Tensor:
+    """``[T]`` bool, True for the slots appended in this step."""
+    T = view.positions.shape[-1]
+    m = torch.zeros(T, dtype=torch.bool, device=view.positions.device)
+    m[T - view.n_new :] = True
+    return m

@@ -1,0 +1,35 @@
+"""H2O: heavy hitters by accumulated attention, plus a recent window."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from learnkv.policies.base import LayerView, Policy
+
+
+@dataclass
+class H2O(Policy):
+    """Heavy-Hitter Oracle (Zhang et al., https://arxiv.org/abs/2306.14048; github.com/FMInference/H2O).
+
+    A token's score is the attention it has received, summed over every query that has seen it (the prompt's
+    queries included), averaged over the query heads of its KV head. The budget is split between heavy hitters
+    and a window of recent tokens; the paper's default is an even split.
+
+    Parameters
+    ----------
+    n_recent : int or float
+        Recent window, default half the budget.
+    """
+
+    name = "h2o"
+    n_recent: int | float = 0.5
+
+    def update(self, view: LayerView) -> None:
+        acc = view.state.get("acc")
+        if acc is None:
+            acc = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
+        view.state["acc"] = acc + view.attn_sum
+
+    def score(self, view: LayerView) -> Tensor:
+        return view.state["acc"]

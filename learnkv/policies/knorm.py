@@ -1,0 +1,22 @@
+"""Key-norm: keep the tokens with the smallest key norm."""
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from learnkv.policies.base import LayerView, Policy
+
+
+@dataclass
+class KeyNorm(Policy):
+    """Key L2 norm (Devoto et al., https://arxiv.org/abs/2406.11430; kvpress's KnormPress).
+
+    A low key norm correlates with high attention, so score = -||k|| (keys as cached, after RoPE). Needs no
+    attention at all.
+    """
+
+    name = "knorm"
+    needs_attention = False
+
+    def score(self, view: LayerView) -> Tensor:
+        return -view.keys.float().norm(dim=-1)

@@ -1,0 +1,42 @@
+"""PagedEviction: block-wise eviction by ||V|| / ||K|| that fits a paged cache."""
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from learnkv.policies.base import LayerView, Policy, reduce_heads
+
+
+@dataclass
+class PagedEviction(Policy):
+    """PagedEviction (Chitty-Venkata et al., https://arxiv.org/abs/2509.04377; github.com/krishnateja95/PagedEviction).
+
+    Token score S = ||V|| / ||K|| (the paper's formula; its vLLM fork computes the swapped ratio), averaged
+    over the KV heads of the layer so a whole block is freed for every head. At prefill the lowest-S tokens are
+    dropped one by one; during decoding the cache is paged into blocks of ``block_size`` slots and, whenever
+    the newest block starts past the budget, the full block with the lowest mean S is evicted. Block 0 (the
+    first ``block_size`` tokens) is kept as a sink and the newest, partly filled block is never evicted; the
+    budget is rounded down to whole blocks.
+
+    Parameters
+    ----------
+    block_size : int
+        Page size, 16 in the paper.
+    n_sink : int or None
+        Protected first tokens; None means one block.
+    """
+
+    name = "paged"
+    needs_attention = False
+    block_size: int = 16
+    n_sink: int | float | None = None
+
+    def resolve_defaults(self, budget: int) -> dict:
+        return {"n_sink": self.block_size if self.n_sink is None else self.n_sink}
+
+    def block_size_at(self, step: int) -> int:
+        return 1 if step == 0 else self.block_size
+
+    def score(self, view: LayerView) -> Tensor:
+        ratio = view.values.float().norm(dim=-1) / view.keys.float().norm(dim=-1).clamp(min=1e-6)
+        return reduce_heads(ratio)

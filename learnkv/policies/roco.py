@@ -1,0 +1,68 @@
+"""RoCo (EasyKV): temporal attention score with a robustness (std) measure."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.reference import protected_slots
+from learnkv.policies.base import LayerView, Policy
+
+
+@dataclass
+class RoCo(Policy):
+    """RoCo (Ren & Zhu, https://arxiv.org/abs/2402.06262; github.com/DRSY/EasyKV).
+
+    Per KV head and token it keeps the sum S1 and the sum of squares S2 of the attention it received (averaged
+    over the query heads of the group) and the number of queries c that saw it. To evict E tokens:
+
+    1. the eviction scope is the ``max(budget - r, E)`` tokens with the *lowest* attention std
+       ``sqrt(S2/c - (S1/c)^2)``, where ``r = int(recent_ratio * budget)`` and the protected tokens (the last 10
+       and any sinks) are never in scope;
+    2. within the scope, the E tokens with the lowest mean attention ``S1/c`` are evicted.
+
+    In decode this is one token per step, as in EasyKV. Deviations, for equal KV bytes across policies: the
+    budget counts the prompt too (EasyKV's decode mode never evicts the prompt and budgets generated tokens
+    only), and prefill attention seeds the statistics (EasyKV's ``keep_attention=True``), because a prompt
+    over the budget is compressed in one shot rather than by EasyKV's chunked sliding prefill.
+
+    Parameters
+    ----------
+    recent_ratio : float
+        r / budget; EasyKV hard-codes 0.3 in decode mode.
+    n_recent : int
+        The newest tokens never in scope; 10 in EasyKV.
+    """
+
+    name = "roco"
+    needs_sq_sum = True
+    recent_ratio: float = 0.3
+    n_recent: int | float = 10
+
+    def update(self, view: LayerView) -> None:
+        st = view.state
+        if "s1" not in st:
+            zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
+            st["s1"], st["s2"], st["count"] = zeros, zeros.clone(), zeros.clone()
+        # the step's queries are its new slots: each valid query sees every valid key at or before its position
+        q_pos = view.positions[..., -view.n_new :]
+        k_pos = view.positions
+        seen = (q_pos[..., None, :] >= k_pos[..., :, None]) & (q_pos[..., None, :] >= 0) & (k_pos[..., :, None] >= 0)
+        st["s1"] = st["s1"] + view.attn_sum
+        st["s2"] = st["s2"] + view.attn_sq_sum
+        st["count"] = st["count"] + seen.sum(-1)
+
+    def score(self, view: LayerView) -> Tensor:
+        st = view.state
+        c = st["count"].clamp(min=1)
+        mean = st["s1"] / c
+        std = (st["s2"] / c - mean * mean).clamp(min=0).sqrt()
+        T = mean.shape[-1]
+        n_evict = max(T - view.keep, 0)
+        scope_size = max(view.keep - int(self.recent_ratio * view.keep), n_evict)
+        out_of_scope = protected_slots(view.positions, self.n_sink, self.n_recent) | ~view.valid
+        std = std.masked_fill(out_of_scope, float("inf"))
+        rank = torch.argsort(std, dim=-1, stable=True)  # lowest std first; ties: older slot first
+        in_scope = torch.zeros_like(std, dtype=torch.bool).scatter(-1, rank[..., :scope_size], True)
+        in_scope &= ~out_of_scope
+        return mean.masked_fill(~in_scope, float("inf"))

@@ -1,0 +1,57 @@
+"""SnapKV: attention of an observation window of recent queries, pooled."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from learnkv.policies.base import LayerView, Policy
+
+DEFAULT_WINDOW = 64
+
+
+@dataclass
+class SnapKV(Policy):
+    """SnapKV (Li et al., https://arxiv.org/abs/2404.14469; github.com/FasterDecoding/SnapKV).
+
+    Score = attention of the last ``window`` queries averaged over the window, smoothed by 1-D average pooling
+    (``kernel_size``), averaged over the query heads of each KV head; the window's own tokens are always kept.
+    At prefill the window is the prompt's last queries. During decoding the window slides: the attention rows
+    of the last ``window`` queries are kept as state and the cache is rescored whenever it overflows (how
+    kvpress's DecodingPress applies SnapKV at decode time).
+
+    Parameters
+    ----------
+    window : int or None
+        Observation window (and protected recent window). None: kvpress's 64, capped at a quarter of the budget.
+    kernel_size : int
+        Average-pooling kernel, 5 as in kvpress.
+    """
+
+    name = "snapkv"
+    window: int | None = None
+    kernel_size: int = 5
+
+    @property
+    def obs_window(self) -> int:
+        return self.window or DEFAULT_WINDOW
+
+    def resolve_defaults(self, budget: int) -> dict:
+        window = self.window if self.window is not None else min(DEFAULT_WINDOW, max(1, budget // 4))
+        if window < 1:
+            raise ValueError(f"snapkv: window must be >= 1, got {window}")
+        return {"window": window, "n_recent": window}
+
+    def update(self, view: LayerView) -> None:
+        rows = view.attn  # [B, H, W, T]; the cache zero-padded old rows for new slots (causally exact)
+        window = view.state.get("window_attn")
+        window = rows if window is None else torch.cat([window, rows], dim=2)
+        view.state["window_attn"] = window[:, :, -self.obs_window :, :]
+
+    def score(self, view: LayerView) -> Tensor:
+        s = view.state["window_attn"].mean(dim=2)  # [B, H, T]
+        B, H, T = s.shape
+        k = self.kernel_size
+        pooled = F.avg_pool1d(s.reshape(B * H, 1, T), kernel_size=k, stride=1, padding=k // 2)
+        return pooled[..., :T].reshape(B, H, T)
