@@ -69,15 +69,18 @@ class BudgetCache(Cache):
         A policy already resolved for this budget (`Policy.resolve`).
     budget : int or None
         Token budget per layer and KV head; None only for policies that never evict (``full``).
+    last_step : int, optional
+        Index of the last forward pass (prefill = 0), if known.
     """
 
-    def __init__(self, num_layers: int, policy: Policy, budget: int | None):
+    def __init__(self, num_layers: int, policy: Policy, budget: int | None, last_step: int | None = None):
         if policy.evicts and budget is None:
             raise ValueError(f"policy {policy.name!r} needs a budget")
         super().__init__(layers=[BudgetLayer(i, self) for i in range(num_layers)])
         self.policy = policy
         self.budget = budget
-        self.keep = policy.keep_target(budget) if policy.evicts else None
+        self.last_step = last_step  # index of the last forward pass, if known (lets lagged policies keep more)
+        self.keep = None  # slots kept if the cache evicts in the current step
         self.step = -1
         self.step_positions: Tensor | None = None
         # accounting
@@ -93,6 +96,9 @@ class BudgetCache(Cache):
         """Announce the next forward pass: ``positions [B, q]`` of its tokens (-1 for padding)."""
         self.step += 1
         self.step_positions = positions.long()
+        if self.policy.evicts:
+            steps_left = None if self.last_step is None else self.last_step - self.step
+            self.keep = self.policy.keep_target(self.budget, steps_left)
 
     def end_step(self) -> None:
         """Book-keeping after the forward pass (all layers attended and evicted)."""

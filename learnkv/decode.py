@@ -217,7 +217,7 @@ def generate(
     if model.config._attn_implementation != attention.NAME:
         attention.register()
         model.set_attn_implementation(attention.NAME)
-    cache = BudgetCache(model.config.num_hidden_layers, policy_obj, budget_tokens)
+    cache = BudgetCache(model.config.num_hidden_layers, policy_obj, budget_tokens, last_step=max_new_tokens - 1)
     eos = torch.tensor(_eos_ids(model, tokenizer) if stop_at_eos else [], device=device, dtype=torch.long)
     pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     pad_id = pad_id if pad_id is not None else (int(eos[0]) if len(eos) else 0)

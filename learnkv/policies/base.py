@@ -120,11 +120,14 @@ class Policy:
         """Eviction granularity at this step (PagedEviction drops single tokens at prefill, blocks after)."""
         return self.block_size
 
-    def keep_target(self, budget: int) -> int:
-        """Slots kept after an eviction, so that the cache never holds more than ``budget`` at a step's end."""
-        if self.block_size > 1:
-            return (budget // self.block_size) * self.block_size
-        return budget - self.interval + 1
+    def keep_target(self, budget: int, steps_left: int | None = None) -> int:
+        """Slots kept after an eviction, so the cache holds at most ``budget`` at the end of every step.
+
+        A lagged policy (interval > 1) appends ``interval - 1`` tokens before it evicts again, so it keeps that
+        much headroom, or only as much as the decode has steps left (``steps_left``; None = unknown).
+        """
+        headroom = self.interval - 1 if steps_left is None else min(self.interval - 1, max(steps_left, 0))
+        return budget - headroom
 
     # -- what a policy implements --------------------------------------------------------------------------
 

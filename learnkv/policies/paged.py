@@ -15,8 +15,8 @@ class PagedEviction(Policy):
     over the KV heads of the layer so a whole block is freed for every head. At prefill the lowest-S tokens are
     dropped one by one; during decoding the cache is paged into blocks of ``block_size`` slots and, whenever
     the newest block starts past the budget, the full block with the lowest mean S is evicted. Block 0 (the
-    first ``block_size`` tokens) is kept as a sink and the newest, partly filled block is never evicted; the
-    budget is rounded down to whole blocks.
+    first ``block_size`` tokens) is kept as a sink and the newest, partly filled block is never evicted, so the
+    cache holds between ``budget - block_size + 1`` and ``budget`` tokens once full.
 
     Parameters
     ----------
