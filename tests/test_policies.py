@@ -1,0 +1,140 @@
+"""Every policy, one matrix: the cache's invariants hold at every step (and a hypothesis property test)."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import random_ids
+from learnkv import POLICIES, generate, make_policy
+from learnkv.policies.base import LayerView, Policy
+
+EVICTING = [name for name, cls in POLICIES.items() if cls.evicts]
+
+
+def check_invariants(cache, budget, seen_positions):
+    """Called after every forward pass: the budget, protected tokens and order hold in every layer and head."""
+    policy = cache.policy
+    newest = max(seen_positions)
+    for layer in cache.layers:
+        pos = layer.positions  # [B, H, T]
+        assert pos.shape[-1] <= budget, f"layer {layer.layer_idx} holds {pos.shape[-1]} > budget {budget}"
+        assert layer.keys.shape[-2] == pos.shape[-1] == layer.values.shape[-2]
+        for name, t in layer.state.items():
+            assert t.shape[-1] == pos.shape[-1], f"state {name} misaligned"
+        for b in range(pos.shape[0]):
+            for h in range(pos.shape[1]):
+                kept = pos[b, h][pos[b, h] >= 0].tolist()
+                assert kept == sorted(kept) and len(set(kept)) == len(kept), "kept tokens out of order"
+                must = {p for p in seen_positions if p < policy.n_sink}
+                must |= {p for p in seen_positions if p > newest - policy.n_recent}
+                missing = must - set(kept)
+                assert not missing, f"protected positions {sorted(missing)} evicted (layer {layer.layer_idx})"
+
+
+def run_checked(model, policy, budget, prompt_len, new_tokens, seed=0, **params):
+    ids = random_ids(prompt_len, seed=seed)
+    fed = list(range(prompt_len))
+
+    def observe(cache):
+        if cache.step > 0:
+            fed.append(prompt_len + cache.step - 1)
+        check_invariants(cache, budget, fed)
+
+    return generate(model, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new_tokens,
+                    policy_params=params, observer=observe)
+
+
+@pytest.mark.parametrize("budget", [32, 48])
+@pytest.mark.parametrize("policy", EVICTING)
+def test_invariants_every_step(tiny, policy, budget):
+    result = run_checked(tiny, policy, budget, prompt_len=30, new_tokens=40)
+    assert result.max_kept_tokens <= budget
+    assert all(max(k) <= budget for k in result.kept_per_step)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    policy=st.sampled_from(EVICTING),
+    budget=st.integers(min_value=20, max_value=60),
+    prompt_len=st.integers(min_value=1, max_value=50),
+    new_tokens=st.integers(min_value=1, max_value=30),
+    n_sink=st.integers(min_value=0, max_value=4),
+    window=st.integers(min_value=1, max_value=8),
+)
+def test_invariants_property(tiny, policy, budget, prompt_len, new_tokens, n_sink, window):
+    params = {"n_sink": n_sink}
+    if policy in ("lazy", "snapkv"):
+        params["window"] = window
+    elif policy == "paged":
+        params = {"block_size": window, "n_sink": n_sink}
+    else:
+        params["n_recent"] = window
+    result = run_checked(tiny, policy, budget, prompt_len, new_tokens, **params)
+    assert result.max_kept_tokens <= budget
+
+
+@dataclass
+class PositionEcho(Policy):
+    """Test double: its state records each slot's position when the slot is new; scores are random."""
+
+    name = "echo"
+    needs_attention = False
+
+    def update(self, view: LayerView) -> None:
+        if "pos" not in view.state:
+            view.state["pos"] = view.positions.float()
+        else:
+            view.state["pos"][..., -view.n_new:] = view.positions[..., -view.n_new:].float()
+        assert torch.equal(view.state["pos"], view.positions.float()), "policy state out of step with the cache"
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return torch.rand(view.positions.shape, generator=torch.Generator().manual_seed(view.step))
+
+
+def test_policy_state_stays_aligned_after_compaction(tiny):
+    result = generate(tiny, input_ids=random_ids(30, seed=9), policy=PositionEcho(n_sink=2, n_recent=3), budget=12,
+                      max_new_tokens=25)
+    assert result.max_kept_tokens == 12
+
+
+# -- bad input -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(policy="h2o", budget=0), "budget must be >= 1"),
+        (dict(policy="h2o", budget=-5), "budget must be >= 1"),
+        (dict(policy="h2o", budget=1.5), "fraction must be in (0, 1]"),
+        (dict(policy="h2o", budget=0.0), "fraction must be in (0, 1]"),
+        (dict(policy="nope", budget=8), "unknown policy 'nope'; known policies: full, streaming"),
+        (dict(policy="streaming", budget=16, policy_params={"n_sink": 10, "n_recent": 10}), "do not fit in a budget of 16"),
+        (dict(policy="lazy", budget=16, policy_params={"window": 9}), "do not fit in a budget of 16"),
+        (dict(policy="h2o", budget=None), "needs a budget"),
+        (dict(policy="h2o", budget=8, policy_params={"bogus": 1}), "has no parameter bogus"),
+        (dict(policy="lazy", budget=64, policy_params={"variant": "v2"}), "variant must be one of"),
+    ],
+)
+def test_bad_input_is_a_clear_value_error(tiny, kwargs, message):
+    with pytest.raises(ValueError) as err:
+        generate(tiny, input_ids=random_ids(10), max_new_tokens=4, **kwargs)
+    assert message in str(err.value)
+
+
+def test_empty_prompt_is_a_clear_value_error(tiny):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        generate(tiny, input_ids=torch.zeros(1, 0, dtype=torch.long), policy="full", max_new_tokens=4)
+
+
+def test_make_policy_lists_known_names():
+    with pytest.raises(ValueError) as err:
+        make_policy("h20")
+    for name in POLICIES:
+        assert name in str(err.value)
+
+
+def test_budget_fraction_resolves_against_full_length(tiny):
+    result = generate(tiny, input_ids=random_ids(30), policy="streaming", budget=0.5, max_new_tokens=10)
+    assert result.budget == 20 and result.max_kept_tokens == 20
