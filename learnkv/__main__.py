@@ -1,7 +1,10 @@
-"""Command line: `python -m learnkv policies` and `python -m learnkv generate ...`.
+"""Command line.
 
     python -m learnkv policies
     python -m learnkv generate --policy lazy --budget 64 --max-new-tokens 64 --prompt "What is 12 times 7?"
+    python -m learnkv collect --out traces/ --prompts 16 [--shard i/n]
+    python -m learnkv merge traces/
+    python -m learnkv recurrence traces/
 
 `generate` prints the continuation(s), then one JSON line: policy, budget, max_kept_tokens, peak_kv_bytes,
 tokens_per_s and the rest of `GenerationResult.summary()`.
@@ -56,7 +59,59 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+    col = sub.add_parser("collect", help="collect attention traces (features, labels, teacher scores) into shards")
+    col.add_argument("--out", required=True, help="trace directory (resumes if it already holds shards)")
+    col.add_argument("--prompts", type=int, default=8, help="number of prompts")
+    col.add_argument("--max-new-tokens", type=int, default=128)
+    col.add_argument("--shard", default="0/1", help="i/n: this collector takes every n-th shard from i")
+    col.add_argument("--model", default=None, help="bundled alias, local folder or hub id")
+    col.add_argument("--source", action="append", default=None, help="prompt source (repeatable): gsm_symbolic, gsm8k, needle")
+    col.add_argument("--decisions", type=int, default=4, help="decision steps sampled per prompt")
+    col.add_argument("--horizon", type=int, default=32, help="label horizon H in decode steps")
+    col.add_argument("--prompts-per-shard", type=int, default=4)
+    col.add_argument("--seed", type=int, default=0)
+    col.add_argument("--threads", type=int, default=None)
+
+    mrg = sub.add_parser("merge", help="rebuild a trace manifest after n collectors ran with --shard i/n")
+    mrg.add_argument("dir")
+
+    rec = sub.add_parser("recurrence", help="token importance recurrence table + PNG from collected traces")
+    rec.add_argument("dir")
+    rec.add_argument("--png", default=None, help="plot path (default: DIR/recurrence.png)")
     return parser
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard takes i/n (e.g. 0/4), got {text!r}") from None
+    return i, n
+
+
+def cmd_collect(args) -> None:
+    import torch
+
+    from learnkv.model import DEFAULT_MODEL
+    from learnkv.traces.collect import CollectConfig, collect
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = CollectConfig(
+        model=args.model or DEFAULT_MODEL,
+        sources=tuple(args.source or ("gsm_symbolic",)),
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        decisions_per_prompt=args.decisions,
+        horizon=args.horizon,
+        prompts_per_shard=args.prompts_per_shard,
+        seed=args.seed,
+    )
+    manifest, stats = collect(args.out, cfg, shard=_parse_shard(args.shard), progress=True)
+    print(stats.line())
+    state = "complete" if manifest["complete"] else f"{len(manifest['shards'])}/{manifest['n_shards_planned']} shards"
+    print(f"manifest: {args.out}/manifest.json ({state})")
 
 
 def cmd_generate(args) -> None:
@@ -105,6 +160,21 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(POLICIES))
         elif args.command == "generate":
             cmd_generate(args)
+        elif args.command == "collect":
+            cmd_collect(args)
+        elif args.command == "merge":
+            from learnkv.traces.collect import merge
+
+            manifest = merge(args.dir)
+            rows = sum(s["rows"] for s in manifest["shards"])
+            print(f"{args.dir}/manifest.json: {len(manifest['shards'])}/{manifest['n_shards_planned']} shards, {rows} rows"
+                  + ("" if manifest["complete"] else " (incomplete: run the missing collectors)"))
+        elif args.command == "recurrence":
+            from learnkv.traces.recurrence import report
+
+            table, png = report(args.dir, args.png)
+            print(table)
+            print(f"plot: {png}")
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -63,13 +63,23 @@ def learnkv_attention(
 
 
 def _hand_statistics(cache, layer_idx: int, probs: Tensor, query_pos: Tensor) -> None:
-    """Reduce ``probs [B, H, G, q, T]`` per KV head as the policy asked, and give them to the cache."""
+    """Reduce ``probs [B, H, G, q, T]`` per KV head as the policy asked, and give them to the cache.
+
+    ``group_reduce="none"`` hands the unreduced group axis (``attn [B, H, G, W, T]``, ``attn_sum [B, H, G, T]``),
+    for observers that reduce several ways (the trace recorder runs every teacher on the same attention).
+    """
     policy = cache.policy
-    if not (policy.evicts and policy.needs_attention):
+    if not policy.needs_attention:
         cache.observe(layer_idx)
         return
+    valid_rows = (query_pos >= 0).to(probs.dtype)  # padding query rows contribute nothing
+    if policy.group_reduce == "none":
+        r = probs * valid_rows[:, None, None, :, None]  # [B, H, G, q, T]
+        w = min(policy.obs_window, r.shape[3])
+        cache.observe(layer_idx, attn=r[..., -w:, :], attn_sum=r.sum(dim=3))
+        return
     r = probs.amax(dim=2) if policy.group_reduce == "max" else probs.mean(dim=2)  # [B, H, q, T]
-    r = r * (query_pos >= 0)[:, None, :, None]  # padding query rows contribute nothing
+    r = r * valid_rows[:, None, :, None]
     w = min(policy.obs_window, r.shape[2])
     cache.observe(
         layer_idx,

@@ -124,7 +124,7 @@ class BudgetCache(Cache):
     ) -> None:
         """Hand the step's attention statistics to the policy, then evict if due. Called once per layer per step."""
         policy = self.policy
-        if not policy.evicts:
+        if not (policy.evicts or policy.needs_attention):
             return
         layer: BudgetLayer = self.layers[layer_idx]
         view = LayerView(
@@ -143,7 +143,7 @@ class BudgetCache(Cache):
         t0 = time.perf_counter()
         policy.update(view)
         T = layer.keys.shape[-2]
-        if T > self.keep and self.step % policy.interval == 0:
+        if policy.evicts and T > self.keep and self.step % policy.interval == 0:
             scores = policy.score(view)
             index = kernels.select_keep(
                 scores, layer.positions, self.keep, policy.n_sink, policy.n_recent, policy.block_size_at(self.step)

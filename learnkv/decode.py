@@ -171,6 +171,7 @@ def generate(
     chat: bool = True,
     stop_at_eos: bool = True,
     policy_params: dict | None = None,
+    forced_tokens: Tensor | None = None,
     observer: Callable[[BudgetCache], None] | None = None,
     progress: bool = False,
 ) -> GenerationResult:
@@ -190,6 +191,9 @@ def generate(
         Tokens to generate per row (fewer if every row hits EOS and ``stop_at_eos``).
     do_sample, temperature, top_k, top_p, seed
         Greedy by default; sampling is seeded.
+    forced_tokens : Tensor, optional
+        ``[B, N]`` teacher forcing: these tokens are fed (and returned) instead of the model's choices, so a
+        budgeted run can follow a full-cache continuation.
     observer : callable, optional
         Called with the cache after every forward pass (after eviction).
     """
@@ -213,6 +217,17 @@ def generate(
     if policy_obj.evicts and budget_tokens is None:
         raise ValueError(f"policy {policy_obj.name!r} needs a budget (tokens, or a fraction of the full length)")
     policy_obj = policy_obj.resolve(budget_tokens) if policy_obj.evicts else policy_obj
+    if policy_obj.needs_future:
+        if forced_tokens is None:  # the future is the full-cache continuation of this very call
+            forced_tokens = generate(
+                model, input_ids=input_ids, attention_mask=attention_mask, policy="full",
+                max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
+            ).tokens
+        policy_obj = policy_obj.with_future(model, input_ids, attention_mask, forced_tokens[:, :-1])
+    if forced_tokens is not None:
+        forced_tokens = forced_tokens.to(device)
+        max_new_tokens = min(max_new_tokens, forced_tokens.shape[1])
 
     if model.config._attn_implementation != attention.NAME:
         attention.register()
@@ -253,7 +268,7 @@ def generate(
 
         steps = tqdm(steps, desc=f"decode [{policy_obj.name}]", unit="tok", leave=False)
     for i in steps:
-        tok = _next_token(logits, do_sample, temperature, top_k, top_p, gen)
+        tok = forced_tokens[:, i] if forced_tokens is not None else _next_token(logits, do_sample, temperature, top_k, top_p, gen)
         tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
         out_tokens.append(tok)
         if len(eos):

@@ -9,6 +9,7 @@ from learnkv.policies.full import FullCache
 from learnkv.policies.h2o import H2O
 from learnkv.policies.knorm import KeyNorm
 from learnkv.policies.lazy import LazyEviction
+from learnkv.policies.oracle import Oracle
 from learnkv.policies.paged import PagedEviction
 from learnkv.policies.random import RandomEviction
 from learnkv.policies.roco import RoCo
@@ -27,6 +28,7 @@ POLICIES: dict[str, type[Policy]] = {
     "roco": RoCo,
     "lazy": LazyEviction,
     "paged": PagedEviction,
+    "oracle": Oracle,
 }
 
 

@@ -97,12 +97,16 @@ class Policy:
     name: ClassVar[str] = ""
     #: whether the attention function must hand this policy attention statistics
     needs_attention: ClassVar[bool] = True
-    #: how the attention of the query heads that share a KV head is reduced: "mean" or "max"
+    #: how the attention of the query heads that share a KV head is reduced: "mean", "max", or "none" (the
+    #: view then keeps the group axis: attn [B, H, G, W, T], attn_sum [B, H, G, T], no attn_sq_sum)
     group_reduce: ClassVar[str] = "mean"
     #: whether the policy needs the sum of squared attention (RoCo's std)
     needs_sq_sum: ClassVar[bool] = False
-    #: False only for the full cache
+    #: False only for the full cache and observers
     evicts: ClassVar[bool] = True
+    #: True for the oracle: `generate` first decodes with the full cache, then replays those tokens under the
+    #: budget with ``policy.with_future(model, input_ids, attention_mask, continuation)``
+    needs_future: ClassVar[bool] = False
 
     n_sink: int | float = 0
     n_recent: int | float = 0

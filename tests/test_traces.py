@@ -1,0 +1,190 @@
+"""Trace collection: schema round-trip, no look-ahead in features, labels, resumption, sharding, refusals."""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from learnkv.features import FEATURES, N_FEATURES
+from learnkv.policies.base import LayerView
+from learnkv.traces.collect import CollectConfig, collect, merge
+from learnkv.traces.record import Recorder
+from learnkv.traces.store import TraceError, load_traces, read_manifest
+
+
+@dataclass
+class FakePrompt:
+    id: str
+    text: str
+    split: str = "train"
+    source: str = "test"
+
+
+PROMPTS = [FakePrompt(f"p{i}", t, split) for i, (t, split) in enumerate([
+    ("Tom has 3 apples and buys 5 more. How many apples does he have?", "train"),
+    ("A train travels 60 km per hour for 2 hours. How far does it go?", "validation"),
+    ("What is 15 plus 27?", "test"),
+    ("Sara reads 12 pages a day. How many pages in a week?", "train"),
+])]
+CFG = CollectConfig(prompts=4, max_new_tokens=24, decisions_per_prompt=2, horizon=6, prompts_per_shard=2, chat=False)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A random-init GQA Llama with SmolLM2's vocabulary, and SmolLM2's tokenizer: real text, fast decoding."""
+    from transformers import AutoTokenizer
+
+    from learnkv.model import prepare_smollm2, tiny_model
+
+    tok = AutoTokenizer.from_pretrained(prepare_smollm2())
+    return tiny_model(seed=1, vocab_size=len(tok), num_layers=2), tok
+
+
+@pytest.fixture(scope="module")
+def collected(small, tmp_path_factory):
+    model, tok = small
+    out = tmp_path_factory.mktemp("traces")
+    manifest, stats = collect(out, CFG, model=model, tokenizer=tok, prompts=PROMPTS, progress=False)
+    return out, manifest, stats
+
+
+def test_shards_load_back_with_the_manifest_schema(collected):
+    out, manifest, stats = collected
+    assert manifest["complete"] and len(manifest["shards"]) == 2
+    assert manifest["features"] == list(FEATURES) and manifest["horizon"] == CFG.horizon
+    for entry in manifest["shards"]:
+        assert set(entry) >= {"path", "rows", "sha256"}
+    ds = load_traces(out)
+    assert len(ds) == sum(s["rows"] for s in manifest["shards"]) == stats.rows
+    assert len(ds) == 4 * 2 * 2 - 2 * stats.dropped_decisions  # prompts x decisions x layers
+    row = ds[0]
+    H, T = row["n_heads"], row["n_tokens"]
+    assert len(row["features"]) == H * T * N_FEATURES
+    for col in ["future_sum", "future_max", "reenter"] + [f"teacher_{t}" for t in CFG.teachers]:
+        assert len(row[col]) == H * T, col
+    assert len(row["positions"]) == T
+    assert {r for r in ds["split"]} == {"train", "validation", "test"}
+    assert len(load_traces(out, split="test")) == sum(1 for s in ds["split"] if s == "test")
+
+
+def test_features_use_no_information_from_the_future(small):
+    """Features at decision step t are identical when the run is truncated right after step t."""
+    from learnkv.decode import generate
+
+    model, _ = small
+    ids = torch.randint(0, 1000, (1, 20), generator=torch.Generator().manual_seed(3))
+    t = 7
+    snaps = {}
+    for new_tokens in (t + 1, 30):
+        rec = Recorder(n_layers=2, teachers=("h2o", "lazy"), decision_steps=frozenset({t}), horizon=5)
+        generate(model, input_ids=ids, policy=rec, max_new_tokens=new_tokens)
+        snaps[new_tokens] = {(p.layer): p for p in rec.rows + rec._pending}
+    for layer in (0, 1):
+        short, long = snaps[t + 1][layer], snaps[30][layer]
+        assert torch.equal(short.features, long.features)
+        assert torch.equal(short.teachers["lazy"], long.teachers["lazy"])
+
+
+def test_labels_equal_a_direct_computation():
+    """Hand-made attention: a decision at step 1 with horizon 3 sees the attention of steps 2, 3, 4."""
+    g = torch.Generator().manual_seed(0)
+    B, H, G, T0 = 1, 2, 2, 5
+    rec = Recorder(n_layers=1, teachers=(), decision_steps=frozenset({1}), horizon=3, label_budget=0.25)
+    state, history = {}, []
+    keys = torch.randn(B, H, T0 + 5, 4, generator=g)
+    for step in range(0, 6):
+        T = T0 + step
+        q = T0 if step == 0 else 1
+        attn = torch.rand(B, H, G, q, T, generator=g)
+        attn = attn / attn.sum(-1, keepdim=True)
+        for name in list(state):
+            state[name] = torch.cat([state[name], state[name].new_zeros(*state[name].shape[:-1], T - state[name].shape[-1])], -1)
+        view = LayerView(layer=0, step=step, keys=keys[:, :, :T], values=keys[:, :, :T],
+                         positions=torch.arange(T).expand(B, H, T), n_new=q, attn=attn, state=state)
+        rec.update(view)
+        history.append(attn[:, :, :, -1, :])
+    (p,) = rec.rows
+    T1 = T0 + 1
+    for h in range(H):
+        for tok in range(T1):
+            rows = [history[s][0, h, :, tok] for s in (2, 3, 4)]
+            assert math.isclose(p.future_sum[0, h, tok].item(), sum(float(r.mean()) for r in rows), rel_tol=1e-5)
+            assert math.isclose(p.future_max[0, h, tok].item(), max(float(r.max()) for r in rows), rel_tol=1e-6)
+            reenter = False
+            for s in (2, 3, 4):
+                means = history[s][0, h].mean(0)  # group mean over the step's tokens
+                k = math.ceil(0.25 * means.shape[0])
+                reenter |= tok in sorted(range(means.shape[0]), key=lambda i: -float(means[i]))[:k]
+            assert bool(p.reenter[0, h, tok]) == reenter
+
+
+def _rows(trace_dir):
+    ds = load_traces(trace_dir)
+    return sorted((r["prompt_id"], r["step"], r["layer"], np.asarray(r["features"]).tobytes()) for r in ds)
+
+
+def test_killed_collector_resumes_without_duplicates_or_losses(small, collected, tmp_path):
+    model, tok = small
+    reference, _, _ = collected
+    # first run "killed" after one shard; plus debris a kill could leave: a half-written temp file, and a shard
+    # renamed into place whose sidecar was never written
+    collect(tmp_path, CFG, model=model, tokenizer=tok, prompts=PROMPTS, progress=False, max_shards=1)
+    (tmp_path / "shard-00001.arrow.tmp-4242").write_bytes(b"half a shard")
+    (tmp_path / "shard-00001.arrow").write_bytes(b"renamed but no sidecar")
+    manifest, stats = collect(tmp_path, CFG, model=model, tokenizer=tok, prompts=PROMPTS, progress=False)
+    assert manifest["complete"] and stats.skipped_shards == 1 and stats.shards == 1
+    assert _rows(tmp_path) == _rows(reference)
+
+
+def test_sharded_collectors_and_merge(small, collected, tmp_path):
+    model, tok = small
+    reference, _, _ = collected
+    m0, _ = collect(tmp_path, CFG, shard=(0, 2), model=model, tokenizer=tok, prompts=PROMPTS, progress=False)
+    m1, _ = collect(tmp_path, CFG, shard=(1, 2), model=model, tokenizer=tok, prompts=PROMPTS, progress=False)
+    assert merge(tmp_path)["complete"]
+    assert _rows(tmp_path) == _rows(reference)
+
+
+def test_another_config_is_refused(small, collected):
+    model, tok = small
+    out, _, _ = collected
+    other = CollectConfig(**{**CFG.__dict__, "horizon": 5})
+    with pytest.raises(TraceError, match="another config"):
+        collect(out, other, model=model, tokenizer=tok, prompts=PROMPTS, progress=False)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupt_or_truncated_shard_is_refused(collected, tmp_path):
+    out = _copy(collected[0], tmp_path / "t")
+    shard = out / read_manifest(out)["shards"][0]["path"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TraceError, match="corrupt or truncated"):
+        load_traces(out)
+
+
+def test_other_feature_version_is_refused(collected, tmp_path):
+    out = _copy(collected[0], tmp_path / "t")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["feature_version"] = 999
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceError, match="feature version 999"):
+        load_traces(out)
+
+
+def test_recurrence_report(collected):
+    from learnkv.traces.recurrence import report
+
+    table, png = report(collected[0])
+    assert table.splitlines()[0].startswith("| layer |") and "| all |" in table
+    assert png.exists() and png.stat().st_size > 1000
