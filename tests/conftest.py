@@ -31,3 +31,26 @@ def smollm2():
 
 def random_ids(length: int, batch: int = 1, seed: int = 0, vocab: int = 256) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+_SCORERS: dict[int, str] = {}
+
+
+def scorer_for(n_layers: int) -> str:
+    """A random-init scorer exported for a model with ``n_layers`` layers (what `learned` needs in policy matrices)."""
+    if n_layers not in _SCORERS:
+        import tempfile
+
+        from learnkv.scorer.artifact import export_scorer
+        from learnkv.scorer.model import Scorer
+
+        torch.manual_seed(n_layers)
+        path = export_scorer(Scorer(n_layers), tempfile.mkdtemp(prefix="learnkv-test-scorer-") + "/scorer",
+                             model="test", n_kv_heads=2)
+        _SCORERS[n_layers] = str(path)
+    return _SCORERS[n_layers]
+
+
+def params_for(policy: str, n_layers: int) -> dict:
+    """Extra parameters a registered policy needs to run in a test matrix."""
+    return {"scorer": scorer_for(n_layers)} if policy == "learned" else {}

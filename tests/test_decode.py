@@ -3,12 +3,9 @@
 import pytest
 import torch
 
-from conftest import random_ids
+from conftest import params_for, random_ids
 from learnkv import POLICIES, generate
 from learnkv.model import tiny_model
-
-EVICTING = [name for name, cls in POLICIES.items() if cls.evicts]
-
 
 def hf_greedy(ids, new_tokens):
     ref = tiny_model(seed=0, attn_implementation="eager")
@@ -23,7 +20,8 @@ def test_budget_at_least_length_reproduces_hf_generate(tiny, policy):
     new = 24
     expected = hf_greedy(ids, new)
     budget = None if policy == "full" else ids.shape[1] + new
-    result = generate(tiny, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new)
+    result = generate(tiny, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new,
+                      policy_params=params_for(policy, 2))
     assert result.tokens.tolist() == expected.tolist()
     assert result.max_kept_tokens == ids.shape[1] + new - 1  # nothing was ever evicted
 
@@ -52,7 +50,8 @@ def _masked_reference_attention(layer_masks):
     return "learnkv_test_masked"
 
 
-@pytest.mark.parametrize("policy,budget", [("h2o", 24), ("lazy", 30), ("snapkv", 20), ("paged", 40), ("knorm", 16)])
+@pytest.mark.parametrize("policy,budget", [("h2o", 24), ("lazy", 30), ("snapkv", 20), ("paged", 40), ("knorm", 16),
+                                           ("learned", 20)])
 def test_eviction_matches_masked_full_forward(tiny, policy, budget):
     """Decoding with eviction and explicit positions == a full-length forward that masks the evicted tokens."""
     ids = random_ids(30, seed=3)
@@ -63,7 +62,8 @@ def test_eviction_matches_masked_full_forward(tiny, policy, budget):
     def observe(cache):
         kept_after.append([layer.positions.clone() for layer in cache.layers])
 
-    result = generate(tiny, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new, observer=observe)
+    result = generate(tiny, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new, observer=observe,
+                      policy_params=params_for(policy, 2))
     assert result.max_kept_tokens <= budget
     seq = torch.cat([ids, result.tokens[:, :-1]], dim=1)  # every token that was fed to the model
     L, P = seq.shape[1], ids.shape[1]
@@ -85,22 +85,22 @@ def test_eviction_matches_masked_full_forward(tiny, policy, budget):
         ref_logits = ref(seq).logits[0, P - 1:]  # rows that predicted each generated token
     # our run's greedy tokens must be the reference's argmax at every step, and the logits must agree
     assert ref_logits.argmax(-1).tolist() == result.tokens[0].tolist()
-    ours = _collect_logits(tiny, ids, policy, budget, new)
+    ours = _collect_logits(tiny, ids, policy, budget, new, params_for(policy, 2))
     assert (ours - ref_logits).abs().max().item() <= 1e-4
 
 
-def _collect_logits(model, ids, policy, budget, new):
+def _collect_logits(model, ids, policy, budget, new, params):
     """Logits of every step of a budgeted greedy decode (captured through a forward hook on lm_head)."""
     captured = []
     hook = model.lm_head.register_forward_hook(lambda m, i, o: captured.append(o[0, -1].clone()))
     try:
-        generate(model, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new)
+        generate(model, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new, policy_params=params)
     finally:
         hook.remove()
     return torch.stack(captured)
 
 
-@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "tova", "lazy", "snapkv", "knorm"])
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "tova", "lazy", "snapkv", "knorm", "learned"])
 def test_left_padded_batch_equals_single_rows(tiny, policy):
     """Batch > 1 with left padding: each row decodes exactly as it does alone."""
     a, b = random_ids(26, seed=4)[0], random_ids(17, seed=5)[0]
@@ -109,9 +109,12 @@ def test_left_padded_batch_equals_single_rows(tiny, policy):
     ids[0], mask[0] = a, 1
     ids[1, 9:], mask[1, 9:] = b, 1
     budget = None if policy == "full" else 20
-    batch = generate(tiny, input_ids=ids, attention_mask=mask, policy=policy, budget=budget, max_new_tokens=16)
+    params = params_for(policy, 2)
+    batch = generate(tiny, input_ids=ids, attention_mask=mask, policy=policy, budget=budget, max_new_tokens=16,
+                     policy_params=params)
     for row, single in ((0, a), (1, b)):
-        alone = generate(tiny, input_ids=single[None], policy=policy, budget=budget, max_new_tokens=16)
+        alone = generate(tiny, input_ids=single[None], policy=policy, budget=budget, max_new_tokens=16,
+                         policy_params=params)
         assert batch.tokens[row].tolist() == alone.tokens[0].tolist(), f"row {row}"
 
 

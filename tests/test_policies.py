@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import random_ids
+from conftest import params_for, random_ids
 from learnkv import POLICIES, generate, make_policy
 from learnkv.policies.base import LayerView, Policy
 
@@ -43,6 +43,7 @@ def run_checked(model, policy, budget, prompt_len, new_tokens, seed=0, **params)
             fed.append(prompt_len + cache.step - 1)
         check_invariants(cache, budget, fed)
 
+    params = {**params_for(policy, model.config.num_hidden_layers), **params}
     return generate(model, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new_tokens,
                     policy_params=params, observer=observe)
 
@@ -69,7 +70,7 @@ def test_invariants_property(tiny, policy, budget, prompt_len, new_tokens, n_sin
     if policy in ("lazy", "snapkv"):
         params["window"] = window
     elif policy == "paged":
-        params = {"block_size": window, "n_sink": n_sink}
+        params = {"block_size": window, "n_sink": n_sink, "n_recent": 1}
     else:
         params["n_recent"] = window
     result = run_checked(tiny, policy, budget, prompt_len, new_tokens, **params)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import params_for
 from learnkv import POLICIES, generate
 from learnkv.model import ModelLoadError, load_model, prepare_smollm2
 
@@ -45,7 +46,8 @@ def test_full_reproduces_hf_generate(smollm2, eager_smollm2):
 def test_every_policy_decodes_64_tokens_at_budget_64(smollm2, policy):
     model, tok = smollm2
     budget = None if policy == "full" else 64
-    result = generate(model, tok, PROMPT, policy=policy, budget=budget, max_new_tokens=64, stop_at_eos=False)
+    result = generate(model, tok, PROMPT, policy=policy, budget=budget, max_new_tokens=64, stop_at_eos=False,
+                      policy_params=params_for(policy, model.config.num_hidden_layers))
     assert result.tokens.shape == (1, 64)
     if policy != "full":
         assert result.max_kept_tokens <= 64

@@ -9,6 +9,7 @@ from learnkv.policies.full import FullCache
 from learnkv.policies.h2o import H2O
 from learnkv.policies.knorm import KeyNorm
 from learnkv.policies.lazy import LazyEviction
+from learnkv.policies.learned import Learned
 from learnkv.policies.oracle import Oracle
 from learnkv.policies.paged import PagedEviction
 from learnkv.policies.random import RandomEviction
@@ -29,6 +30,7 @@ POLICIES: dict[str, type[Policy]] = {
     "lazy": LazyEviction,
     "paged": PagedEviction,
     "oracle": Oracle,
+    "learned": Learned,
 }
 
 

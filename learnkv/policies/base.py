@@ -162,12 +162,17 @@ class Policy:
         if p.block_size < 1:
             raise ValueError(f"{p.name}: block_size must be >= 1, got {p.block_size}")
         target = p.keep_target(budget)
-        # a block policy also always keeps the newest, partly filled block
-        protected = p.n_sink + p.n_recent + (p.block_size if p.block_size > 1 else 0)
-        if target < 1 or protected > target:
+        if p.block_size > 1:
+            # when the cache overflows (target + 1 slots), one whole block must lie after the sink blocks and
+            # before the recent window (which always includes the newest, possibly partial, block)
+            bs = p.block_size
+            needed = (-(-p.n_sink // bs) + 1) * bs + max(p.n_recent, 1) - 1
+        else:
+            needed = p.n_sink + p.n_recent
+        if target < 1 or needed > target:
             raise ValueError(
                 f"policy {p.name!r}: sink tokens ({p.n_sink}) + recent window ({p.n_recent})"
-                + (f" + newest block ({p.block_size})" if p.block_size > 1 else "")
+                + (f" + one evictable block of {p.block_size}" if p.block_size > 1 else "")
                 + (f" with interval {p.interval}" if p.interval > 1 else "")
                 + f" do not fit in a budget of {budget} tokens (at most {max(target, 0)} can be kept);"
                 " lower the windows or raise the budget"

@@ -15,7 +15,8 @@ class PagedEviction(Policy):
     over the KV heads of the layer so a whole block is freed for every head. At prefill the lowest-S tokens are
     dropped one by one; during decoding the cache is paged into blocks of ``block_size`` slots and, whenever
     the newest block starts past the budget, the full block with the lowest mean S is evicted. Block 0 (the
-    first ``block_size`` tokens) is kept as a sink and the newest, partly filled block is never evicted, so the
+    first ``block_size`` tokens) is kept as a sink and the newest block (partly filled or just filled) is never
+    evicted, as in the HF prototype, which always keeps the last page, so the
     cache holds between ``budget - block_size + 1`` and ``budget`` tokens once full.
 
     Parameters
@@ -30,6 +31,7 @@ class PagedEviction(Policy):
     needs_attention = False
     block_size: int = 16
     n_sink: int | float | None = None
+    n_recent: int | float = 1  # protects the newest token, hence its block even when that block is full
 
     def resolve_defaults(self, budget: int) -> dict:
         return {"n_sink": self.block_size if self.n_sink is None else self.n_sink}

@@ -15,8 +15,9 @@ DEFAULT_WINDOW = 64
 class SnapKV(Policy):
     """SnapKV (Li et al., https://arxiv.org/abs/2404.14469; github.com/FasterDecoding/SnapKV).
 
-    Score = attention of the last ``window`` queries averaged over the window, smoothed by 1-D average pooling
-    (``kernel_size``), averaged over the query heads of each KV head; the window's own tokens are always kept.
+    Score = attention of the last ``window`` queries to the keys before the window, averaged over the window,
+    smoothed by 1-D average pooling (``kernel_size``, zero padding), averaged over the query heads of each KV head;
+    the window's own tokens are always kept.
     At prefill the window is the prompt's last queries. During decoding the window slides: the attention rows
     of the last ``window`` queries are kept as state and the cache is rescored whenever it overflows (how
     kvpress's DecodingPress applies SnapKV at decode time).
@@ -52,6 +53,10 @@ class SnapKV(Policy):
     def score(self, view: LayerView) -> Tensor:
         s = view.state["window_attn"].mean(dim=2)  # [B, H, T]
         B, H, T = s.shape
+        n_prefix = T - min(self.obs_window, T)  # the window's own keys are kept, and not pooled into neighbours
         k = self.kernel_size
-        pooled = F.avg_pool1d(s.reshape(B * H, 1, T), kernel_size=k, stride=1, padding=k // 2)
-        return pooled[..., :T].reshape(B, H, T)
+        prefix = s[..., :n_prefix].reshape(B * H, 1, n_prefix)
+        pooled = F.avg_pool1d(prefix, kernel_size=k, stride=1, padding=k // 2)[..., :n_prefix].reshape(B, H, n_prefix)
+        # like kvpress, the window gets the highest prefix score (it is protected by the cache anyway)
+        top = pooled.amax(dim=-1, keepdim=True) if n_prefix else s.new_zeros(B, H, 1)
+        return torch.cat([pooled, top.expand(B, H, T - n_prefix)], dim=-1)

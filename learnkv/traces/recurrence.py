@@ -1,7 +1,7 @@
 """Token importance recurrence (LazyEviction's observation), measured on collected traces.
 
 For every layer: the share of cached tokens that came back to high (above-uniform) attention after a gap of at
-least k decode steps, among tokens old enough to have had such a gap. LazyEviction reports that most tokens in
+least k decode steps, among tokens observed for more than k decode steps. LazyEviction reports that most tokens in
 long reasoning recur and that their maximum recurrence interval (MRI) is far below the output length; this
 table and plot show how that holds for a model and prompt set.
 
@@ -29,12 +29,13 @@ def recurrence_table(trace_dir: str | Path, gaps=GAPS) -> tuple[list[int], np.nd
     for row in ds:
         f = row["features"].reshape(int(row["n_heads"]), int(row["n_tokens"]), N_FEATURES)
         interval = np.expm1(f[..., mri]).round()
-        tok_age = np.expm1(f[..., age]).round()
+        # recurrence is tracked over decode steps, so a prompt token can only show gaps up to the decision step
+        span = np.minimum(np.expm1(f[..., age]).round(), int(row["step"]))
         layer = int(row["layer"])
         h = hits.setdefault(layer, np.zeros(len(gaps)))
         c = counts.setdefault(layer, np.zeros(len(gaps)))
         for g, k in enumerate(gaps):
-            eligible = tok_age > k  # only tokens that have lived long enough to show a k-step gap
+            eligible = span > k  # only tokens observed long enough to show a k-step gap
             c[g] += eligible.sum()
             h[g] += (eligible & (interval >= k)).sum()
     layers = sorted(hits)

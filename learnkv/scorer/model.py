@@ -1,0 +1,58 @@
+"""Scorer: a lightweight per-layer MLP over the trace features. No Lightning here: this is what gets exported,
+loaded by the `learned` policy and by the serving runtime.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from learnkv.features import N_FEATURES
+
+
+class Scorer(nn.Module):
+    """One small MLP per decoder layer, shared by the layer's KV heads; higher score = keep.
+
+    Features are standardised with statistics fitted on the training split (buffers ``mean``/``std``, saved with
+    the weights). The per-layer weights are stacked tensors, so scoring every cached token of a layer is two
+    batched matmuls.
+
+    Parameters
+    ----------
+    n_layers : int
+        Decoder layers of the model the scorer is for.
+    n_features : int
+        Length of the feature list.
+    hidden : int
+        Hidden width.
+    """
+
+    def __init__(self, n_layers: int, n_features: int = N_FEATURES, hidden: int = 32):
+        super().__init__()
+        self.n_layers, self.n_features, self.hidden = n_layers, n_features, hidden
+        self.w1 = nn.Parameter(torch.randn(n_layers, n_features, hidden) * n_features**-0.5)
+        self.b1 = nn.Parameter(torch.zeros(n_layers, hidden))
+        self.w2 = nn.Parameter(torch.randn(n_layers, hidden) * hidden**-0.5)
+        self.b2 = nn.Parameter(torch.zeros(n_layers))
+        self.register_buffer("mean", torch.zeros(n_features))
+        self.register_buffer("std", torch.ones(n_features))
+
+    def config(self) -> dict:
+        return {"n_layers": self.n_layers, "n_features": self.n_features, "hidden": self.hidden}
+
+    def set_normalization(self, mean: Tensor, std: Tensor) -> None:
+        self.mean.copy_(mean)
+        self.std.copy_(std.clamp(min=1e-6))
+
+    def forward(self, features: Tensor, layer: int | Tensor) -> Tensor:
+        """``features [..., F]`` of tokens of ``layer`` (an int, or a LongTensor broadcastable to ``[...]``) -> ``[...]``."""
+        x = (features.float() - self.mean) / self.std
+        if isinstance(layer, int):
+            h = torch.relu(x @ self.w1[layer] + self.b1[layer])
+            return h @ self.w2[layer] + self.b2[layer]
+        layer = layer.expand(x.shape[:-1])
+        h = torch.relu(torch.einsum("...f,...fh->...h", x, self.w1[layer]) + self.b1[layer])
+        return (h * self.w2[layer]).sum(-1) + self.b2[layer]
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
