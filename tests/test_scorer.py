@@ -1,0 +1,104 @@
+"""Scorer artifact: export -> load gives identical scores; tampering, wrong versions and wrong models are refused."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import random_ids
+from learnkv import generate
+from learnkv.features import N_FEATURES
+from learnkv.scorer.artifact import ArtifactError, export_scorer, load_scorer
+from learnkv.scorer.model import Scorer
+
+
+@pytest.fixture
+def exported(tmp_path):
+    torch.manual_seed(0)
+    scorer = Scorer(n_layers=3, hidden=8)
+    scorer.set_normalization(torch.randn(N_FEATURES), torch.rand(N_FEATURES) + 0.5)
+    path = export_scorer(scorer, tmp_path / "art", model="tiny", n_kv_heads=2, config_digest="abc",
+                         metrics={"val/recall@25": 0.5})
+    return scorer, path
+
+
+def test_round_trip_identical_scores(exported):
+    scorer, path = exported
+    loaded, manifest = load_scorer(path, expect_model="tiny", expect_layers=3)
+    x = torch.randn(2, 5, 7, N_FEATURES)
+    for layer in range(3):
+        assert torch.equal(scorer(x, layer), loaded(x, layer))
+    # a tensor of layer indices scores mixed-layer batches the same as one layer at a time
+    layers = torch.tensor([0, 2, 1])[:, None]
+    mixed = loaded(x[0, :3, :4], layers)
+    assert torch.allclose(mixed, torch.stack([loaded(x[0, i, :4], int(layers[i])) for i in range(3)]), atol=1e-6)
+    assert manifest["metrics"] == {"val/recall@25": 0.5} and manifest["n_kv_heads"] == 2
+
+
+def test_per_layer_weights_differ(exported):
+    scorer, _ = exported
+    x = torch.randn(10, N_FEATURES)
+    assert not torch.allclose(scorer(x, 0), scorer(x, 1))
+
+
+def test_tampered_weights_refused(exported):
+    _, path = exported
+    w = path / "scorer.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 0xFF
+    w.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="does not match"):
+        load_scorer(path)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("format_version", 99, "version 99"),
+    ("feature_version", 0, "feature version 0"),
+    ("format", "something-else", "'something-else'"),
+])
+def test_wrong_version_refused(exported, key, value, message):
+    _, path = exported
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest[key] = value
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=message):
+        load_scorer(path)
+
+
+def test_wrong_model_binding_refused(exported):
+    _, path = exported
+    with pytest.raises(ArtifactError, match="trained for model 'tiny', not 'smollm2'"):
+        load_scorer(path, expect_model="smollm2")
+    with pytest.raises(ArtifactError, match="3 layers, the model has 30"):
+        load_scorer(path, expect_layers=30)
+
+
+def test_missing_artifact_is_clear(tmp_path):
+    with pytest.raises(ArtifactError, match="no scorer artifact"):
+        load_scorer(tmp_path)
+
+
+def test_learned_policy_needs_a_scorer(tiny):
+    with pytest.raises(ValueError, match="needs a scorer artifact"):
+        generate(tiny, input_ids=random_ids(10), policy="learned", budget=8, max_new_tokens=2)
+    with pytest.raises(ValueError, match="does not exist"):
+        generate(tiny, input_ids=random_ids(10), policy="learned", budget=8, max_new_tokens=2,
+                 policy_params={"scorer": "/no/such/scorer"})
+
+
+def test_learned_policy_evicts_by_the_scorer(tiny, tmp_path):
+    """A scorer that only looks at rel_pos (weight +) keeps the newest tokens: the learned policy follows it."""
+    from learnkv.features import feature_index
+
+    scorer = Scorer(n_layers=2, hidden=1)
+    with torch.no_grad():
+        scorer.w1.zero_()
+        scorer.w1[:, feature_index("rel_pos"), 0] = 1.0
+        scorer.b1.fill_(0.0)
+        scorer.w2.fill_(1.0)
+    path = export_scorer(scorer, tmp_path / "recency", model="tiny", n_kv_heads=2)
+    kept = []
+    generate(tiny, input_ids=random_ids(30), policy="learned", budget=12, max_new_tokens=6,
+             policy_params={"scorer": str(path), "n_sink": 0, "n_recent": 0},
+             observer=lambda c: kept.append(c.layers[0].positions[0, 0].tolist()))
+    assert kept[-1] == list(range(35 - 12, 35))  # the 12 newest of 35 positions
