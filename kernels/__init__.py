@@ -3,20 +3,67 @@
 Keep this file cheap and free of side effects: `kernels` is also the name of a Hugging Face package that
 transformers probes for at import time, so nothing heavy (torch, triton) is imported here at module level.
 The public functions import their implementation on first call.
+
+Every public function has a reference with the same signature in `kernels.reference` (the spec and the CPU path)
+and a Triton launcher in its own module (`kernels.select`, `kernels.compact`, `kernels.decode_attn`,
+`kernels.block_score`). No module may be named after a public function: importing `kernels.<name>` binds the
+attribute `kernels.<name>` to the module and would shadow the function. The Triton interpreter is never a
+dispatch target: it is for tests only.
 """
 
-__all__ = ["select_keep", "gather_tokens"]
+__all__ = ["select_keep", "gather_tokens", "decode_attention", "block_scores", "triton_available"]
+
+_TRITON = None
+
+
+def triton_available() -> bool:
+    """Whether triton imports (checked once)."""
+    global _TRITON
+    if _TRITON is None:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON = True
+        except ImportError:
+            _TRITON = False
+    return _TRITON
+
+
+def _use_triton(*tensors) -> bool:
+    return all(t.is_cuda for t in tensors) and triton_available()
 
 
 def select_keep(scores, positions, keep, n_sink, n_recent, block_size=1):
     """Kept slot indices ``[B, H, K]`` (ascending) from scores ``[B, H, T]``; see `kernels.reference`."""
-    from kernels.reference import select_keep_reference
-
-    return select_keep_reference(scores, positions, keep, n_sink, n_recent, block_size)
+    if _use_triton(scores, positions):
+        from kernels.select import select_keep as impl
+    else:
+        from kernels.reference import select_keep_reference as impl
+    return impl(scores, positions, keep, n_sink, n_recent, block_size)
 
 
 def gather_tokens(x, index, dim):
     """Gather the slots ``index [B, H, K]`` of ``x`` along its token axis ``dim``; see `kernels.reference`."""
-    from kernels.reference import gather_tokens_reference
+    if _use_triton(x, index):
+        from kernels.compact import gather_tokens as impl
+    else:
+        from kernels.reference import gather_tokens_reference as impl
+    return impl(x, index, dim)
 
-    return gather_tokens_reference(x, index, dim)
+
+def decode_attention(query, key, value, key_positions, query_positions, scaling=None, reduce="mean"):
+    """One decode step: output ``[B, 1, Hq, D]`` and group-reduced attention ``[B, H, T]``; see `kernels.reference`."""
+    if _use_triton(query, key, value, key_positions, query_positions):
+        from kernels.decode_attn import decode_attention as impl
+    else:
+        from kernels.reference import decode_attention_reference as impl
+    return impl(query, key, value, key_positions, query_positions, scaling, reduce)
+
+
+def block_scores(keys, values, block_size):
+    """PagedEviction scores ``[B, T // block_size]`` from keys/values ``[B, H, T, D]``; see `kernels.reference`."""
+    if _use_triton(keys, values):
+        from kernels.block_score import block_scores as impl
+    else:
+        from kernels.reference import block_scores_reference as impl
+    return impl(keys, values, block_size)

@@ -106,3 +106,76 @@ def gather_tokens_reference(x: Tensor, index: Tensor, dim: int) -> Tensor:
     # index [B, H, K] -> broadcast to x's layout with K on the token axis
     idx = index.reshape(index.shape[0], index.shape[1], *([1] * (dim - 2)), index.shape[-1], *([1] * (x.ndim - dim - 1)))
     return x.gather(dim, idx.expand(shape))
+
+
+def decode_attention_reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_positions: Tensor,
+    query_positions: Tensor,
+    scaling: float | None = None,
+    reduce: str = "mean",
+) -> tuple[Tensor, Tensor]:
+    """One decode step of `learnkv.attention.learnkv_attention` (q = 1), in fp32, plus its attention statistic.
+
+    Parameters
+    ----------
+    query : Tensor
+        ``[B, Hq, 1, D]``; query head ``j * G + g`` uses KV head ``j`` (``Hq = G * H``).
+    key, value : Tensor
+        ``[B, H, T, D]``.
+    key_positions : Tensor
+        ``[B, H, T]`` int64 slot positions, -1 for padding. A key is visible iff ``0 <= key_pos <= query_pos``;
+        masked scores are set to the fp32 minimum (not -inf), so a query that sees no key attends uniformly,
+        as in `learnkv_attention`.
+    query_positions : Tensor
+        ``[B]`` int64 position of the step's token (-1 for a padding row).
+    scaling : float, optional
+        Score scale, ``D ** -0.5`` by default.
+    reduce : str
+        "mean" or "max" over the G query heads of each KV head.
+
+    Returns
+    -------
+    tuple of Tensor
+        The output ``[B, 1, Hq, D]`` in the query's dtype, and the group-reduced attention probabilities
+        ``[B, H, T]`` fp32, zero for a padding query row (what the cache is handed).
+    """
+    if reduce not in ("mean", "max"):
+        raise ValueError(f"reduce must be 'mean' or 'max', got {reduce!r}")
+    B, Hq, q, D = query.shape
+    H, T = key.shape[1], key.shape[2]
+    if q != 1 or Hq % H:
+        raise ValueError(f"query [B, G*H, 1, D] and key [B, H, T, D] expected, got {tuple(query.shape)}, {tuple(key.shape)}")
+    G = Hq // H
+    if scaling is None:
+        scaling = D**-0.5
+    scores = torch.matmul(query.float().reshape(B, H, G, D), key.float().transpose(-1, -2)) * scaling  # [B, H, G, T]
+    visible = (key_positions >= 0) & (key_positions <= query_positions[:, None, None])
+    scores = scores.masked_fill(~visible[:, :, None, :], torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, value.float()).reshape(B, 1, Hq, D).to(query.dtype)
+    reduced = probs.amax(dim=2) if reduce == "max" else probs.mean(dim=2)
+    return out, reduced * (query_positions >= 0)[:, None, None]
+
+
+def block_scores_reference(keys: Tensor, values: Tensor, block_size: int) -> Tensor:
+    """PagedEviction block scores: mean over each full block of ``mean_h ||V|| / max(||K||, 1e-6)``.
+
+    Parameters
+    ----------
+    keys, values : Tensor
+        ``[B, H, T, D]``.
+    block_size : int
+        Slots per block; the trailing partial block gets no score.
+
+    Returns
+    -------
+    Tensor
+        ``[B, T // block_size]`` fp32.
+    """
+    B, H, T, D = keys.shape
+    n_full = T // block_size
+    token = (values.float().norm(dim=-1) / keys.float().norm(dim=-1).clamp(min=1e-6)).mean(dim=1)  # [B, T]
+    return token[:, : n_full * block_size].reshape(B, n_full, block_size).mean(dim=-1)

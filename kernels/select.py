@@ -1,0 +1,172 @@
+"""Triton `select_keep`: which slots (or whole blocks) to keep, identical to `kernels.reference.select_keep_reference`.
+
+Two kernels, one program per ``(b, h)`` row, each streaming over the row in chunks (no limit on T):
+
+1. `_priority_kernel` turns every unit (a slot, or a full block of ``block_size`` slots) into a unique int64 key
+   ``(order-preserving bits of the fp32 priority) << IDX_BITS | unit index``. Priority is the reference's: the
+   (block-mean) score, -inf for padding, +inf for protected units. Putting the index in the low bits is the
+   reference's tie-break (ties prefer the more recent unit).
+2. `_select_kernel` finds the ``n_keep``-th largest key by a radix select over the key's bits (RADIX_BITS per pass,
+   each pass one sweep counting keys above 2**RADIX_BITS candidate thresholds), then writes the kept units' slots
+   in ascending order with a cumsum compaction, followed by the trailing partial block.
+
+Every key is distinct, so exactly ``n_keep`` keys are >= the threshold and the result equals the reference's sort.
+Block means divide with `div_rn` (IEEE) so that equal block sums give equal means; block sums are added in a
+different order than torch's, so blocks whose means differ only by rounding may rank differently from the
+reference. That never happens with ties (equal blocks) or with random scores in practice.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+RADIX_BITS = 4
+
+
+@triton.jit
+def _priority_kernel(
+    scores_ptr, pos_ptr, key_ptr,
+    H, T, N, n_sink, n_recent, block_size,
+    ss_b, ss_h, ss_t, sp_b, sp_h, sp_t,
+    IDX_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    b = (row // H).to(tl.int64)
+    h = (row % H).to(tl.int64)
+    s_base = scores_ptr + b * ss_b + h * ss_h
+    p_base = pos_ptr + b * sp_b + h * sp_h
+
+    newest = tl.full([BLOCK_T], -1, tl.int64)
+    for start in range(0, T, BLOCK_T):
+        offs = start + tl.arange(0, BLOCK_T)
+        newest = tl.maximum(newest, tl.load(p_base + offs * sp_t, mask=offs < T, other=-1))
+    newest_pos = tl.max(newest, axis=0)
+
+    j = tl.arange(0, BLOCK_S)
+    for start in range(0, N, BLOCK_N):
+        unit = start + tl.arange(0, BLOCK_N)
+        slot = unit[:, None] * block_size + j[None, :]
+        m = (unit[:, None] < N) & (j[None, :] < block_size)
+        s = tl.load(s_base + slot * ss_t, mask=m, other=0.0).to(tl.float32)
+        pos = tl.load(p_base + slot * sp_t, mask=m, other=-1)
+        valid = pos >= 0
+        prot = valid & ((pos < n_sink) | (pos > newest_pos - n_recent))
+        # the reference's block score; with block_size 1 it reduces exactly to the token priority
+        n_valid = tl.sum(valid.to(tl.int32), axis=1)
+        total = tl.sum(s * valid.to(tl.float32), axis=1)
+        p = tl.math.div_rn(total, tl.maximum(n_valid, 1).to(tl.float32))
+        p = tl.where(n_valid == 0, float("-inf"), p)
+        p = tl.where(tl.max(prot.to(tl.int32), axis=1) > 0, float("inf"), p)
+        p = tl.where(p == 0.0, 0.0, p)  # -0.0 and 0.0 tie in the reference's sort
+        bits = p.to(tl.int32, bitcast=True)
+        bits = tl.where(p != p, 0x7FC00000, bits)  # one NaN, above +inf as in torch's sort
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648
+        key = (ordered << IDX_BITS) | unit.to(tl.int64)
+        tl.store(key_ptr + row.to(tl.int64) * N + unit, key, mask=unit < N)
+
+
+@triton.jit
+def _select_kernel(
+    key_ptr, out_ptr,
+    T, N, n_keep, out_len, block_size,
+    N_PASSES: tl.constexpr, RADIX_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    k_base = key_ptr + row.to(tl.int64) * N
+    o_base = out_ptr + row.to(tl.int64) * out_len
+    digits = tl.arange(0, 1 << RADIX_BITS).to(tl.int64)
+
+    # radix select: thr ends as the n_keep-th largest key (count(key >= thr) >= n_keep is kept invariant)
+    thr = tl.zeros([1], dtype=tl.int64)
+    for p in tl.static_range(N_PASSES):
+        cand = thr + (digits << ((N_PASSES - 1 - p) * RADIX_BITS))
+        count = tl.zeros([1 << RADIX_BITS], dtype=tl.int32)
+        for start in range(0, N, BLOCK_N):
+            unit = start + tl.arange(0, BLOCK_N)
+            key = tl.load(k_base + unit, mask=unit < N, other=-1)
+            count += tl.sum((key[:, None] >= cand[None, :]).to(tl.int32), axis=0)
+        best = tl.max(tl.where(count >= n_keep, digits, 0), axis=0)
+        thr = thr + (best << ((N_PASSES - 1 - p) * RADIX_BITS))
+
+    j = tl.arange(0, BLOCK_S)
+    done = tl.zeros([1], dtype=tl.int32)
+    for start in range(0, N, BLOCK_N):
+        unit = start + tl.arange(0, BLOCK_N)
+        key = tl.load(k_base + unit, mask=unit < N, other=-1)
+        kept = (key >= thr).to(tl.int32)
+        rank = done + tl.cumsum(kept, axis=0) - 1
+        slot = unit[:, None].to(tl.int64) * block_size + j[None, :]
+        m = (kept[:, None] > 0) & (j[None, :] < block_size)
+        tl.store(o_base + rank[:, None] * block_size + j[None, :], slot, mask=m)
+        done += tl.sum(kept, axis=0)
+    # the trailing partial block is always kept, after the kept blocks (empty in token mode)
+    tail = N * block_size
+    tl.store(o_base + n_keep * block_size + j, (tail + j).to(tl.int64), mask=j < T - tail)
+
+
+def select_keep(scores, positions, keep: int, n_sink: int, n_recent: int, block_size: int = 1, *, block_n=None):
+    """Triton launcher of `kernels.reference.select_keep_reference` (same arguments, same result).
+
+    Parameters
+    ----------
+    scores : Tensor
+        ``[B, H, T]`` importance (any float dtype, any strides), higher means keep.
+    positions : Tensor
+        ``[B, H, T]`` int64 positions, -1 for padding.
+    keep, n_sink, n_recent, block_size : int
+        As in the reference.
+    block_n : int, optional
+        Tuning (and tests): units (slots or blocks) per chunk, a power of two.
+
+    Returns
+    -------
+    Tensor
+        ``[B, H, K]`` int64 kept slot indices, ascending.
+    """
+    B, H, T = scores.shape
+    device = scores.device
+    if positions.shape != scores.shape:
+        raise ValueError(f"positions {tuple(positions.shape)} must match scores {tuple(scores.shape)}")
+    if keep < 0:
+        raise ValueError(f"keep must be >= 0, got {keep}")
+    if T <= keep:
+        return torch.arange(T, device=device).expand(B, H, T).clone()
+    bs = max(1, int(block_size))
+    N = T // bs
+    if bs == 1:
+        n_keep = keep
+    else:
+        n_drop = -(-(T - keep) // bs)
+        if n_drop > N:
+            raise ValueError(f"cannot drop {n_drop} blocks of {bs} from {T} slots (only {N} full blocks)")
+        n_keep = N - n_drop
+    out_len = n_keep * bs + (T - N * bs)
+    out = torch.empty(B, H, out_len, dtype=torch.int64, device=device)
+    if out_len == 0 or B * H == 0:
+        return out
+
+    block_s = triton.next_power_of_2(bs)
+    if device.type == "cuda":
+        default_n, warps = max(1, 1024 // block_s), 8
+    else:  # the interpreter: one chunk per row is fastest
+        default_n, warps = triton.next_power_of_2(N), 1
+    block_n = block_n or default_n
+    block_t = block_n * block_s  # slots per chunk of the newest-position sweep
+    idx_bits = max(N - 1, 0).bit_length()
+    keys = torch.empty(B * H, N, dtype=torch.int64, device=device)
+    positions = positions.long()
+    _priority_kernel[(B * H,)](
+        scores, positions, keys,
+        H, T, N, int(n_sink), int(n_recent), bs,
+        *scores.stride(), *positions.stride(),
+        IDX_BITS=idx_bits, BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_T=block_t, num_warps=warps,
+    )  # fmt: skip
+    _select_kernel[(B * H,)](
+        keys, out,
+        T, N, n_keep, out_len, bs,
+        N_PASSES=-(-(32 + idx_bits) // RADIX_BITS), RADIX_BITS=RADIX_BITS, BLOCK_N=block_n, BLOCK_S=block_s,
+        num_warps=warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,411 @@
+"""Triton launchers against their torch references, over awkward shapes.
+
+On CPU the launchers run under the Triton interpreter (`TRITON_INTERPRET=1`, set by conftest before any import);
+with a real GPU (``TRITON_INTERPRET=0``) the same tests run compiled on CUDA, plus a few large shapes.
+Indices and copies must match exactly; floats within per-dtype tolerances. Launcher outputs are allocated
+NaN-filled (ints: most negative value), so a slot a kernel forgets to write fails.
+"""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels import reference as ref
+
+pytest.importorskip("triton")
+from kernels.block_score import block_scores  # noqa: E402
+from kernels.compact import gather_tokens  # noqa: E402
+from kernels.decode_attn import decode_attention  # noqa: E402
+from kernels.select import select_keep  # noqa: E402
+
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+DEVICE = "cuda" if CUDA else "cpu"
+gpu_only = pytest.mark.skipif(not CUDA, reason="large shapes need a GPU (compiled Triton, not the interpreter)")
+#: (atol, rtol) per input dtype for float outputs
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
+
+
+def gen(case_id: str) -> torch.Generator:
+    """A generator seeded by the case, so every case gets its own fresh inputs."""
+    return torch.Generator().manual_seed(zlib.crc32(case_id.encode()))
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Make `torch.empty` / `torch.empty_like` return poisoned memory while a launcher runs."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        return t.fill_(True) if t.dtype == torch.bool else t.fill_(torch.iinfo(t.dtype).min)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+        mp.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+        yield
+
+
+def assert_close(name, expected, actual, atol, rtol):
+    expected, actual = expected.float().cpu(), actual.float().cpu()
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = (actual - expected).abs()
+    ok = not actual.isnan().any() and torch.allclose(actual, expected, atol=atol, rtol=rtol)
+    assert ok, f"{name}: max abs err {err.max():.3g}, mean {err.mean():.3g} (atol {atol}, rtol {rtol})"
+
+
+def make_positions(B, H, T, g, pad=3):
+    """``[B, H, T]`` increasing positions with gaps (as after evictions); batch row 0 left-padded with -1."""
+    pos = torch.randint(1, 3, (B, H, T), generator=g).cumsum(-1) - 1
+    if B > 0:
+        pos[0, :, : min(pad, T)] = -1
+    return pos
+
+
+# -- select_keep ----------------------------------------------------------------------------------------------
+
+SELECT_CASES = [  # B, H, T, keep, n_sink, n_recent, block_size, score kind, dtype, units per chunk
+    pytest.param(1, 1, 1, 0, 0, 0, 1, "randn", torch.float32, None, id="T1-keep0"),
+    pytest.param(1, 2, 1, 1, 1, 1, 1, "randn", torch.float32, None, id="T1-keep1"),
+    pytest.param(2, 2, 17, 8, 2, 3, 1, "randn", torch.float32, None, id="B2-H2-T17-keep8"),
+    pytest.param(2, 2, 63, 12, 4, 8, 1, "randn", torch.float32, None, id="B2-H2-T63-keep=sink+recent"),
+    pytest.param(2, 4, 100, 50, 4, 8, 1, "ties", torch.float32, None, id="B2-H4-T100-keep50-ties"),
+    pytest.param(2, 2, 100, 100, 4, 8, 1, "randn", torch.float32, None, id="B2-H2-T100-keep=T"),
+    pytest.param(1, 4, 100, 37, 0, 0, 1, "shared", torch.bfloat16, None, id="B1-H4-T100-keep37-shared-bf16"),
+    pytest.param(2, 2, 64, 15, 4, 8, 16, "randn", torch.float32, None, id="B2-H2-T64-keep15-bs16"),
+    pytest.param(2, 2, 64, 16, 4, 8, 16, "randn", torch.float32, None, id="B2-H2-T64-keep16-bs16"),
+    pytest.param(2, 2, 64, 17, 4, 8, 16, "ties", torch.float32, None, id="B2-H2-T64-keep17-bs16-ties"),
+    pytest.param(2, 2, 100, 36, 16, 16, 16, "randn", torch.bfloat16, None, id="B2-H2-T100-keep36-bs16-bf16"),
+    pytest.param(1, 2, 100, 63, 0, 0, 16, "ties", torch.float32, None, id="B1-H2-T100-keep63-bs16-ties"),
+    pytest.param(2, 1, 63, 40, 2, 2, 5, "randn", torch.float32, None, id="B2-H1-T63-keep40-bs5"),
+    pytest.param(2, 2, 100, 41, 4, 8, 1, "ties", torch.float32, 16, id="B2-H2-T100-keep41-ties-chunk16"),
+    pytest.param(2, 2, 100, 30, 4, 8, 1, "shuffled", torch.float32, 16, id="B2-H2-T100-keep30-shuffled-chunk16"),
+    pytest.param(1, 2, 100, 52, 2, 8, 16, "ties", torch.float32, 2, id="B1-H2-T100-keep52-bs16-ties-chunk2"),
+]
+
+
+@pytest.mark.parametrize("B, H, T, keep, n_sink, n_recent, block_size, kind, dtype, block_n", SELECT_CASES)
+def test_select_keep(request, B, H, T, keep, n_sink, n_recent, block_size, kind, dtype, block_n):
+    g = gen(request.node.callspec.id)
+    if kind == "ties":  # many exactly equal scores (and block sums), as constant-score policies give
+        scores = torch.randint(0, 3, (B, H, T), generator=g).to(dtype)
+    elif kind == "shared":  # one score per slot broadcast over heads (stride 0), as `reduce_heads` gives
+        scores = torch.randn(B, 1, T, generator=g).to(dtype).expand(B, H, T)
+    else:
+        scores = torch.randn(B, H, T, generator=g).to(dtype)
+    positions = make_positions(B, H, T, g)
+    if kind == "shuffled":  # slots need not be in position order: the newest may sit in any chunk
+        positions = positions.gather(-1, torch.rand(B, H, T, generator=g).argsort(-1))
+    expected = ref.select_keep_reference(scores, positions, keep, n_sink, n_recent, block_size)
+    with poisoned():
+        actual = select_keep(scores.to(DEVICE), positions.to(DEVICE), keep, n_sink, n_recent, block_size,
+                             block_n=block_n)  # fmt: skip
+    assert actual.dtype == torch.int64
+    assert torch.equal(actual.cpu(), expected), f"kept slots differ:\n{actual}\n{expected}"
+
+
+def test_select_keep_special_values():
+    """Padding, protected slots, inf, -inf, NaN and -0.0 rank exactly as in the reference."""
+    s = torch.tensor([[[0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.0, -0.0, 0.0, 2.0, float("nan")]]])
+    pos = torch.tensor([[[-1, -1, 0, 1, 2, 3, 4, 5, 6, 7]]])
+    for keep in range(11):
+        expected = ref.select_keep_reference(s, pos, keep, 1, 1)
+        with poisoned():
+            actual = select_keep(s.to(DEVICE), pos.to(DEVICE), keep, 1, 1)
+        assert torch.equal(actual.cpu(), expected), f"keep {keep}: {actual.tolist()} != {expected.tolist()}"
+
+
+def test_select_keep_too_many_blocks():
+    s, pos = torch.zeros(1, 1, 20), torch.arange(20).view(1, 1, 20)
+    with pytest.raises(ValueError, match="cannot drop"):
+        ref.select_keep_reference(s, pos, 2, 0, 0, 16)
+    with pytest.raises(ValueError, match="cannot drop"):
+        select_keep(s.to(DEVICE), pos.to(DEVICE), 2, 0, 0, 16)
+
+
+# -- gather_tokens --------------------------------------------------------------------------------------------
+
+GATHER_CASES = [  # shape of x, dim, K, dtype, kept slots per program
+    pytest.param((2, 2, 17, 64), -2, 8, torch.float32, None, id="kv-B2-H2-T17-D64-K8-fp32"),
+    pytest.param((1, 4, 100, 128), -2, 37, torch.bfloat16, None, id="kv-B1-H4-T100-D128-K37-bf16"),
+    pytest.param((2, 2, 63, 128), -2, 63, torch.bfloat16, None, id="kv-B2-H2-T63-D128-K=T-bf16"),
+    pytest.param((1, 2, 1, 64), -2, 1, torch.float32, None, id="kv-B1-H2-T1-D64-K1"),
+    pytest.param((2, 2, 100, 60), -2, 50, torch.float16, None, id="kv-B2-H2-T100-D60-K50-fp16"),
+    pytest.param((2, 4, 100), -1, 36, torch.int64, None, id="positions-B2-H4-T100-K36"),
+    pytest.param((2, 2, 3, 63), -1, 17, torch.float32, None, id="state-B2-H2-W3-T63-K17"),
+    pytest.param((1, 2, 2, 3, 17), -1, 8, torch.bool, None, id="state-B1-H2-2x3-T17-K8-bool"),
+    pytest.param((1, 2, 17, 4), -2, 0, torch.float32, None, id="kv-K0"),
+    pytest.param((1, 2, 17, 300), -2, 9, torch.float32, 4, id="rows-B1-H2-T17-R300-K9-chunk4"),
+    pytest.param((2, 2, 3, 63), -1, 40, torch.int64, 16, id="state-B2-H2-W3-T63-K40-chunk16"),
+]
+
+
+@pytest.mark.parametrize("shape, dim, K, dtype, block_k", GATHER_CASES)
+def test_gather_tokens(request, shape, dim, K, dtype, block_k):
+    g = gen(request.node.callspec.id)
+    B, H = shape[:2]
+    T = shape[dim]
+    if dtype == torch.bool:
+        x = torch.rand(shape, generator=g) > 0.5
+    elif dtype.is_floating_point:
+        x = torch.randn(shape, generator=g).to(dtype)
+        x.view(-1)[::7] = float("nan")  # NaN payloads and signed zeros must survive the copy bit for bit
+        x.view(-1)[3::11] = -0.0
+    else:
+        x = torch.randint(-1, 1000, shape, generator=g, dtype=dtype)
+    # kept slots: a random ascending subset per row, as select_keep gives
+    index = torch.rand(B, H, T, generator=g).argsort(-1)[..., :K].sort(-1).values
+    expected = ref.gather_tokens_reference(x, index, dim)
+    with poisoned():
+        actual = gather_tokens(x.to(DEVICE), index.to(DEVICE), dim, block_k=block_k)
+    assert actual.dtype == x.dtype and actual.shape == expected.shape
+    actual = actual.cpu()
+    # torch's own CPU gather rewrites bf16 NaN payloads (0x7FC0 -> 0xFFFF), so a NaN need only stay a NaN
+    nan = expected.isnan() if dtype.is_floating_point else torch.zeros_like(expected, dtype=torch.bool)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    assert torch.equal(actual.isnan() if dtype.is_floating_point else nan, nan), "NaNs moved"
+    assert torch.equal(actual.view(bits)[~nan], expected.view(bits)[~nan]), "gathered values are not bitwise equal"
+
+
+# -- decode_attention -----------------------------------------------------------------------------------------
+
+ATTENTION_CASES = [  # B, H, G, T, D, dtype, reduce, block_t, split_t
+    pytest.param(1, 1, 1, 1, 64, torch.float32, "mean", None, None, id="B1-H1-G1-T1-D64-fp32-mean"),
+    pytest.param(2, 2, 1, 17, 64, torch.float32, "max", None, None, id="B2-H2-G1-T17-D64-fp32-max"),
+    pytest.param(2, 1, 4, 63, 128, torch.float32, "mean", 16, 32, id="B2-H1-G4-T63-D128-fp32-mean-split32"),
+    pytest.param(1, 2, 4, 100, 64, torch.bfloat16, "max", 32, 64, id="B1-H2-G4-T100-D64-bf16-max-split64"),
+    pytest.param(2, 1, 8, 100, 128, torch.bfloat16, "mean", 64, 64, id="B2-H1-G8-T100-D128-bf16-mean-split64"),
+    pytest.param(1, 1, 8, 17, 128, torch.float32, "max", 16, 16, id="B1-H1-G8-T17-D128-fp32-max-split16"),
+    pytest.param(2, 2, 1, 63, 128, torch.bfloat16, "mean", None, None, id="B2-H2-G1-T63-D128-bf16-mean"),
+]
+
+
+def attention_inputs(g, B, H, G, T, D, dtype):
+    """HF-layout query (a transposed view), keys/values, gapped and left-padded key positions, and query
+    positions: row 0 sees every key, row 1 (if any) only about half of its keys."""
+    query = torch.randn(B, 1, G * H, D, generator=g).to(dtype).transpose(1, 2)  # [B, Hq, 1, D], not contiguous
+    key = torch.randn(B, H, T, D, generator=g).to(dtype)
+    value = torch.randn(B, H, T, D, generator=g).to(dtype)
+    key_pos = make_positions(B, H, T, g)
+    query_pos = key_pos.amax(dim=(1, 2)).clone()
+    if B >= 2:
+        query_pos[1] = key_pos[1, 0, T // 2]
+    return query, key, value, key_pos, query_pos
+
+
+@pytest.mark.parametrize("B, H, G, T, D, dtype, reduce, block_t, split_t", ATTENTION_CASES)
+def test_decode_attention(request, B, H, G, T, D, dtype, reduce, block_t, split_t):
+    g = gen(request.node.callspec.id)
+    q, k, v, kp, qp = attention_inputs(g, B, H, G, T, D, dtype)
+    out_ref, probs_ref = ref.decode_attention_reference(q.float(), k.float(), v.float(), kp, qp, None, reduce)
+    with poisoned():
+        out, probs = decode_attention(
+            *(t.to(DEVICE) for t in (q, k, v, kp, qp)), None, reduce, block_t=block_t, split_t=split_t
+        )
+    assert out.dtype == dtype and out.shape == (B, 1, G * H, D)
+    assert probs.dtype == torch.float32
+    assert_close("output", out_ref, out, *TOL[dtype])
+    assert_close("probs", probs_ref, probs, 1e-5, 1e-4)
+
+
+def test_decode_attention_padding_rows():
+    """A query that sees no key attends uniformly (as learnkv attention does); a padding query hands zero probs."""
+    g = gen("padding-rows")
+    q, k, v, kp, _ = attention_inputs(g, 2, 1, 4, 20, 64, torch.float32)
+    qp = torch.tensor([-5, -1])  # row 0 sees no key, row 1 is padding
+    out_ref, probs_ref = ref.decode_attention_reference(q, k, v, kp, qp)
+    out, probs = decode_attention(*(t.to(DEVICE) for t in (q, k, v, kp, qp)), block_t=16, split_t=16)
+    assert_close("output", out_ref, out, *TOL[torch.float32])
+    assert_close("probs", probs_ref, probs, 1e-6, 1e-5)
+    assert torch.allclose(out_ref[0, 0], v[0].mean(dim=1).repeat_interleave(4, dim=0), atol=1e-5)
+
+
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_reference_matches_learnkv_attention(reduce):
+    """The reference is `learnkv_attention` at q = 1: same output, same statistic handed to the cache."""
+    from learnkv.attention import learnkv_attention
+
+    g = gen(f"learnkv-{reduce}")
+    q, k, v, kp, qp = attention_inputs(g, 3, 2, 4, 33, 64, torch.float32)
+    seen = {}
+    policy = SimpleNamespace(evicts=True, needs_attention=True, group_reduce=reduce, obs_window=1, needs_sq_sum=False)
+    cache = SimpleNamespace(
+        policy=policy,
+        step_positions=qp[:, None],
+        layer_positions=lambda layer: kp,
+        observe=lambda layer, **stats: seen.update(stats),
+    )
+    out, _ = learnkv_attention(SimpleNamespace(layer_idx=0), q, k, v, None, 0.125, learnkv_cache=cache)
+    out_ref, probs_ref = ref.decode_attention_reference(q, k, v, kp, qp, 0.125, reduce)
+    assert_close("output", out, out_ref, 1e-5, 1e-5)
+    assert_close("probs", seen["attn_sum"], probs_ref, 1e-6, 1e-5)
+
+
+# -- block_scores ---------------------------------------------------------------------------------------------
+
+BLOCK_CASES = [  # B, H, T, D, block_size, dtype, blocks per program
+    pytest.param(1, 1, 1, 64, 1, torch.float32, None, id="B1-H1-T1-D64-bs1"),
+    pytest.param(2, 2, 17, 64, 16, torch.float32, None, id="B2-H2-T17-D64-bs16"),
+    pytest.param(2, 4, 63, 128, 16, torch.bfloat16, None, id="B2-H4-T63-D128-bs16-bf16"),
+    pytest.param(1, 8, 100, 128, 16, torch.float32, None, id="B1-H8-T100-D128-bs16"),
+    pytest.param(2, 2, 100, 60, 5, torch.bfloat16, None, id="B2-H2-T100-D60-bs5-bf16"),
+    pytest.param(1, 2, 15, 64, 16, torch.float32, None, id="B1-H2-T15-D64-bs16-noblock"),
+    pytest.param(2, 2, 100, 64, 16, torch.float32, 2, id="B2-H2-T100-D64-bs16-chunk2"),
+]
+
+
+@pytest.mark.parametrize("B, H, T, D, block_size, dtype, block_nb", BLOCK_CASES)
+def test_block_scores(request, B, H, T, D, block_size, dtype, block_nb):
+    g = gen(request.node.callspec.id)
+    k = torch.randn(B, H, T, D, generator=g).to(dtype)
+    v = torch.randn(B, H, T, D, generator=g).to(dtype)
+    k[..., 0, :] = 0  # a zero key: its norm is clamped at 1e-6
+    expected = ref.block_scores_reference(k.float(), v.float(), block_size)
+    with poisoned():
+        actual = block_scores(k.to(DEVICE), v.to(DEVICE), block_size, block_nb=block_nb)
+    assert_close("block scores", expected, actual, 1e-5, 1e-5)
+
+
+def test_block_scores_match_paged_policy():
+    """The reference is PagedEviction's token score, block-averaged."""
+    from learnkv.policies.base import LayerView
+    from learnkv.policies.paged import PagedEviction
+
+    g = gen("paged")
+    k, v = torch.randn(2, 3, 40, 32, generator=g), torch.randn(2, 3, 40, 32, generator=g)
+    view = LayerView(layer=0, step=1, keys=k, values=v, positions=torch.arange(40).expand(2, 3, 40), n_new=1)
+    token = PagedEviction().score(view)[:, 0]  # [B, T], identical over heads
+    expected = token[:, :32].reshape(2, 2, 16).mean(-1)
+    assert_close("paged", expected, ref.block_scores_reference(k, v, 16), 1e-6, 1e-6)
+
+
+# -- on a real GPU only: large shapes; and GPU compilation checked without one ------------------------------------
+
+
+@gpu_only
+@pytest.mark.parametrize("T", [4097, 16384])
+def test_large_shapes_gpu(T):
+    g = gen(f"gpu-{T}")
+    B, H, G, D = 4, 8, 4, 128
+    q, k, v, kp, qp = (t.to(DEVICE) for t in attention_inputs(g, B, H, G, T, D, torch.bfloat16))
+    out_ref, probs_ref = ref.decode_attention_reference(q.float(), k.float(), v.float(), kp, qp)
+    out, probs = decode_attention(q, k, v, kp, qp)
+    assert_close("output", out_ref, out, *TOL[torch.bfloat16])
+    assert_close("probs", probs_ref, probs, 1e-5, 1e-4)
+    scores = torch.randn(B, H, T, device=DEVICE)
+    for bs in (1, 16):
+        kept = select_keep(scores, kp, T // 2, 4, 64, bs)
+        assert torch.equal(kept, ref.select_keep_reference(scores, kp, T // 2, 4, 64, bs))
+    assert torch.equal(gather_tokens(k, kept, -2), ref.gather_tokens_reference(k, kept, -2))
+    assert_close("blocks", ref.block_scores_reference(k.float(), v.float(), 16), block_scores(k, v, 16), 1e-4, 1e-4)
+
+
+COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import block_score, compact, decode_attn, select
+
+def build(fn, consts, warps=4, **types):
+    sig = {n: types.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
+    triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+for bs in (1, 16):
+    build(select._priority_kernel, dict(IDX_BITS=15, BLOCK_N=1024 // bs, BLOCK_S=bs, BLOCK_T=1024), 8,
+          scores_ptr="*bf16", pos_ptr="*i64", key_ptr="*i64")
+    build(select._select_kernel, dict(N_PASSES=12, RADIX_BITS=4, BLOCK_N=1024 // bs, BLOCK_S=bs), 8,
+          key_ptr="*i64", out_ptr="*i64")
+build(compact._gather_kernel, dict(BLOCK_K=16, BLOCK_R=128), x_ptr="*i16", idx_ptr="*i64", out_ptr="*i16")
+build(compact._gather_kernel, dict(BLOCK_K=1024, BLOCK_R=1), x_ptr="*i64", idx_ptr="*i64", out_ptr="*i64")
+build(block_score._block_scores_kernel, dict(BLOCK_NB=1, BLOCK_S=16, BLOCK_D=128),
+      k_ptr="*bf16", v_ptr="*bf16", out_ptr="*fp32")
+for dt, prec, bt in (("*bf16", "tf32", 64), ("*fp32", "ieee", 32)):
+    ptrs = dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, kpos_ptr="*i64", qpos_ptr="*i64", m_ptr="*fp32", l_ptr="*fp32",
+                probs_ptr="*fp32", acc_ptr="*fp32", scaling="fp32")
+    consts = dict(BLOCK_G=16, BLOCK_T=bt, BLOCK_D=128, PRECISION=prec)
+    build(decode_attn._stats_kernel, consts, **ptrs)
+    build(decode_attn._probs_pv_kernel, dict(consts, REDUCE_MAX=dt == "*bf16"), **ptrs)
+    build(decode_attn._combine_kernel, dict(BLOCK_G=16, BLOCK_D=128), acc_ptr="*fp32", out_ptr=dt)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_h100():
+    """Every kernel, in the configurations the launchers pick on CUDA, compiles to an sm_90 cubin with the
+    ptxas bundled in the triton wheel: no GPU needed, and the interpreter does not check this."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton wheel ships no ptxas")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", COMPILE], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+# -- the `kernels` package name -------------------------------------------------------------------------------
+
+PROBE = """
+import json, sys
+import transformers
+import transformers.utils.import_utils as iu
+hub_kernels = iu.is_kernels_available()
+mod = sys.modules.get("kernels")
+report = {"hub_kernels": hub_kernels, "probe_imported": mod is not None, "triton_after_probe": "triton" in sys.modules,
+          "probe_module": str(getattr(mod, "__file__", ""))}
+import kernels, torch
+report["ours"] = kernels.__file__
+report["triton_after_import"] = "triton" in sys.modules
+s = torch.randn(1, 2, 9)
+p = torch.arange(9).expand(1, 2, 9)
+i = kernels.select_keep(s, p, 4, 1, 1)
+kernels.gather_tokens(torch.randn(1, 2, 9, 8), i, -2)
+kernels.block_scores(torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8), 4)
+kv = torch.randn(1, 2, 9, 8)
+kernels.decode_attention(torch.randn(1, 4, 1, 8), kv, kv, p, torch.tensor([8]))
+report["triton_after_cpu_calls"] = "triton" in sys.modules
+print(json.dumps(report))
+"""
+
+
+def test_transformers_probe_does_not_pull_in_our_kernels():
+    """`import transformers` (and its hub-kernels probe) must not run into triton through our `kernels`, nor take
+    it for Hugging Face's kernel hub; CPU calls must not import triton either."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", PROBE], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["hub_kernels"] is False, report
+    assert not report["triton_after_probe"], report
+    if report["probe_imported"]:
+        assert report["probe_module"].startswith(str(root)), report
+    assert report["ours"].startswith(str(root / "kernels")), report
+    assert not report["triton_after_import"], report
+    assert not report["triton_after_cpu_calls"], report
+
+
+def test_import_is_cheap():
+    """`import kernels` alone imports neither torch nor triton."""
+    code = "import sys, kernels; print(sorted({'torch', 'triton'} & set(sys.modules)))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 0 and res.stdout.strip() == "[]", (res.stdout, res.stderr)
+
+
+def test_public_functions_not_shadowed_by_modules():
+    """Importing every launcher module leaves the public dispatchers in place (a module named like a public
+    function would replace it as an attribute of the package)."""
+    import kernels
+
+    for name in kernels.__all__:
+        assert callable(getattr(kernels, name)), f"kernels.{name} is {getattr(kernels, name)!r}"
