@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     col = sub.add_parser("collect", help="collect attention traces (features, labels, teacher scores) into shards")
     col.add_argument("--out", required=True, help="trace directory (resumes if it already holds shards)")
-    col.add_argument("--prompts", type=int, default=8, help="number of prompts")
+    col.add_argument("--prompts", type=int, default=8, help="training prompts")
+    col.add_argument("--val-prompts", type=int, default=2, help="validation prompts")
     col.add_argument("--max-new-tokens", type=int, default=128)
     col.add_argument("--shard", default="0/1", help="i/n: this collector takes every n-th shard from i")
     col.add_argument("--model", default=None, help="bundled alias, local folder or hub id")
@@ -102,6 +103,7 @@ def cmd_collect(args) -> None:
         model=args.model or DEFAULT_MODEL,
         sources=tuple(args.source or ("gsm_symbolic",)),
         prompts=args.prompts,
+        val_prompts=args.val_prompts,
         max_new_tokens=args.max_new_tokens,
         decisions_per_prompt=args.decisions,
         horizon=args.horizon,

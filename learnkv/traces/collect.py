@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import random
 import time
@@ -33,7 +34,8 @@ class CollectConfig:
 
     model: str = "smollm2-135m-instruct"
     sources: tuple[str, ...] = ("gsm_symbolic",)
-    prompts: int = 8
+    prompts: int = 8  # training prompts
+    val_prompts: int = 2  # validation prompts (test prompts are left for evaluation)
     max_new_tokens: int = 128
     decisions_per_prompt: int = 4
     horizon: int = 32
@@ -46,8 +48,8 @@ class CollectConfig:
     def validate(self) -> None:
         from learnkv.policies import POLICIES
 
-        if self.prompts < 1 or self.prompts_per_shard < 1:
-            raise ValueError("prompts and prompts_per_shard must be >= 1")
+        if self.prompts < 1 or self.val_prompts < 0 or self.prompts_per_shard < 1:
+            raise ValueError("prompts and prompts_per_shard must be >= 1, val_prompts >= 0")
         if self.horizon < 1 or self.max_new_tokens <= self.horizon + 1:
             raise ValueError(f"max_new_tokens ({self.max_new_tokens}) must exceed horizon + 1 ({self.horizon + 1})")
         if not 0 < self.label_budget <= 1:
@@ -79,12 +81,17 @@ class CollectStats:
 
 
 def plan_prompts(cfg: CollectConfig, tokenizer) -> list:
-    """The config's prompts, in a fixed order (sources interleaved)."""
+    """The config's training then validation prompts, in a fixed order (sources interleaved)."""
     from learnkv.prompts import load_prompts
 
-    per_source = [load_prompts(src, n=cfg.prompts, seed=cfg.seed, tokenizer=tokenizer) for src in cfg.sources]
-    mixed = [p for group in zip(*per_source) for p in group]
-    return mixed[: cfg.prompts]
+    planned = []
+    for split, n in (("train", cfg.prompts), ("validation", cfg.val_prompts)):
+        if n == 0:
+            continue
+        per_source = [load_prompts(src, n=n, seed=cfg.seed, split=split, tokenizer=tokenizer) for src in cfg.sources]
+        mixed = [p for group in itertools.zip_longest(*per_source) for p in group if p is not None]
+        planned += mixed[:n]
+    return planned
 
 
 def decision_steps(cfg: CollectConfig, prompt_id: str) -> frozenset[int]:
@@ -146,7 +153,7 @@ def collect(out: str | Path, cfg: CollectConfig | None = None, shard: tuple[int,
                              "use another --out or delete it")
     if model is None:
         model, tokenizer = load_model(cfg.model)
-    prompts = plan_prompts(cfg, tokenizer) if prompts is None else list(prompts)[: cfg.prompts]
+    prompts = plan_prompts(cfg, tokenizer) if prompts is None else list(prompts)
     shards = [prompts[k: k + cfg.prompts_per_shard] for k in range(0, len(prompts), cfg.prompts_per_shard)]
     header = {
         "model": cfg.model,

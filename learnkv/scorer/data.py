@@ -1,0 +1,132 @@
+"""Trace shards -> training batches, for Lightning.
+
+Each trace row is one (prompt, decision step, layer) with H KV heads x T cached tokens; every (row, head) is one
+ranking group. Rows are read on demand from the memory-mapped Arrow shards, so traces larger than memory work.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from learnkv.features import N_FEATURES
+from learnkv.traces.store import TraceError, load_traces
+
+LABELS = ("future_sum", "future_max")
+
+
+class TraceRows(Dataset):
+    """Map-style view of trace rows: features [H, T, F], label [H, T], teachers [K, H, T], layer."""
+
+    def __init__(self, ds, label: str = "future_sum", teachers: tuple[str, ...] = ()):
+        if label not in LABELS:
+            raise ValueError(f"label must be one of {LABELS}, got {label!r}")
+        missing = [t for t in teachers if f"teacher_{t}" not in ds.column_names]
+        if missing:
+            raise TraceError(f"traces have no teacher column for {missing}")
+        cols = ["layer", "n_heads", "n_tokens", "features", label] + [f"teacher_{t}" for t in teachers]
+        self.ds = ds.with_format("numpy", columns=cols)
+        self.label, self.teachers = label, teachers
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.ds[int(i)]
+        H, T = int(row["n_heads"]), int(row["n_tokens"])
+        item = {
+            "features": torch.from_numpy(np.asarray(row["features"], dtype=np.float32).reshape(H, T, N_FEATURES)),
+            "label": torch.from_numpy(np.asarray(row[self.label], dtype=np.float32).reshape(H, T)),
+            "layer": int(row["layer"]),
+        }
+        if self.teachers:
+            item["teachers"] = torch.stack([
+                torch.from_numpy(np.asarray(row[f"teacher_{t}"], dtype=np.float32).reshape(H, T)) for t in self.teachers
+            ])
+        return item
+
+
+def collate(items: list[dict]) -> dict:
+    """Pad the token axis; ``mask [N, T]`` marks real tokens."""
+    T = max(it["features"].shape[1] for it in items)
+    N, H = len(items), items[0]["features"].shape[0]
+    out = {
+        "features": torch.zeros(N, H, T, N_FEATURES),
+        "label": torch.zeros(N, H, T),
+        "mask": torch.zeros(N, T, dtype=torch.bool),
+        "layer": torch.tensor([it["layer"] for it in items]),
+    }
+    if "teachers" in items[0]:
+        out["teachers"] = torch.zeros(N, items[0]["teachers"].shape[0], H, T)
+    for n, it in enumerate(items):
+        t = it["features"].shape[1]
+        out["features"][n, :, :t] = it["features"]
+        out["label"][n, :, :t] = it["label"]
+        out["mask"][n, :t] = True
+        if "teachers" in it:
+            out["teachers"][n, :, :, :t] = it["teachers"]
+    return out
+
+
+class EpochSeededSampler(Sampler):
+    """A permutation seeded by (seed, epoch): a resumed run sees the same order as an uninterrupted one.
+    Lightning calls ``set_epoch`` on samplers that have it."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+def feature_stats(rows: TraceRows, max_rows: int = 256, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std of every feature over the real tokens of (up to ``max_rows``) training rows."""
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(len(rows), generator=g)[:max_rows].tolist()
+    total = torch.zeros(N_FEATURES, dtype=torch.float64)
+    total_sq = torch.zeros(N_FEATURES, dtype=torch.float64)
+    count = 0
+    for i in pick:
+        f = rows[i]["features"].reshape(-1, N_FEATURES).double()
+        total += f.sum(0)
+        total_sq += (f * f).sum(0)
+        count += f.shape[0]
+    mean = total / max(count, 1)
+    std = (total_sq / max(count, 1) - mean * mean).clamp(min=0).sqrt()
+    return mean.float(), std.float()
+
+
+class TraceDataModule(L.LightningDataModule):
+    """Train / validation splits of a trace directory (split = the prompt's hashed split, stored per row)."""
+
+    def __init__(self, trace_dir: str, label: str = "future_sum", teachers: tuple[str, ...] = (), batch_size: int = 8,
+                 seed: int = 0, num_workers: int = 0):
+        super().__init__()
+        self.trace_dir, self.label, self.teachers = trace_dir, label, tuple(teachers)
+        self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
+        self.train_rows = self.val_rows = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows is not None:
+            return
+        self.train_rows = TraceRows(load_traces(self.trace_dir, split="train"), self.label, self.teachers)
+        self.val_rows = TraceRows(load_traces(self.trace_dir, split="validation"), self.label, self.teachers)
+        if len(self.train_rows) == 0 or len(self.val_rows) == 0:
+            raise TraceError(f"{self.trace_dir}: need rows in both the train ({len(self.train_rows)}) and validation "
+                             f"({len(self.val_rows)}) splits; collect more prompts (collect.prompts / collect.val_prompts)")
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_rows, batch_size=self.batch_size, collate_fn=collate, num_workers=self.num_workers,
+                          sampler=EpochSeededSampler(len(self.train_rows), self.seed))
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_rows, batch_size=self.batch_size, collate_fn=collate, num_workers=self.num_workers)

@@ -1,0 +1,104 @@
+"""The training pipeline behind `python train.py`: traces (collected if missing) -> fit -> budget recall -> export."""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+from pathlib import Path
+
+from learnkv.config import PipelineConfig, save_config, to_dict
+from learnkv.scorer.module import BUDGETS, MONITOR
+
+
+def make_logger(cfg: PipelineConfig, out_dir: Path):
+    """WandbLogger, offline unless the user has a wandb key (or WANDB_MODE says otherwise); CSV without wandb."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    mode = os.environ.get("WANDB_MODE") or cfg.wandb.mode
+    if mode == "auto":
+        has_key = bool(os.environ.get("WANDB_API_KEY"))
+        try:
+            has_key = has_key or netrc.netrc().authenticators("api.wandb.ai") is not None
+        except (FileNotFoundError, netrc.NetrcParseError):
+            pass
+        mode = "online" if has_key else "offline"
+    try:
+        from lightning.pytorch.loggers import WandbLogger
+
+        import wandb  # noqa: F401  (absent on some GPU images)
+    except ImportError:
+        print("wandb is not installed: logging to CSV instead")
+        return CSVLogger(str(out_dir), name="logs")
+    return WandbLogger(project=cfg.wandb.project, save_dir=str(out_dir), mode=mode, config=to_dict(cfg))
+
+
+def ensure_traces(cfg: PipelineConfig, progress: bool = True) -> dict:
+    """The trace manifest, collecting traces first if the trace directory lacks a complete set."""
+    from learnkv.traces.collect import collect
+    from learnkv.traces.store import read_manifest
+
+    manifest_path = Path(cfg.trace_dir) / "manifest.json"
+    if manifest_path.exists() and json.loads(manifest_path.read_text()).get("complete"):
+        return read_manifest(cfg.trace_dir)
+    print(f"collecting traces into {cfg.trace_dir}")
+    manifest, stats = collect(cfg.trace_dir, cfg.collect, progress=progress)
+    print(stats.line())
+    return read_manifest(cfg.trace_dir)
+
+
+def recall_table(metrics: dict, teachers: list[str]) -> str:
+    cols = [round(b * 100) for b in BUDGETS]
+    lines = ["| scorer | " + " | ".join(f"recall@{c}%" for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines.append("| **learned** | " + " | ".join(f"{metrics[f'val/recall@{c}']:.3f}" for c in cols) + " |")
+    for name in teachers:
+        lines.append(f"| {name} | " + " | ".join(f"{metrics[f'val/{name}/recall@{c}']:.3f}" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
+    """Run the pipeline; returns (artifact path, validation metrics, recall table)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    from learnkv.scorer.artifact import export_scorer
+    from learnkv.scorer.data import TraceDataModule, feature_stats
+    from learnkv.scorer.module import ScorerModule
+    from learnkv.traces.collect import CollectConfig
+
+    L.seed_everything(cfg.seed, verbose=False)
+    manifest = ensure_traces(cfg, progress)
+    teachers = manifest["teachers"]
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+
+    t = cfg.train
+    dm = TraceDataModule(cfg.trace_dir, label=t.label, teachers=tuple(teachers), batch_size=t.batch_size, seed=cfg.seed)
+    dm.setup()
+    module = ScorerModule(manifest["n_layers"], hidden=t.hidden, lr=t.lr, weight_decay=t.weight_decay,
+                          temperature=t.temperature, membership_weight=t.membership_weight,
+                          membership_budget=t.membership_budget, distill=dict(t.distill), teachers=tuple(teachers))
+    module.scorer.set_normalization(*feature_stats(dm.train_rows, seed=cfg.seed))
+    n_params = module.scorer.n_params()
+    print(f"scorer: {n_params} parameters ({n_params // manifest['n_layers']} per layer), "
+          f"{len(dm.train_rows)} train rows, {len(dm.val_rows)} validation rows")
+
+    ckpt_dir = out / "checkpoints"
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=MONITOR, mode="max", save_last=True)
+    trainer = L.Trainer(
+        max_epochs=t.max_epochs, accelerator=t.accelerator, devices=t.devices, strategy=t.strategy,
+        logger=make_logger(cfg, out), callbacks=[checkpoint, EarlyStopping(MONITOR, mode="max", patience=t.patience)],
+        default_root_dir=str(out), log_every_n_steps=1, num_sanity_val_steps=0, deterministic=True,
+        enable_progress_bar=progress, enable_model_summary=False,
+    )
+    last = ckpt_dir / "last.ckpt"
+    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.exists() else None)
+    best = ScorerModule.load_from_checkpoint(checkpoint.best_model_path) if checkpoint.best_model_path else module
+    metrics = {k: float(v) for k, v in trainer.validate(best, datamodule=dm, verbose=False)[0].items()}
+    table = recall_table(metrics, teachers)
+    digest = CollectConfig.digest(cfg.collect)
+    artifact = export_scorer(best.scorer.cpu(), out / "scorer", model=manifest["model"], n_kv_heads=manifest["n_kv_heads"],
+                             config_digest=digest, metrics=metrics,
+                             extra={"trace_dir": str(cfg.trace_dir), "teachers": teachers, "train": to_dict(cfg.train)})
+    return artifact, metrics, table

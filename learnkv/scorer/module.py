@@ -1,0 +1,118 @@
+"""ScorerModule: the LightningModule that trains a `Scorer` on traces.
+
+What matters is *which tokens stay*, so the objective ranks tokens within each (row, KV head) group:
+
+- a listwise loss (ListNet): cross-entropy between the softmax of the scores and the oracle's future utility
+  (the label, normalised over the group, sharpened or flattened by ``temperature``);
+- a top-budget membership loss: binary cross-entropy pushing the oracle's top ``membership_budget`` share above the
+  current score boundary of the group and the rest below it;
+- optional distillation toward any mix of teachers (weights per teacher): listwise cross-entropy toward the softmax
+  of each teacher's rank percentiles (ranks, because teacher scores live on unrelated scales, some infinite).
+
+Validation reports budget recall at 10/25/50%: the share of the oracle's top-b tokens that the top-b by score keeps,
+for the scorer and, on the same rows, for every teacher.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from learnkv.scorer.model import Scorer
+
+BUDGETS = (0.1, 0.25, 0.5)
+MONITOR = "val/recall@25"
+
+
+def _masked_log_softmax(scores: Tensor, mask: Tensor) -> Tensor:
+    return torch.log_softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).masked_fill(~mask, 0.0)
+
+
+def listwise_loss(scores: Tensor, target: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """ListNet cross-entropy; ``target`` >= 0 is normalised per group (``[..., T]``)."""
+    t = target.clamp(min=0).masked_fill(~mask, 0.0) ** (1.0 / temperature)
+    p = t / t.sum(-1, keepdim=True).clamp(min=1e-12)
+    return -(p * _masked_log_softmax(scores, mask)).sum(-1).mean()
+
+
+def rank_percentile(x: Tensor, mask: Tensor) -> Tensor:
+    """Percentile rank in [0, 1] of each valid entry within its group (padding ranks lowest)."""
+    x = torch.nan_to_num(x.float(), nan=float("-inf")).masked_fill(~mask, float("-inf"))
+    ranks = x.argsort(-1).argsort(-1).float()
+    n_pad = (~mask).sum(-1, keepdim=True)
+    return ((ranks - n_pad) / (mask.sum(-1, keepdim=True) - 1).clamp(min=1)).clamp(min=0)
+
+
+def topk_mask(x: Tensor, mask: Tensor, share: float) -> Tensor:
+    """``[..., T]`` bool: the top ``share`` of the valid entries of each group (at least one)."""
+    k = (mask.sum(-1) * share).round().clamp(min=1).long()  # [...]
+    order = torch.nan_to_num(x.float(), nan=float("-inf")).masked_fill(~mask, float("-inf")).argsort(-1, descending=True)
+    position = torch.empty_like(order).scatter_(-1, order, torch.arange(x.shape[-1], device=x.device).expand_as(order))
+    return (position < k[..., None]) & mask
+
+
+def budget_recall(scores: Tensor, label: Tensor, mask: Tensor, share: float) -> Tensor:
+    """Mean over groups of |top-b(scores) ∩ top-b(label)| / b."""
+    kept = topk_mask(scores, mask, share)
+    best = topk_mask(label, mask, share)
+    return ((kept & best).sum(-1).float() / best.sum(-1).clamp(min=1)).mean()
+
+
+class ScorerModule(L.LightningModule):
+    """Trains a `Scorer`; all hyperparameters are saved in the checkpoint."""
+
+    def __init__(self, n_layers: int, hidden: int = 32, lr: float = 3e-3, weight_decay: float = 1e-4,
+                 temperature: float = 1.0, membership_weight: float = 0.5, membership_budget: float = 0.25,
+                 distill: dict[str, float] | None = None, teachers: tuple[str, ...] = ()):
+        super().__init__()
+        self.save_hyperparameters()
+        self.scorer = Scorer(n_layers, hidden=hidden)
+        self.teachers = tuple(teachers)
+        unknown = set(distill or {}) - set(self.teachers)
+        if unknown:
+            raise ValueError(f"distillation weights for teachers not in the traces: {sorted(unknown)}")
+
+    def forward(self, batch: dict) -> Tensor:
+        return self.scorer(batch["features"], batch["layer"][:, None, None])  # [N, H, T]
+
+    def _step(self, batch: dict, stage: str) -> Tensor:
+        hp = self.hparams
+        scores = self(batch)
+        mask = batch["mask"][:, None, :].expand_as(scores)
+        label = batch["label"]
+        loss = listwise_loss(scores, label, mask, hp.temperature)
+        logs = {f"{stage}/listwise": loss.detach()}
+        if hp.membership_weight:
+            target = topk_mask(label, mask, hp.membership_budget).float()
+            # the group's current keep boundary: the lowest score still inside the predicted top-b
+            kept = topk_mask(scores.detach(), mask, hp.membership_budget)
+            boundary = scores.detach().masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
+            logits = scores - boundary
+            member = F.binary_cross_entropy_with_logits(logits, target, weight=mask.float(), reduction="sum") / mask.sum()
+            loss = loss + hp.membership_weight * member
+            logs[f"{stage}/membership"] = member.detach()
+        for name, weight in (hp.distill or {}).items():
+            teacher = batch["teachers"][:, self.teachers.index(name)]
+            term = listwise_loss(scores, torch.exp(rank_percentile(teacher, mask) / 0.1), mask)
+            loss = loss + weight * term
+            logs[f"{stage}/distill_{name}"] = term.detach()
+        logs[f"{stage}/loss"] = loss.detach()
+        n = batch["mask"].shape[0]
+        if stage == "val":
+            for b in BUDGETS:
+                logs[f"val/recall@{round(b * 100)}"] = budget_recall(scores, label, mask, b)
+                for t, name in enumerate(self.teachers):
+                    logs[f"val/{name}/recall@{round(b * 100)}"] = budget_recall(batch["teachers"][:, t], label, mask, b)
+        self.log_dict(logs, on_step=False, on_epoch=True, batch_size=n, prog_bar=False)
+        return loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
