@@ -11,7 +11,7 @@ attribute `kernels.<name>` to the module and would shadow the function. The Trit
 dispatch target: it is for tests only.
 """
 
-__all__ = ["select_keep", "gather_tokens", "decode_attention", "block_scores", "triton_available"]
+__all__ = ["select_keep", "gather_tokens", "decode_attention", "block_scores", "triton_available", "use_triton"]
 
 _TRITON = None
 
@@ -30,7 +30,17 @@ def triton_available() -> bool:
 
 
 def _use_triton(*tensors) -> bool:
+    # the one switch: LEARNKV_KERNELS=torch runs the references on CUDA too (to compare both paths)
+    import os
+
+    if os.environ.get("LEARNKV_KERNELS", "auto") == "torch":
+        return False
     return all(t.is_cuda for t in tensors) and triton_available()
+
+
+def use_triton(*tensors) -> bool:
+    """Whether the public functions would run Triton for these tensors (CUDA, triton importable, switch on)."""
+    return _use_triton(*tensors)
 
 
 def select_keep(scores, positions, keep, n_sink, n_recent, block_size=1):

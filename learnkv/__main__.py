@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     gen.add_argument("--model", default=None, help="bundled alias, local folder or hub id (default: SmolLM2-135M)")
     gen.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="policy hyperparameter")
+    gen.add_argument("--scorer", default=None, help="exported scorer for --policy learned (train.py prints its path)")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -127,6 +128,8 @@ def cmd_generate(args) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     params = _parse_params(args.param)
+    if args.scorer is not None:
+        params["scorer"] = args.scorer
     policy = make_policy(args.policy, **params)  # fail on bad input before loading a model
     if policy.evicts:
         if args.budget is None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+import kernels
+
 NAME = "learnkv"
 
 
@@ -38,6 +40,8 @@ def learnkv_attention(
     G = Hq // H
     if scaling is None:
         scaling = D**-0.5
+    if learnkv_cache is not None and q == 1 and _fused_decode_ok(learnkv_cache.policy) and kernels.use_triton(query, key):
+        return _fused_decode(module, query, key, value, scaling, learnkv_cache)
     # query heads j*G .. j*G+G-1 share KV head j (the order repeat_kv uses), so a reshape groups them
     scores = torch.matmul(query.reshape(B, H, G * q, D), key.transpose(-1, -2)) * scaling
     scores = scores.view(B, H, G, q, T)
@@ -59,6 +63,26 @@ def learnkv_attention(
 
     if learnkv_cache is not None:
         _hand_statistics(learnkv_cache, module.layer_idx, probs, query_pos)
+    return out, None
+
+
+def _fused_decode_ok(policy) -> bool:
+    """The fused kernel reduces over the group itself (mean or max) and returns the current query's row only."""
+    return not (policy.evicts or policy.needs_attention) or policy.group_reduce in ("mean", "max")
+
+
+def _fused_decode(module, query: Tensor, key: Tensor, value: Tensor, scaling: float, cache) -> tuple[Tensor, None]:
+    """One decode step on CUDA through `kernels.decode_attention` (no [B, Hq, T] probability matrix in memory)."""
+    policy = cache.policy
+    key_pos = cache.layer_positions(module.layer_idx)
+    query_pos = cache.step_positions[:, 0].to(key.device)
+    reduce = policy.group_reduce if policy.group_reduce in ("mean", "max") else "mean"
+    out, attn = kernels.decode_attention(query, key, value, key_pos, query_pos, scaling, reduce)  # [B,1,Hq,D], [B,H,T]
+    if policy.needs_attention:
+        cache.observe(module.layer_idx, attn=attn[:, :, None, :], attn_sum=attn,
+                      attn_sq_sum=attn * attn if policy.needs_sq_sum else None)
+    else:
+        cache.observe(module.layer_idx)
     return out, None
 
 

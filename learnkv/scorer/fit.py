@@ -84,11 +84,12 @@ def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
     print(f"scorer: {n_params} parameters ({n_params // manifest['n_layers']} per layer), "
           f"{len(dm.train_rows)} train rows, {len(dm.val_rows)} validation rows")
 
+    logger = make_logger(cfg, out)
     ckpt_dir = out / "checkpoints"
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=MONITOR, mode="max", save_last=True)
     trainer = L.Trainer(
         max_epochs=t.max_epochs, accelerator=t.accelerator, devices=t.devices, strategy=t.strategy,
-        logger=make_logger(cfg, out), callbacks=[checkpoint, EarlyStopping(MONITOR, mode="max", patience=t.patience)],
+        logger=logger, callbacks=[checkpoint, EarlyStopping(MONITOR, mode="max", patience=t.patience)],
         default_root_dir=str(out), log_every_n_steps=1, num_sanity_val_steps=0, deterministic=True,
         enable_progress_bar=progress, enable_model_summary=False,
     )
@@ -96,6 +97,10 @@ def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
     trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.exists() else None)
     best = ScorerModule.load_from_checkpoint(checkpoint.best_model_path) if checkpoint.best_model_path else module
     metrics = {k: float(v) for k, v in trainer.validate(best, datamodule=dm, verbose=False)[0].items()}
+    if type(logger).__name__ == "WandbLogger":
+        import wandb
+
+        wandb.finish()  # so a second run in the same process starts its own
     table = recall_table(metrics, teachers)
     digest = CollectConfig.digest(cfg.collect)
     artifact = export_scorer(best.scorer.cpu(), out / "scorer", model=manifest["model"], n_kv_heads=manifest["n_kv_heads"],

@@ -1,0 +1,124 @@
+"""Scorer training: it learns a known function, resumes to the same result, and train.py runs end to end."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from learnkv.config import load_config
+from learnkv.features import N_FEATURES
+from learnkv.traces.store import write_manifest, write_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+H, T, LAYERS = 2, 40, 2
+
+
+def synthetic_traces(out: Path, rows_per_split=(96, 24), seed=0) -> None:
+    """Traces whose future utility is a known function of two features (plus two useless teachers)."""
+    rng = np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    for index, (split, n) in enumerate(zip(("train", "validation"), rows_per_split)):
+        cols = {k: [] for k in ("prompt_id", "source", "split", "step", "layer", "n_heads", "n_tokens", "positions",
+                                "features", "future_sum", "future_max", "reenter", "teacher_noise", "teacher_f5")}
+        for r in range(n):
+            f = rng.normal(size=(H, T, N_FEATURES)).astype(np.float32)
+            utility = np.exp(1.5 * f[..., 2] - 1.0 * f[..., 7])  # the ground truth the scorer must find
+            cols["prompt_id"].append(f"{split}{r}")
+            cols["source"].append("synthetic")
+            cols["split"].append(split)
+            cols["step"].append(1)
+            cols["layer"].append(r % LAYERS)
+            cols["n_heads"].append(H)
+            cols["n_tokens"].append(T)
+            cols["positions"].append(np.arange(T, dtype=np.int32))
+            cols["features"].append(f.ravel())
+            cols["future_sum"].append(utility.astype(np.float32).ravel())
+            cols["future_max"].append(utility.astype(np.float32).ravel())
+            cols["reenter"].append(np.zeros(H * T, dtype=np.int8))
+            cols["teacher_noise"].append(rng.normal(size=H * T).astype(np.float32))
+            cols["teacher_f5"].append(f[..., 5].ravel())
+        write_shard(out, index, cols, [f"{split}{r}" for r in range(n)])
+    write_manifest(out, {"model": "synthetic", "n_layers": LAYERS, "n_kv_heads": H, "teachers": ["noise", "f5"],
+                         "horizon": 8, "label_budget": 0.25}, 2)
+
+
+def config(tmp: Path, *overrides):
+    return load_config(None, [f"trace_dir={tmp / 'traces'}", f"out_dir={tmp / 'out'}", "wandb.mode=disabled",
+                              "train.max_epochs=12", "train.patience=100", "train.lr=0.01", "train.batch_size=8",
+                              *overrides])
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory):
+    from learnkv.scorer.fit import train
+
+    tmp = tmp_path_factory.mktemp("synthetic")
+    synthetic_traces(tmp / "traces")
+    artifact, metrics, table = train(config(tmp), progress=False)
+    return tmp, artifact, metrics, table
+
+
+def test_scorer_learns_a_known_utility(synthetic_run):
+    _, _, metrics, table = synthetic_run
+    assert metrics["val/recall@25"] >= 0.95, table
+    assert metrics["val/recall@10"] >= 0.9 and metrics["val/recall@50"] >= 0.95
+    assert metrics["val/noise/recall@25"] < 0.5  # a useless teacher stays at chance level: the metric can fail
+    assert "| **learned** |" in table and "| noise |" in table
+
+
+def test_exported_artifact_reproduces_the_trained_scores(synthetic_run):
+    from learnkv.scorer.artifact import load_scorer
+    from learnkv.scorer.module import ScorerModule
+
+    tmp, artifact, metrics, _ = synthetic_run
+    scorer, manifest = load_scorer(artifact)
+    best = ScorerModule.load_from_checkpoint(next((tmp / "out" / "checkpoints").glob("best*.ckpt")))
+    x = torch.randn(3, H, T, N_FEATURES)
+    assert torch.equal(scorer(x, 1), best.scorer(x, 1))
+    assert manifest["metrics"]["val/recall@25"] == metrics["val/recall@25"]
+    assert manifest["model"] == "synthetic" and manifest["n_kv_heads"] == H
+
+
+def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
+    from learnkv.scorer.fit import train
+
+    synthetic_traces(tmp_path / "traces")
+    _, straight, _ = train(config(tmp_path, "train.max_epochs=4", f"out_dir={tmp_path / 'a'}"), progress=False)
+    # "killed" after epoch 2 (its last checkpoint survives), then the same command runs to the end
+    train(config(tmp_path, "train.max_epochs=2", f"out_dir={tmp_path / 'b'}"), progress=False)
+    _, resumed, _ = train(config(tmp_path, "train.max_epochs=4", f"out_dir={tmp_path / 'b'}"), progress=False)
+    for key, value in straight.items():
+        assert math.isclose(resumed[key], value, rel_tol=1e-4, abs_tol=1e-6), key
+
+
+def test_bad_config_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lrate: 1\n")
+    out = subprocess.run([sys.executable, "train.py", "--config", str(bad)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and "unknown config key(s) train.lrate" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_smoke_pipeline_end_to_end(tmp_path):
+    """`python train.py --config configs/smoke.yaml` on the bundled model; the artifact drives the learned policy."""
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/smoke.yaml", "--threads", "1",
+         f"trace_dir={tmp_path / 'traces'}", f"out_dir={tmp_path / 'train'}"],
+        capture_output=True, text=True, cwd=ROOT, timeout=900, env={**__import__("os").environ, "WANDB_MODE": "disabled"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1].startswith("artifact: ")
+    artifact = lines[-1].split("artifact: ", 1)[1]
+    assert "| **learned** |" in out.stdout and "| lazy |" in out.stdout
+
+    from learnkv import generate, load_model
+
+    model, tok = load_model()
+    result = generate(model, tok, "What is 6 times 7?", policy="learned", budget=48, max_new_tokens=24,
+                      policy_params={"scorer": artifact})
+    assert result.max_kept_tokens <= 48 and result.texts[0].strip()
