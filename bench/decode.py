@@ -37,7 +37,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--budget", default="64")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=None, help="comma-separated (default: every policy; learned needs --scorer)")
+    parser.add_argument("--scorer", default=None, help="exported scorer for the learned policy")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -51,8 +52,11 @@ def main() -> None:
           f"new tokens: {args.new_tokens}, budget: {args.budget}, {time.strftime('%Y-%m-%d')}\n")
     print("| policy | budget (tokens) | peak KV / full | tokens/s / full | eviction share of time | tokens equal to full |")
     print("|---|---|---|---|---|---|")
-    for name in args.policies.split(","):
-        r = full if name == "full" else generate(model, tok, PROMPT, policy=name, budget=args.budget, **run)
+    names = args.policies.split(",") if args.policies else [n for n in POLICIES if n != "learned" or args.scorer]
+    for name in names:
+        params = {"scorer": args.scorer} if name == "learned" else {}
+        r = full if name == "full" else generate(model, tok, PROMPT, policy=name, budget=args.budget,
+                                                 policy_params=params, **run)
         print(f"| {name} | {r.budget or '-'} | {r.peak_kv_bytes / full.full_kv_bytes:.2f} | "
               f"{r.tokens_per_s / full.tokens_per_s:.2f} | {r.eviction_share:.1%} | "
               f"{agreement_length(r.tokens[0].tolist(), ref)}/{len(ref)} |")

@@ -1,20 +1,31 @@
 """learnkv: learned KV-cache eviction for LLM decoding.
 
 Data flows one way: model -> budgeted cache + policy -> traces -> scorer -> export.
+
+The public names below are imported on first use, so `learnkv.scorer.artifact` (what serving loads) needs only
+torch and safetensors, not transformers or Lightning.
 """
 
-from learnkv.decode import GenerationResult, generate, resolve_budget
-from learnkv.model import DEFAULT_MODEL, ModelLoadError, load_model, tiny_model
-from learnkv.policies import POLICIES, make_policy
+import importlib
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "GenerationResult",
-    "ModelLoadError",
-    "POLICIES",
-    "generate",
-    "load_model",
-    "make_policy",
-    "resolve_budget",
-    "tiny_model",
-]
+_PUBLIC = {
+    "generate": "learnkv.decode",
+    "GenerationResult": "learnkv.decode",
+    "resolve_budget": "learnkv.decode",
+    "load_model": "learnkv.model",
+    "tiny_model": "learnkv.model",
+    "DEFAULT_MODEL": "learnkv.model",
+    "ModelLoadError": "learnkv.model",
+    "POLICIES": "learnkv.policies",
+    "make_policy": "learnkv.policies",
+    "load_scorer": "learnkv.scorer.artifact",
+    "export_scorer": "learnkv.scorer.artifact",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'learnkv' has no attribute {name!r}")

@@ -102,3 +102,16 @@ def test_learned_policy_evicts_by_the_scorer(tiny, tmp_path):
              policy_params={"scorer": str(path), "n_sink": 0, "n_recent": 0},
              observer=lambda c: kept.append(c.layers[0].positions[0, 0].tolist()))
     assert kept[-1] == list(range(35 - 12, 35))  # the 12 newest of 35 positions
+
+
+def test_artifact_loader_needs_neither_transformers_nor_lightning(exported):
+    """Serving loads artifacts with torch + safetensors only."""
+    import subprocess
+    import sys
+
+    _, path = exported
+    code = (f"import sys; from learnkv.scorer.artifact import load_scorer; load_scorer({str(path)!r}); "
+            "bad = [m for m in ('transformers', 'lightning', 'datasets', 'wandb') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -188,3 +188,19 @@ def test_recurrence_report(collected):
     table, png = report(collected[0])
     assert table.splitlines()[0].startswith("| layer |") and "| all |" in table
     assert png.exists() and png.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_tiny_collection_on_the_default_model(smollm2, tmp_path):
+    """The bundled SmolLM2 on real prompt sources: shards load back with the manifest's schema."""
+    model, tok = smollm2
+    cfg = CollectConfig(prompts=1, val_prompts=1, max_new_tokens=20, decisions_per_prompt=1, horizon=4,
+                        prompts_per_shard=1, sources=("gsm_symbolic",))
+    manifest, stats = collect(tmp_path, cfg, model=model, tokenizer=tok, progress=False)
+    assert manifest["complete"] and manifest["n_layers"] == 30 and manifest["n_kv_heads"] == 3
+    ds = load_traces(tmp_path)
+    assert len(ds) == stats.rows == 2 * 30 - 30 * stats.dropped_decisions
+    assert set(ds["split"]) <= {"train", "validation"} and set(ds["source"]) == {"gsm_symbolic"}
+    row = ds[0]
+    assert len(row["features"]) == 3 * row["n_tokens"] * N_FEATURES
+    assert np.isfinite(np.asarray(row["features"])).all()

@@ -8,12 +8,12 @@ another format or feature version, or a weights file whose checksum differs, wit
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 
+from learnkv.atomic import sha256_file
 from learnkv.features import FEATURE_VERSION, FEATURES
 from learnkv.scorer.model import Scorer
 
@@ -25,14 +25,6 @@ MANIFEST = "manifest.json"
 
 class ArtifactError(ValueError):
     """An exported scorer that cannot be used; the message says what and why."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def export_scorer(scorer: Scorer, out: str | Path, *, model: str, n_kv_heads: int, config_digest: str = "",
@@ -58,7 +50,7 @@ def export_scorer(scorer: Scorer, out: str | Path, *, model: str, n_kv_heads: in
         "config_digest": config_digest,
         "metrics": metrics or {},
         "weights": WEIGHTS,
-        "weights_sha256": _sha256(tmp / WEIGHTS),
+        "weights_sha256": sha256_file(tmp / WEIGHTS),
         **(extra or {}),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -104,7 +96,7 @@ def load_scorer(path: str | Path, expect_model: str | None = None, expect_layers
     weights = path / manifest.get("weights", WEIGHTS)
     if not weights.is_file():
         raise ArtifactError(f"{path}: weights file {weights.name} is missing")
-    digest = _sha256(weights)
+    digest = sha256_file(weights)
     if digest != manifest.get("weights_sha256"):
         raise ArtifactError(f"{weights}: sha256 {digest[:12]}… does not match the manifest's {str(manifest.get('weights_sha256'))[:12]}…; the file was altered")
     if expect_model is not None and manifest.get("model") != expect_model:

@@ -13,11 +13,11 @@ sidecars. Loading checks every shard's sha256 and the manifest's format and feat
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
+from learnkv.atomic import sha256_file, write_json_atomic
 from learnkv.features import FEATURE_VERSION, FEATURES
 
 FORMAT = "learnkv-traces"
@@ -27,20 +27,6 @@ MANIFEST = "manifest.json"
 
 class TraceError(ValueError):
     """A trace directory or shard that cannot be used; the message says which and why."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def shard_name(index: int) -> str:
