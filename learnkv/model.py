@@ -57,7 +57,11 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> Path:
         clean.tie_weights()
         clean.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        os.replace(tmp, out)  # atomic: a half-converted folder is never seen under the final name
+        try:
+            os.replace(tmp, out)  # atomic: a half-converted folder is never seen under the final name
+        except OSError:
+            if not (out / "config.json").exists():  # not a concurrent converter that finished first
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
