@@ -122,3 +122,11 @@ def test_smoke_pipeline_end_to_end(tmp_path):
     result = generate(model, tok, "What is 6 times 7?", policy="learned", budget=48, max_new_tokens=24,
                       policy_params={"scorer": artifact})
     assert result.max_kept_tokens <= 48 and result.texts[0].strip()
+
+
+def test_rerun_with_another_scorer_shape_is_refused(synthetic_run):
+    from learnkv.scorer.fit import train
+
+    tmp, _, _, _ = synthetic_run
+    with pytest.raises(ValueError, match="another hidden"):
+        train(config(tmp, "train.hidden=8"), progress=False)

@@ -47,6 +47,26 @@ def ensure_traces(cfg: PipelineConfig, progress: bool = True) -> dict:
     return read_manifest(cfg.trace_dir)
 
 
+def check_resumable(cfg: PipelineConfig, out: Path) -> None:
+    """A rerun resumes from ``out``'s last checkpoint; refuse one whose scorer or data would not match it.
+
+    Epochs, patience and the learning rate may change between runs (to extend a run); the model shape, the label
+    and the traces may not.
+    """
+    from learnkv.traces.collect import CollectConfig
+
+    identity = {"hidden": cfg.train.hidden, "label": cfg.train.label, "trace_dir": str(Path(cfg.trace_dir).resolve()),
+                "collect": CollectConfig.digest(cfg.collect)}
+    path = out / "run.json"
+    if path.exists() and (out / "checkpoints" / "last.ckpt").exists():
+        previous = json.loads(path.read_text())
+        changed = sorted(k for k in identity if previous.get(k) != identity[k])
+        if changed:
+            raise ValueError(f"{out} holds a run with another {', '.join(changed)}; resume it with the same settings, "
+                             "or use another out_dir")
+    path.write_text(json.dumps(identity, indent=1))
+
+
 def recall_table(metrics: dict, teachers: list[str]) -> str:
     cols = [round(b * 100) for b in BUDGETS]
     lines = ["| scorer | " + " | ".join(f"recall@{c}%" for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
@@ -71,6 +91,7 @@ def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
     teachers = manifest["teachers"]
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    check_resumable(cfg, out)
     save_config(cfg, out / "config.yaml")
 
     t = cfg.train
