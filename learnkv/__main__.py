@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="bundled alias, local folder or hub id (default: SmolLM2-135M)")
     gen.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="policy hyperparameter")
     gen.add_argument("--scorer", default=None, help="exported scorer for --policy learned (train.py prints its path)")
+    gen.add_argument("--granularity", choices=("token", "block"), default="token",
+                     help="block: whole blocks, one decision for all layers and KV heads (as a paged serving engine)")
+    gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -149,6 +152,8 @@ def cmd_generate(args) -> None:
         top_p=args.top_p,
         seed=args.seed,
         chat=not args.no_chat,
+        granularity=args.granularity,
+        block_size=args.block_size,
         progress=sys.stderr.isatty(),
     )
     for text in result.texts:

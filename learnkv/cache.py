@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 import kernels
 from learnkv.policies.base import LayerView, Policy
+from learnkv.pooling import shared_token_scores
 
 
 class BudgetLayer(DynamicLayer):
@@ -73,12 +74,16 @@ class BudgetCache(Cache):
         Index of the last forward pass (prefill = 0), if known.
     """
 
-    def __init__(self, num_layers: int, policy: Policy, budget: int | None, last_step: int | None = None):
+    def __init__(self, num_layers: int, policy: Policy, budget: int | None, last_step: int | None = None,
+                 shared_block: int | None = None):
         if policy.evicts and budget is None:
             raise ValueError(f"policy {policy.name!r} needs a budget")
         super().__init__(layers=[BudgetLayer(i, self) for i in range(num_layers)])
         self.policy = policy
         self.budget = budget
+        # layer-shared block mode: one decision for every layer and KV head, in whole blocks (as a paged engine)
+        self.shared_block = shared_block
+        self._shared_scores: dict[int, Tensor] = {}
         self.last_step = last_step  # index of the last forward pass, if known (lets lagged policies keep more)
         self.keep = None  # slots kept if the cache evicts in the current step
         self.step = -1
@@ -101,7 +106,9 @@ class BudgetCache(Cache):
             self.keep = self.policy.keep_target(self.budget, steps_left)
 
     def end_step(self) -> None:
-        """Book-keeping after the forward pass (all layers attended and evicted)."""
+        """After the forward pass: the layer-shared eviction if one is due, then book-keeping."""
+        if self._shared_scores:
+            self._evict_shared()
         self.peak_slots = max(self.peak_slots, sum(self._attended_slots))
         kept = [layer.get_seq_length() for layer in self.layers]
         self.kept_per_step.append(kept)
@@ -145,11 +152,29 @@ class BudgetCache(Cache):
         T = layer.keys.shape[-2]
         if policy.evicts and T > self.keep and self.step % policy.interval == 0:
             scores = policy.score(view)
-            index = kernels.select_keep(
-                scores, layer.positions, self.keep, policy.n_sink, policy.n_recent, policy.block_size_at(self.step)
-            )
-            layer.keep_slots(index)
+            if self.shared_block is not None:
+                self._shared_scores[layer_idx] = scores  # decided in end_step, once every layer has scored
+            else:
+                index = kernels.select_keep(
+                    scores, layer.positions, self.keep, policy.n_sink, policy.n_recent, policy.block_size_at(self.step)
+                )
+                layer.keep_slots(index)
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
+        self.eviction_s += time.perf_counter() - t0
+
+    def _evict_shared(self) -> None:
+        """One block decision from every layer's scores, applied to every layer and KV head alike."""
+        t0 = time.perf_counter()
+        if len(self._shared_scores) != len(self.layers):
+            raise RuntimeError("layer-shared eviction needs every layer's scores in the same step")
+        positions = self.layers[0].positions  # every layer holds the same slots in this mode
+        pooled = shared_token_scores([self._shared_scores[i] for i in range(len(self.layers))], positions)
+        self._shared_scores = {}
+        policy = self.policy
+        index = kernels.select_keep(pooled[:, None], positions[:, :1], self.keep, policy.n_sink, policy.n_recent,
+                                    self.shared_block)
+        for layer in self.layers:
+            layer.keep_slots(index.expand(-1, layer.positions.shape[1], -1))
         self.eviction_s += time.perf_counter() - t0
 
     # -- accounting -------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ derive positions from the physical cache length, which is wrong after eviction).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -172,6 +173,8 @@ def generate(
     stop_at_eos: bool = True,
     policy_params: dict | None = None,
     forced_tokens: Tensor | None = None,
+    granularity: str = "token",
+    block_size: int = 16,
     observer: Callable[[BudgetCache], None] | None = None,
     progress: bool = False,
 ) -> GenerationResult:
@@ -191,6 +194,10 @@ def generate(
         Tokens to generate per row (fewer if every row hits EOS and ``stop_at_eos``).
     do_sample, temperature, top_k, top_p, seed
         Greedy by default; sampling is seeded.
+    granularity : str
+        "token" (each layer and KV head decides for itself, the policy's own granularity) or "block": whole blocks
+        of ``block_size`` slots, one decision shared by every layer and KV head (what a paged serving engine can do;
+        scores pooled by `learnkv.pooling.shared_token_scores`).
     forced_tokens : Tensor, optional
         ``[B, N]`` teacher forcing: these tokens are fed (and returned) instead of the model's choices, so a
         budgeted run can follow a full-cache continuation.
@@ -198,6 +205,13 @@ def generate(
         Called with the cache after every forward pass (after eviction).
     """
     policy_obj = make_policy(policy, **(policy_params or {}))
+    if granularity not in ("token", "block"):
+        raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
+    if granularity == "block":
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if policy_obj.evicts:
+            policy_obj = dataclasses.replace(policy_obj, block_size=block_size)
     if input_ids is None:
         if tokenizer is None or prompts is None:
             raise ValueError("give prompts and a tokenizer, or input_ids")
@@ -232,7 +246,8 @@ def generate(
     if model.config._attn_implementation != attention.NAME:
         attention.register()
         model.set_attn_implementation(attention.NAME)
-    cache = BudgetCache(model.config.num_hidden_layers, policy_obj, budget_tokens, last_step=max_new_tokens - 1)
+    cache = BudgetCache(model.config.num_hidden_layers, policy_obj, budget_tokens, last_step=max_new_tokens - 1,
+                        shared_block=block_size if granularity == "block" and policy_obj.evicts else None)
     eos = torch.tensor(_eos_ids(model, tokenizer) if stop_at_eos else [], device=device, dtype=torch.long)
     pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     pad_id = pad_id if pad_id is not None else (int(eos[0]) if len(eos) else 0)

@@ -50,9 +50,11 @@ def _masked_reference_attention(layer_masks):
     return "learnkv_test_masked"
 
 
-@pytest.mark.parametrize("policy,budget", [("h2o", 24), ("lazy", 30), ("snapkv", 20), ("paged", 40), ("knorm", 16),
-                                           ("learned", 20)])
-def test_eviction_matches_masked_full_forward(tiny, policy, budget):
+@pytest.mark.parametrize("policy,budget,granularity", [
+    ("h2o", 24, "token"), ("lazy", 30, "token"), ("snapkv", 20, "token"), ("paged", 40, "token"),
+    ("knorm", 16, "token"), ("learned", 20, "token"), ("h2o", 32, "block"), ("learned", 40, "block"),
+])
+def test_eviction_matches_masked_full_forward(tiny, policy, budget, granularity):
     """Decoding with eviction and explicit positions == a full-length forward that masks the evicted tokens."""
     ids = random_ids(30, seed=3)
     new = 20
@@ -62,8 +64,9 @@ def test_eviction_matches_masked_full_forward(tiny, policy, budget):
     def observe(cache):
         kept_after.append([layer.positions.clone() for layer in cache.layers])
 
+    mode = {"granularity": granularity, "block_size": 8}
     result = generate(tiny, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new, observer=observe,
-                      policy_params=params_for(policy, 2))
+                      policy_params=params_for(policy, 2), **mode)
     assert result.max_kept_tokens <= budget
     seq = torch.cat([ids, result.tokens[:, :-1]], dim=1)  # every token that was fed to the model
     L, P = seq.shape[1], ids.shape[1]
@@ -85,16 +88,16 @@ def test_eviction_matches_masked_full_forward(tiny, policy, budget):
         ref_logits = ref(seq).logits[0, P - 1:]  # rows that predicted each generated token
     # our run's greedy tokens must be the reference's argmax at every step, and the logits must agree
     assert ref_logits.argmax(-1).tolist() == result.tokens[0].tolist()
-    ours = _collect_logits(tiny, ids, policy, budget, new, params_for(policy, 2))
+    ours = _collect_logits(tiny, ids, policy, budget, new, params_for(policy, 2), **mode)
     assert (ours - ref_logits).abs().max().item() <= 1e-4
 
 
-def _collect_logits(model, ids, policy, budget, new, params):
+def _collect_logits(model, ids, policy, budget, new, params, **mode):
     """Logits of every step of a budgeted greedy decode (captured through a forward hook on lm_head)."""
     captured = []
     hook = model.lm_head.register_forward_hook(lambda m, i, o: captured.append(o[0, -1].clone()))
     try:
-        generate(model, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new, policy_params=params)
+        generate(model, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new, policy_params=params, **mode)
     finally:
         hook.remove()
     return torch.stack(captured)
