@@ -6,12 +6,21 @@ The public functions import their implementation on first call.
 
 Every public function has a reference with the same signature in `kernels.reference` (the spec and the CPU path)
 and a Triton launcher in its own module (`kernels.select`, `kernels.compact`, `kernels.decode_attn`,
-`kernels.block_score`). No module may be named after a public function: importing `kernels.<name>` binds the
-attribute `kernels.<name>` to the module and would shadow the function. The Triton interpreter is never a
-dispatch target: it is for tests only.
+`kernels.block_score`, `kernels.state_update`, `kernels.scorer`). No module may be named after a public
+function: importing `kernels.<name>` binds the attribute `kernels.<name>` to the module and would shadow the
+function. The Triton interpreter is never a dispatch target: it is for tests only.
 """
 
-__all__ = ["select_keep", "gather_tokens", "decode_attention", "block_scores", "triton_available", "use_triton"]
+__all__ = [
+    "select_keep",
+    "gather_tokens",
+    "decode_attention",
+    "block_scores",
+    "update_token_state",
+    "scorer_mlp",
+    "triton_available",
+    "use_triton",
+]
 
 _TRITON = None
 
@@ -77,3 +86,23 @@ def block_scores(keys, values, block_size):
     else:
         from kernels.reference import block_scores_reference as impl
     return impl(keys, values, block_size)
+
+
+def update_token_state(attn_mean, attn_max, positions, step, n_new, alpha,
+                       acc=None, s1=None, s2=None, count=None, ts=None, mri=None):  # fmt: skip
+    """Update H2O/RoCo/LazyEviction per-token state ``[B, H, T]`` in place for one step; see `kernels.reference`."""
+    tensors = [t for t in (attn_mean, attn_max, positions, acc, s1, s2, count, ts, mri) if t is not None]
+    if _use_triton(*tensors):
+        from kernels.state_update import update_token_state as impl
+    else:
+        from kernels.reference import update_token_state_reference as impl
+    impl(attn_mean, attn_max, positions, step, n_new, alpha, acc, s1, s2, count, ts, mri)
+
+
+def scorer_mlp(features, mean, std, w1, b1, w2, b2):
+    """One layer's scorer MLP on token features ``[N, F]`` -> ``[N]`` fp32; see `kernels.reference`."""
+    if _use_triton(features, mean, std, w1, b1, w2):
+        from kernels.scorer import scorer_mlp as impl
+    else:
+        from kernels.reference import scorer_mlp_reference as impl
+    return impl(features, mean, std, w1, b1, w2, b2)

@@ -179,3 +179,97 @@ def block_scores_reference(keys: Tensor, values: Tensor, block_size: int) -> Ten
     n_full = T // block_size
     token = (values.float().norm(dim=-1) / keys.float().norm(dim=-1).clamp(min=1e-6)).mean(dim=1)  # [B, T]
     return token[:, : n_full * block_size].reshape(B, n_full, block_size).mean(dim=-1)
+
+
+def update_token_state_reference(
+    attn_mean: Tensor | None,
+    attn_max: Tensor | None,
+    positions: Tensor,
+    step: int,
+    n_new: int,
+    alpha: float,
+    acc: Tensor | None = None,
+    s1: Tensor | None = None,
+    s2: Tensor | None = None,
+    count: Tensor | None = None,
+    ts: Tensor | None = None,
+    mri: Tensor | None = None,
+) -> None:
+    """One step's update of the per-token statistics that H2O, RoCo and LazyEviction keep, in place.
+
+    It is the policies' `update` at a decode step (one query, ``n_new = 1``), on state tensors that the cache has
+    already grown by the step's new (zero-filled) slots. Every state tensor is optional (None: skipped).
+
+    Parameters
+    ----------
+    attn_mean : Tensor or None
+        ``[B, H, T]`` fp32 attention of the step's query, mean over the query heads of each KV head (zero for a
+        padding query row). Needed for acc, s1 and s2.
+    attn_max : Tensor or None
+        ``[B, H, T]`` the same attention, max over the group. Needed for ts and mri.
+    positions : Tensor
+        ``[B, H, T]`` int64 slot positions, -1 for padding; the step's queries are the last ``n_new`` slots.
+    step : int
+        The step t (0 = prefill).
+    n_new : int
+        Slots appended in this step.
+    alpha : float
+        LazyEviction's activation threshold (compared in fp32, as torch compares an fp32 tensor with a float).
+    acc : Tensor or None
+        H2O's accumulated attention: ``acc += attn_mean``.
+    s1, s2, count : Tensor or None
+        RoCo's sums: ``s1 += attn_mean``, ``s2 += attn_mean ** 2`` (its squared-attention sum when q = 1) and
+        ``count +=`` the number of the step's valid queries that see the slot (a valid slot at or before the
+        query's position).
+    ts, mri : Tensor or None
+        LazyEviction's last activation step and maximum recurrence interval, untouched at step 0 (the prefill
+        observes nothing). The new slots start at ``ts = t - 1``; a slot with ``attn_max >= alpha`` gets
+        ``ts = t``; ``mri = max(mri, ts - previous ts)``.
+    """
+    if acc is not None:
+        acc += attn_mean
+    if s1 is not None:
+        s1 += attn_mean
+    if s2 is not None:
+        s2 += attn_mean * attn_mean
+    if count is not None:
+        q_pos = positions[..., None, positions.shape[-1] - n_new :]  # [B, H, 1, n_new]
+        k_pos = positions[..., :, None]  # [B, H, T, 1]
+        count += ((q_pos >= k_pos) & (q_pos >= 0) & (k_pos >= 0)).sum(-1)
+    if (ts is None) != (mri is None):
+        raise ValueError("ts and mri are updated together: give both or neither")
+    if ts is not None and step > 0:
+        prev = ts.clone()
+        prev[..., prev.shape[-1] - n_new :] = step - 1
+        new = torch.where(attn_max >= alpha, torch.full_like(prev, float(step)), prev)
+        ts.copy_(new)
+        torch.maximum(mri, new - prev, out=mri)
+
+
+def scorer_mlp_reference(
+    features: Tensor, mean: Tensor, std: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor | float
+) -> Tensor:
+    """The exported scorer on one layer's tokens (`learnkv.scorer.model.Scorer.forward` with an int layer).
+
+    Parameters
+    ----------
+    features : Tensor
+        ``[N, F]`` token features, any float dtype.
+    mean, std : Tensor
+        ``[F]`` standardisation statistics.
+    w1, b1 : Tensor
+        ``[F, Hd]`` and ``[Hd]``, the hidden layer.
+    w2 : Tensor
+        ``[Hd]`` output weights.
+    b2 : Tensor or float
+        Output bias, a scalar (0-d or one-element tensor).
+
+    Returns
+    -------
+    Tensor
+        ``[N]`` fp32 scores ``relu(((x - mean) / std) @ w1 + b1) @ w2 + b2``.
+    """
+    x = (features.float() - mean.float()) / std.float()
+    h = torch.relu(x @ w1.float() + b1.float())
+    b2 = b2.float().reshape(()) if isinstance(b2, Tensor) else float(b2)
+    return h @ w2.float() + b2

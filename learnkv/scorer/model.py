@@ -46,6 +46,12 @@ class Scorer(nn.Module):
 
     def forward(self, features: Tensor, layer: int | Tensor) -> Tensor:
         """``features [..., F]`` of tokens of ``layer`` (an int, or a LongTensor broadcastable to ``[...]``) -> ``[...]``."""
+        if isinstance(layer, int) and features.is_cuda and not torch.is_grad_enabled():
+            # inference on GPU (the learned policy): one fused launch; the kernel has no backward
+            import kernels
+
+            w = (self.mean, self.std, self.w1[layer], self.b1[layer], self.w2[layer], self.b2[layer])
+            return kernels.scorer_mlp(features.reshape(-1, features.shape[-1]), *w).view(features.shape[:-1])
         x = (features.float() - self.mean) / self.std
         if isinstance(layer, int):
             h = torch.relu(x @ self.w1[layer] + self.b1[layer])
