@@ -1,0 +1,99 @@
+r"""Evaluate eviction policies against the full cache: fidelity, reasoning, needle retrieval, and what each costs.
+
+    python evaluate.py                     # the baselines at 25% and 50% budget, fidelity, 8 held-out prompts
+    python evaluate.py --policy full,streaming,h2o,tova,snapkv,roco,lazy,paged --budget 0.25,0.5 --task fidelity \
+        --limit 4                          # what CI runs (about 3 minutes on 2 CPU cores)
+    python evaluate.py --policy full,oracle,tova,learned --scorer runs/train/scorer --budget 0.25,0.5
+    python evaluate.py --policy full,h2o,tova --budget 64,128 --task reasoning --model qwen2.5-coder-0.5b-instruct
+    python evaluate.py --policy full,snapkv --budget 0.25 --task needle --context-tokens 1024,2048 --limit 4
+    python evaluate.py --policy h2o,learned --scorer runs/train/scorer --granularity block --block-size 16
+                                           # what a paged serving engine can keep: whole blocks, shared by all layers
+
+Writes DIR/results.json (one record per policy x budget x task: {"policy", "budget", "task", "metrics",
+"config"}), DIR/results.md (the table printed at the end) and DIR/<task>_<metric>.png (metric vs budget, one line
+per policy). A budget is a token count (64) or a fraction of each prompt's full length (0.25). Bad input exits
+with code 2 and one line on stderr, before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints the whole usage)
+        self.exit(2, f"error: {message}\n")
+
+
+def _numbers(cast):
+    def parse(text: str):
+        try:
+            return tuple(cast(x) for x in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from learnkv.eval.run import DEFAULT_BUDGETS, DEFAULT_POLICIES
+
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", default=",".join(DEFAULT_POLICIES), help="NAME[,NAME...] registered policies")
+    p.add_argument("--budget", default=",".join(map(str, DEFAULT_BUDGETS)),
+                   help="B[,B...] tokens (64) or fractions of the full length (0.25)")
+    p.add_argument("--task", default="fidelity", help="TASK[,TASK...]: fidelity, reasoning, needle")
+    p.add_argument("--model", default=None, help="bundled alias, local folder or hub id (default: SmolLM2-135M)")
+    p.add_argument("--scorer", default=None, help="exported scorer for --policy learned (train.py prints its path)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="prompts per task (default: fidelity 8, reasoning all of the split, needle 9)")
+    p.add_argument("--output", default="runs/eval", help="output directory")
+    p.add_argument("--seed", type=int, default=0, help="data and torch seed")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="per run (default: fidelity 24, reasoning 256, needle 16)")
+    p.add_argument("--split", default=None, choices=["test", "all"], help="reasoning: held-out GSM8K items or all 100")
+    p.add_argument("--context-tokens", type=_numbers(int), default=None,
+                   help="needle: prompt lengths L[,L...] (default 1024,2048,4096)")
+    p.add_argument("--depths", type=_numbers(float), default=None,
+                   help="needle: depths D[,D...] in [0, 1] (default 0.1,0.5,0.9)")
+    p.add_argument("--granularity", default="token", choices=["token", "block"],
+                   help="block: whole blocks, one decision shared by every layer and KV head (what a paged serving "
+                        "engine such as vLLM can do)")
+    p.add_argument("--block-size", type=int, default=16, help="slots per block with --granularity block")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from learnkv.eval import build_spec, evaluate, markdown_table, write_results
+
+        spec = build_spec(args.policy, args.budget, args.task, scorer=args.scorer, limit=args.limit, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, split=args.split, context_tokens=args.context_tokens,
+                          depths=args.depths, granularity=args.granularity, block_size=args.block_size)
+        # ------------------------------------------------------------------ everything valid: load and run
+        import torch
+
+        from learnkv.model import DEFAULT_MODEL, load_model
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        torch.manual_seed(args.seed)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model, tokenizer = load_model(args.model or DEFAULT_MODEL, device=device)
+        records = evaluate(model, tokenizer, spec, progress=False if args.no_progress else None,
+                           model_name=args.model or DEFAULT_MODEL)
+        paths = write_results(records, args.output)
+    except ValueError as e:  # bad input, bad scorer, bad model: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown_table(records))
+    print(f"results: {paths['json']}\ntable: {paths['table']}\nplots: {len(paths['plots'])} PNGs in {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Evaluation records -> results.json, a markdown table per task, and one PNG per task and metric.
+
+Knows the record layout (`learnkv.eval.run.evaluate`) and nothing about models or policies. Plots use
+matplotlib's Agg backend (no display needed): metric vs budget, one line per policy.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from learnkv.atomic import write_json_atomic
+
+#: cost columns shown after each task's own metrics
+COST_COLUMNS = ("kv_share", "kept_share", "peak_kv_bytes", "tokens_per_s", "eviction_share")
+PLOTTED_COST = ("kv_share", "kept_share", "tokens_per_s", "eviction_share")
+#: the ceiling and the headroom reference stand apart from the colour cycle
+REFERENCE_STYLE = {"full": {"color": "black", "linestyle": "--"}, "oracle": {"color": "dimgray", "linestyle": ":"}}
+
+
+def _fmt(metric: str, value) -> str:
+    if value is None:
+        return "—"
+    if metric == "peak_kv_bytes":
+        return f"{value / 2**20:.2f}"
+    if metric in ("tokens_per_s", "agreement_length", "budget_tokens"):
+        return f"{value:.1f}"
+    if metric == "kl":
+        return f"{value:.4f}"
+    return f"{value:.3f}"
+
+
+def _header(metric: str) -> str:
+    return {"peak_kv_bytes": "peak KV (MiB)", "tokens_per_s": "tokens/s"}.get(metric, metric)
+
+
+def _metric_columns(records: list[dict]) -> list[str]:
+    """A task's metrics in the order its record lists them, before the cost columns."""
+    from learnkv.eval.run import COST_METRICS
+
+    return [k for k in records[0]["metrics"] if k not in COST_METRICS]
+
+
+def markdown_table(records: list[dict], columns: list[str] | None = None) -> str:
+    """One markdown table per task: a row per budget and policy (in run order), the task's metrics, then cost.
+
+    ``columns`` picks the task metrics to show (default: all of them)."""
+    out = []
+    for task in dict.fromkeys(r["task"] for r in records):
+        rows = [r for r in records if r["task"] == task]
+        cols = [c for c in (columns or _metric_columns(rows)) if c in rows[0]["metrics"]] + list(COST_COLUMNS)
+        cfg = rows[0]["config"]
+        out.append(f"task: {task} ({cfg['n_prompts']} prompts, model {cfg['model']})\n")
+        out.append("| policy | budget | budget tokens | " + " | ".join(map(_header, cols)) + " |")
+        out.append("|---|---|---|" + "---|" * len(cols))
+        order = {b: i for i, b in enumerate(dict.fromkeys(r["budget"] for r in rows))}
+        for r in sorted(rows, key=lambda r: order[r["budget"]]):  # stable: policies keep their order
+            m = r["metrics"]
+            cells = [r["policy"], str(r["budget"]), _fmt("budget_tokens", m.get("budget_tokens"))]
+            out.append("| " + " | ".join(cells + [_fmt(c, m.get(c)) for c in cols]) + " |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name.replace("@", "_at_"))
+
+
+def plot(records: list[dict], out_dir: str | Path) -> list[Path]:
+    """``<task>_<metric>.png`` per task and metric (the task's metrics, then kv_share, kept_share, tokens/s, eviction
+    share):
+    metric vs budget, one line per policy. Budgets all fractions or all token counts share a numeric axis; a mix
+    is drawn in the given order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    paths = []
+    for task in dict.fromkeys(r["task"] for r in records):
+        rows = [r for r in records if r["task"] == task]
+        budgets = list(dict.fromkeys(r["budget"] for r in rows))
+        numeric = len({type(b) for b in budgets}) == 1
+        xs = {b: (b if numeric else i) for i, b in enumerate(budgets)}
+        unit = ("fraction of the full length" if isinstance(budgets[0], float) else "tokens") if numeric else "as given"
+        for metric in _metric_columns(rows) + list(PLOTTED_COST):
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for i, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
+                pts = sorted((xs[r["budget"]], r["metrics"].get(metric)) for r in rows if r["policy"] == policy
+                             and r["metrics"].get(metric) is not None)
+                if pts:
+                    style = REFERENCE_STYLE.get(policy, {"color": f"C{i % 10}", "linestyle": "-"})
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy, **style)
+            if not numeric:
+                ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
+            ax.set_xlabel(f"budget ({unit})")
+            ax.set_ylabel(metric)
+            ax.set_title(f"{task}: {metric} ({rows[0]['config']['model']})")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, ncol=2)
+            fig.tight_layout()
+            path = out_dir / f"{_slug(task)}_{_slug(metric)}.png"
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            paths.append(path)
+    return paths
+
+
+def write_results(records: list[dict], out_dir: str | Path) -> dict[str, object]:
+    """Write ``results.json`` (the records), ``results.md`` (the table) and the plots into ``out_dir``.
+
+    Returns
+    -------
+    dict
+        ``{"json": Path, "table": Path, "plots": [Path, ...]}``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "results.json", out_dir / "results.md"
+    write_json_atomic(json_path, records)
+    md_path.write_text(markdown_table(records))
+    return {"json": json_path, "table": md_path, "plots": plot(records, out_dir)}
+
+
+__all__ = ["markdown_table", "plot", "write_results"]

@@ -1,0 +1,347 @@
+"""evaluate.py and learnkv.eval: metrics on hand-made cases, the full cache and large budgets as exact ceilings,
+the agreement-length shortcut against a real free run, tasks, records and files, bad input, and the CI command."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import params_for, random_ids
+from learnkv import POLICIES, generate
+from learnkv.eval import TASKS, Sample, Task, build_spec, evaluate, make_task, markdown_table, write_results
+from learnkv.eval import metrics as M
+from learnkv.eval.tasks.fidelity import recall_of_run
+
+ROOT = Path(__file__).resolve().parents[1]
+FIDELITY = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length")
+COST = ("peak_kv_bytes", "kv_share", "kept_share", "tokens_per_s", "eviction_share")
+TIMING = ("tokens_per_s", "eviction_share")
+
+
+def samples(n=2, length=30):
+    return [Sample.from_ids(random_ids(length, seed=10 + i)[0], id=f"ids/{i}") for i in range(n)]
+
+
+def by_key(records):
+    return {(r["policy"], r["budget"], r["task"]): r["metrics"] for r in records}
+
+
+# -- metrics on hand-made cases --------------------------------------------------------------------------------
+
+
+def test_kl_of_known_distributions():
+    p = torch.tensor([[0.5, 0.5], [0.9, 0.1]], dtype=torch.float64).log()
+    q = torch.tensor([[0.25, 0.75], [0.9, 0.1]], dtype=torch.float64).log() + 3.0  # a shift changes nothing
+    kl = M.kl_divergence(p, q)
+    assert kl[0].item() == pytest.approx(0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75), abs=1e-9)
+    assert kl[1].item() == pytest.approx(0.0, abs=1e-9)
+    assert M.kl_divergence(q, p)[0].item() == pytest.approx(0.25 * math.log(0.5) + 0.75 * math.log(1.5), abs=1e-9)
+
+
+def test_top1_and_perplexity_ratio_known_answers():
+    full = torch.tensor([[0.5, 0.25, 0.25], [0.25, 0.5, 0.25], [0.1, 0.1, 0.8], [0.6, 0.3, 0.1]]).log()
+    budget = torch.tensor([[0.25, 0.5, 0.25], [0.25, 0.5, 0.25], [0.1, 0.1, 0.8], [0.6, 0.3, 0.1]]).log()
+    assert M.top1_agreement(full, budget) == 0.75
+    targets = torch.tensor([0, 1])
+    assert M.perplexity(full[:2], targets) == pytest.approx(2.0)  # both targets at p = 0.5
+    assert M.perplexity(budget[:2], targets) == pytest.approx(math.sqrt(4 * 2))  # p = 0.25 then 0.5
+    assert M.ppl_ratio(full[:2], budget[:2], targets) == pytest.approx(math.sqrt(8) / 2)
+    with pytest.raises(ValueError, match="same shape"):
+        M.kl_divergence(full, budget[:2])
+
+
+def test_agreement_length_known_answers():
+    assert M.agreement_length([1, 2, 3, 4], [1, 2, 5, 4]) == 2
+    assert M.agreement_length([1, 2, 3], [9, 2, 3]) == 0
+    assert M.agreement_length([1, 2, 3], [1, 2, 3]) == 3
+    assert M.agreement_length([1, 2, 3], [1, 2]) == 2
+
+
+def test_attention_recall_of_a_known_mask():
+    attn = torch.tensor([[[0.1, 0.2, 0.7, 0.0], [0.4, 0.3, 0.2, 0.1]]])  # [H=1, Q=2, K=4]
+    visible = torch.tensor([[[True, False, True, False], [False, True, True, True]]])
+    assert M.attention_recall(attn, visible)[0].tolist() == pytest.approx([0.8, 0.6])
+    assert M.attention_recall(attn, torch.ones_like(visible))[0].tolist() == pytest.approx([1.0, 1.0])
+    # kept positions per query (-1 = padding, ignored) plus the query's own token
+    mask = M.visible_mask([torch.tensor([[0, -1]]), torch.tensor([[1, 2]])], queries=[2, 3], n_keys=4)
+    assert mask.tolist() == visible.tolist()
+
+
+def test_recall_of_run_uses_what_the_previous_step_kept():
+    # prompt of 2 tokens, 3 generated: passes 0 (prefill), 1 (query at 2), 2 (query at 3)
+    attn = torch.zeros(1, 4, 4)
+    attn[0, 2] = torch.tensor([0.1, 0.2, 0.7, 0.0])
+    attn[0, 3] = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    kept = [[torch.tensor([[0]])], [torch.tensor([[0, 2]])], [torch.tensor([[2, 3]])]]  # the last is never used
+    assert recall_of_run([attn], kept, prompt_len=2) == pytest.approx((0.8 + 0.7) / 2)
+    assert recall_of_run([attn], kept[:1], prompt_len=2) == 1.0  # nothing decoded
+
+
+# -- the full cache and large budgets are exact ceilings --------------------------------------------------------
+
+
+def test_full_scores_perfectly_at_any_budget(tiny):
+    spec = build_spec("full", "4,0.25,0.9,500", "fidelity", max_new_tokens=12)
+    records = evaluate(tiny, None, spec, samples=samples())
+    assert len(records) == 4
+    for r in records:
+        m = r["metrics"]
+        assert m["kl"] == 0.0 and m["top1_agreement"] == 1.0 and m["attention_recall"] == 1.0
+        assert m["ppl_ratio"] == 1.0 and m["agreement_length"] == 12
+        assert m["kv_share"] == 1.0 and m["kept_share"] == 1.0 and m["budget_tokens"] is None
+        assert m["eviction_share"] == 0.0
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_budget_at_least_length_equals_full(tiny, policy):
+    new = 10
+    items = samples(length=24)
+    scorer = params_for(policy, 2).get("scorer")
+    spec = build_spec(f"full,{policy}", [24 + new], "fidelity", scorer=scorer, max_new_tokens=new)
+    got = by_key(evaluate(tiny, None, spec, samples=items))
+    full, ours = got["full", 34, "fidelity"], got[policy, 34, "fidelity"]
+    assert ours["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert ours["top1_agreement"] == 1.0 and ours["attention_recall"] == pytest.approx(1.0)
+    assert ours["ppl_ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert full["agreement_length"] == new
+    assert ours["agreement_length"] == (None if policy == "oracle" else new)  # the oracle replays: not measured
+    assert ours["peak_kv_bytes"] == full["peak_kv_bytes"] and ours["kv_share"] == 1.0
+
+
+def test_evicting_policies_lose_fidelity_and_oracle_is_the_headroom(tiny):
+    spec = build_spec("streaming,h2o,tova,knorm,oracle", "0.5", "fidelity", max_new_tokens=16)
+    got = {r["policy"]: r["metrics"] for r in evaluate(tiny, None, spec, samples=samples(length=40))}
+    for name in ("streaming", "h2o", "tova", "knorm"):
+        m = got[name]
+        assert m["kl"] > 1e-3 and m["attention_recall"] < 1.0 and m["budget_tokens"] == 28  # half of 40 + 16
+        assert m["kv_share"] == pytest.approx(40 / 55)  # the peak is the 40-token prefill, before compression
+        assert got["oracle"]["kl"] < m["kl"] and got["oracle"]["attention_recall"] > m["attention_recall"]
+    assert got["oracle"]["agreement_length"] is None  # it replays the full-cache output
+
+
+@pytest.mark.parametrize("policy,budget", [("streaming", 16), ("h2o", 14), ("tova", 12), ("snapkv", 20), ("lazy", 24),
+                                           ("learned", 14)])
+def test_agreement_length_equals_a_separate_free_run(tiny, policy, budget):
+    """Read off the forced run, agreement length must equal what a free-running greedy budgeted decode gives."""
+    new = 24
+    params = params_for(policy, 2)
+    spec = build_spec(policy, [budget], "fidelity", scorer=params.get("scorer"), max_new_tokens=new)
+    lengths = []
+    for sample in samples(n=3, length=30):
+        reported = evaluate(tiny, None, spec, samples=[sample])[0]["metrics"]["agreement_length"]
+        full = generate(tiny, input_ids=sample.input_ids, policy="full", max_new_tokens=new).tokens[0].tolist()
+        free = generate(tiny, input_ids=sample.input_ids, policy=policy, budget=budget, max_new_tokens=new,
+                        policy_params=params).tokens[0].tolist()
+        assert reported == M.agreement_length(full, free)
+        lengths.append(reported)
+    assert min(lengths) < new  # the budget bites: the check is not vacuous
+
+
+@pytest.mark.parametrize("policy", ["h2o", "learned"])
+def test_block_granularity_is_what_generate_does_in_block_mode(tiny, policy):
+    """--granularity block: every run evicts whole blocks shared by all layers and heads, exactly as
+    `generate(granularity="block")` does, and differs from token mode (the flag is not ignored)."""
+    new, budget, block = 20, 24, 8
+    params = params_for(policy, 2)
+    sample = samples(n=1, length=30)[0]
+    task = make_task("fidelity", max_new_tokens=new, granularity="block", block_size=block)
+    ref = task.reference(tiny, None, sample)
+    _, kept, _ = task.decode_traced(tiny, None, sample, policy, budget, params, forced=ref.tokens)
+    for per_layer in kept[1:]:
+        positions = torch.stack(per_layer)  # [layers, H, T]: one decision for every layer and KV head
+        assert (positions == positions[0, 0]).all()
+    spec = lambda g: build_spec(policy, [budget], "fidelity", scorer=params.get("scorer"), max_new_tokens=new,  # noqa
+                                granularity=g, block_size=block)
+    got = evaluate(tiny, None, spec("block"), samples=[sample])[0]
+    assert got["config"]["task_options"]["granularity"] == "block"
+    assert got["config"]["task_options"]["block_size"] == block
+    full = generate(tiny, input_ids=sample.input_ids, policy="full", max_new_tokens=new).tokens[0].tolist()
+    free = generate(tiny, input_ids=sample.input_ids, policy=policy, budget=budget, max_new_tokens=new,
+                    policy_params=params, granularity="block", block_size=block).tokens[0].tolist()
+    assert got["metrics"]["agreement_length"] == M.agreement_length(full, free)
+    token_mode = evaluate(tiny, None, spec("token"), samples=[sample])[0]["metrics"]
+    assert token_mode["attention_recall"] != got["metrics"]["attention_recall"]
+
+
+# -- tasks, records, files --------------------------------------------------------------------------------------
+
+
+def test_records_cost_metrics_and_files(tiny, tmp_path):
+    spec = build_spec("full,h2o,streaming", "0.75,40", "fidelity", max_new_tokens=8)
+    records = evaluate(tiny, None, spec, samples=samples(n=2))
+    assert [(r["policy"], r["budget"]) for r in records] == [
+        ("full", 0.75), ("h2o", 0.75), ("streaming", 0.75), ("full", 40), ("h2o", 40), ("streaming", 40)]
+    for r in records:
+        assert set(r) == {"policy", "budget", "task", "metrics", "config"} and r["task"] == "fidelity"
+        m = r["metrics"]
+        assert all(k in m for k in FIDELITY + COST)
+        assert m["peak_kv_bytes"] > 0 and m["tokens_per_s"] > 0 and 0 <= m["eviction_share"] < 1
+        assert r["config"]["n_prompts"] == 2 and r["config"]["task_options"]["max_new_tokens"] == 8
+    h2o = by_key(records)["h2o", 0.75, "fidelity"]
+    assert h2o["budget_tokens"] == 29 and h2o["kv_share"] == pytest.approx(30 / 37)  # ceil(.75 * 38); 29 + 1 of 37
+    assert h2o["kept_share"] == pytest.approx(sum(29 / (30 + s) for s in range(8)) / 8)  # held after each pass
+    paths = write_results(records, tmp_path / "out")
+    assert json.loads(paths["json"].read_text()) == json.loads(json.dumps(records))
+    table = paths["table"].read_text()
+    assert table == markdown_table(records) and table.count("\n| h2o |") == 2 and "| kl |" in table
+    assert len(paths["plots"]) == len(FIDELITY) + 4
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths["plots"])
+
+
+def test_deterministic_with_seed(tiny):
+    spec = build_spec("h2o,random", "0.5", "fidelity", max_new_tokens=10, seed=3)
+    strip = lambda rs: [{k: v for k, v in r["metrics"].items() if k not in TIMING} for r in rs]  # noqa: E731
+    a = evaluate(tiny, None, spec, samples=samples(length=40))
+    b = evaluate(tiny, None, spec, samples=samples(length=40))
+    assert strip(a) == strip(b)
+    assert a[1]["config"]["policy_params"]["seed"] == 3  # --seed seeds the random policy too
+
+
+class DigitTokenizer:
+    """Decodes token ids to space-separated numbers, so the tiny model 'answers' with numbers."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def batch_decode(self, tokens, skip_special_tokens=True):
+        return [" ".join(str(int(t)) for t in row) for row in tokens]
+
+
+def test_reasoning_grades_answers_and_agreement(tiny):
+    tok = DigitTokenizer()
+    items = samples(n=3, length=40)
+    for s in items:  # gold = the full cache's own final number, so full scores 1.0
+        s.answer = tok.batch_decode(generate(tiny, input_ids=s.input_ids, max_new_tokens=12).tokens)[0].split()[-1]
+    items[0].answer = "-1"  # ... except on one prompt
+    spec = build_spec("full,streaming,oracle", "10", "reasoning", max_new_tokens=12)
+    got = by_key(evaluate(tiny, tok, spec, samples=items))
+    assert got["full", 10, "reasoning"]["accuracy"] == pytest.approx(2 / 3)
+    assert got["full", 10, "reasoning"]["answer_agreement"] == 1.0
+    streaming = got["streaming", 10, "reasoning"]
+    assert streaming["answer_agreement"] < 1.0 and streaming["accuracy"] <= streaming["answer_agreement"]
+    assert got["oracle", 10, "reasoning"]["accuracy"] is None  # replayed: says nothing
+
+
+def test_needle_accuracy_by_length_and_depth(tiny):
+    tok = DigitTokenizer()
+    items = samples(n=2, length=40)
+    for i, s in enumerate(items):
+        s.answer = tok.batch_decode(generate(tiny, input_ids=s.input_ids, max_new_tokens=6).tokens)[0].split()[2]
+        s.meta = {"context_tokens": [64, 128][i], "depth": 0.5}
+    task = make_task("needle", max_new_tokens=6, context_tokens=(64, 128), depths=(0.5,))
+    assert task.metric_names() == ("accuracy", "accuracy@64", "accuracy@128", "accuracy@d0.5")
+    spec = build_spec("full", "8", "needle", max_new_tokens=6, context_tokens=(64, 128), depths=(0.5,))
+    m = evaluate(tiny, tok, spec, samples=items)[0]["metrics"]
+    assert m["accuracy"] == 1.0 and m["accuracy@64"] == 1.0 and m["accuracy@128"] == 1.0 and m["accuracy@d0.5"] == 1.0
+
+
+def test_a_task_is_one_registered_class(tiny, monkeypatch):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Length(Task):
+        name = "length"
+        metrics = ("new_tokens",)
+
+        def run(self, model, tokenizer, sample, ref, policy, budget, params):
+            r = generate(model, input_ids=sample.input_ids, policy=policy, budget=budget,
+                         max_new_tokens=self.max_new_tokens)
+            return {"new_tokens": float(r.tokens.shape[1])}, r
+
+    monkeypatch.setitem(TASKS, "length", Length)
+    records = evaluate(tiny, None, build_spec("h2o", "16", "length", max_new_tokens=5), samples=samples(n=1))
+    assert records[0]["task"] == "length" and records[0]["metrics"]["new_tokens"] == 5.0
+
+
+# -- bad input: one line, exit 2, before the model loads ----------------------------------------------------------
+
+BAD = [
+    (["--task", "nope"], "unknown task 'nope'; known tasks: fidelity, reasoning, needle"),
+    (["--budget", "1.5"], "budget fraction must be in (0, 1]"),
+    (["--budget", "0"], "budget must be >= 1"),
+    (["--budget", "0.25,many"], "budget must be a token count or a fraction"),
+    (["--policy", "nope"], "unknown policy 'nope'"),
+    (["--policy", "full,learned"], "policy 'learned' needs a scorer artifact: --scorer PATH"),
+    (["--policy", "learned", "--scorer", "no/such/scorer"], "scorer artifact 'no/such/scorer' does not exist"),
+    (["--policy", "paged", "--budget", "8"], "do not fit in a budget of 8 tokens"),
+    (["--limit", "0"], "--limit must be a number of prompts >= 1"),
+    (["--limit", "four"], "argument --limit: invalid int value"),
+    (["--task", "reasoning", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+    (["--task", "needle", "--depths", "0.5,2"], "needle depths must be fractions in [0, 1]"),
+    (["--granularity", "page"], "argument --granularity: invalid choice: 'page'"),
+    (["--granularity", "block", "--block-size", "0"], "block size must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD)
+def test_bad_input_one_line_before_loading(args, message, monkeypatch, capsys):
+    import evaluate as cli
+
+    import learnkv.model
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load on bad input")
+
+    monkeypatch.setattr(learnkv.model, "load_model", no_load)
+    try:
+        code = cli.main([*args, "--model", "./no/such/model", "--output", "/nonexistent/out"])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_bad_input_subprocess_exit_code_and_no_traceback():
+    out = subprocess.run([sys.executable, "evaluate.py", "--task", "fidelity,nope"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == "error: unknown task 'nope'; known tasks: fidelity, reasoning, needle\n"
+
+
+# -- the real model -----------------------------------------------------------------------------------------------
+
+CI_COMMAND = ["evaluate.py", "--policy", "full,streaming,h2o,tova,snapkv,roco,lazy,paged", "--budget", "0.25,0.5",
+              "--task", "fidelity", "--limit", "4"]
+
+
+@pytest.mark.slow
+def test_ci_command_writes_results_table_and_plots(tmp_path):
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, *CI_COMMAND, "--output", str(tmp_path)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=900)
+    elapsed = time.perf_counter() - t0
+    print(f"CI evaluate command: {elapsed:.0f} s")
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = json.loads((tmp_path / "results.json").read_text())
+    assert len(records) == 8 * 2
+    for r in records:
+        assert all(k in r["metrics"] for k in FIDELITY + COST + ("full_kv_bytes",))
+        assert r["config"]["n_prompts"] == 4 and r["config"]["model"] == "smollm2-135m-instruct"
+    full = by_key(records)["full", 0.25, "fidelity"]
+    assert full["kl"] == 0.0 and full["top1_agreement"] == 1.0 and full["attention_recall"] == 1.0
+    h2o = by_key(records)["h2o", 0.25, "fidelity"]
+    assert h2o["kl"] > 0 and h2o["attention_recall"] < 1.0 and h2o["kv_share"] < 1.0 and h2o["kept_share"] < 0.35
+    assert (tmp_path / "results.md").read_text() in out.stdout
+    assert len(list(tmp_path.glob("fidelity_*.png"))) == len(FIDELITY) + 4
+    assert elapsed < 600  # about 3.5 minutes on the 2-core CI machine
+
+
+@pytest.mark.slow
+def test_reasoning_and_needle_on_the_real_model(smollm2):
+    model, tok = smollm2
+    spec = build_spec("full,h2o", "0.5", "reasoning,needle", limit=1, max_new_tokens=24, context_tokens=(384,),
+                      depths=(0.5,))
+    got = by_key(evaluate(model, tok, spec, model_name="smollm2"))
+    assert got["full", 0.5, "reasoning"]["answer_agreement"] == 1.0
+    assert got["full", 0.5, "reasoning"]["accuracy"] in (0.0, 1.0)
+    assert got["h2o", 0.5, "reasoning"]["kept_share"] < 0.6
+    needle_full, needle_h2o = got["full", 0.5, "needle"], got["h2o", 0.5, "needle"]
+    assert needle_full["accuracy"] == 1.0 and needle_full["accuracy@384"] == 1.0  # SmolLM2 finds it in 384 tokens
+    assert needle_h2o["accuracy"] in (0.0, 1.0) and needle_h2o["budget_tokens"] > 150
