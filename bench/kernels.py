@@ -1,4 +1,4 @@
-"""Kernel benchmark: each eviction kernel against its torch reference, as a markdown table.
+"""Kernel benchmark: each eviction kernel against its torch reference, then whole decode steps, as markdown tables.
 
     python bench/kernels.py            # CUDA: bf16, Hq 32, H 8, D 128, B in {1, 8, 32}, T in {4k, 16k, 32k}
     python bench/kernels.py --quick    # fewer shapes (on CPU: the reference path only, small fp32 shapes)
@@ -11,6 +11,17 @@ GB/s counts the bytes a kernel must move at least once (inputs read plus outputs
 with the plain copy bandwidth measured for each shape on its K tensor (``torch.empty_like(k).copy_(k)``, read +
 write, the "copy K" row); "% copy" is the ratio. The decode attention kernel reads K twice by design, so it
 cannot exceed about 2/3 of copy bandwidth.
+
+The second table times whole decode steps of a random-weight Llama with the benchmark's head shapes (hidden
+``Hq * D``, MLP 3.5x hidden, ``--layers`` layers, a 1024-token vocabulary so the LM head is negligible: a per-layer
+figure) over a cache pre-filled with random keys and values, through the real decode path (`BudgetCache`, learnkv
+attention, the policy, selection and compaction; kernels or references as `LEARNKV_KERNELS` picks):
+
+- "full": the full cache of T tokens; "no eviction": the full cache at the budget's size (what a budgeted step
+  costs without the eviction work); "policy": the budgeted cache, evicting every step (lazy: every W steps).
+- eviction share = 1 - no eviction / policy: the state update, scoring, selection and compaction as a share of the
+  budgeted decode step (the attention statistics are part of the fused attention either way).
+- speed-up = full / policy: budgeted over full-cache tokens/s.
 """
 
 from __future__ import annotations
@@ -79,7 +90,9 @@ def cases(B: int, T: int, Hq: int, H: int, D: int, dtype, device: str, use_trito
         from kernels.block_score import block_scores
         from kernels.compact import gather_tokens
         from kernels.decode_attn import decode_attention
+        from kernels.scorer import scorer_mlp
         from kernels.select import select_keep
+        from kernels.state_update import update_token_state
 
     yield ("decode_attention", lambda: ref.decode_attention_reference(q, k, v, kpos, qpos),
            (lambda: decode_attention(q, k, v, kpos, qpos)) if triton_ok else None,
@@ -94,11 +107,92 @@ def cases(B: int, T: int, Hq: int, H: int, D: int, dtype, device: str, use_trito
     yield ("block_scores bs=16", lambda: ref.block_scores_reference(k, v, 16),
            (lambda: block_scores(k, v, 16)) if triton_ok else None, nbytes(k, v), False)  # fmt: skip
 
+    # every H2O/RoCo/LazyEviction statistic at once (the worst case; a policy updates only its own); the update is
+    # in place, so each timed call starts from the same copies and the check compares one call of each
+    attn = scores / T
+    attn_max = scores * 2e-4
+    names = ("acc", "s1", "s2", "count", "ts", "mri")
+    state = {n: torch.rand(B, H, T, generator=g, device=device).round() for n in names}
+
+    def update(fn, st):
+        fn(attn, attn_max, kpos, 7, 1, 1e-4, **st)
+        return tuple(st.values())
+
+    fresh = lambda: {n: t.clone() for n, t in state.items()}  # noqa: E731
+    yield ("update_token_state (all 6)", lambda: update(ref.update_token_state_reference, fresh()),
+           (lambda: update(update_token_state, fresh())) if triton_ok else None,
+           nbytes(attn, attn_max, kpos) + 2 * nbytes(*state.values()), False)  # fmt: skip
+
+    F, hidden = 19, 32  # the exported scorer's features and default width
+    feats = torch.randn(B * H * T, F, generator=g, device=device).to(dtype)
+    shapes = ((F,), (F,), (F, hidden), (hidden,), (hidden,), ())
+    w = [torch.randn(shape, generator=g, device=device) for shape in shapes]
+    w[1] = w[1].abs() + 0.5
+    yield ("scorer_mlp", lambda: ref.scorer_mlp_reference(feats, *w),
+           (lambda: scorer_mlp(feats, *w)) if triton_ok else None, nbytes(feats) + B * H * T * 4, False)  # fmt: skip
+
+
+def step_model(Hq: int, H: int, D: int, layers: int, dtype, device: str):
+    """A random-weight Llama with these attention shapes (Llama-8B's MLP ratio), on the learnkv attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from learnkv import attention
+
+    attention.register()
+    hidden = Hq * D
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=7 * hidden // 2, num_hidden_layers=layers,
+                      num_attention_heads=Hq, num_key_value_heads=H, head_dim=D, max_position_embeddings=1 << 17,
+                      attn_implementation=attention.NAME)  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def decode_step_ms(model, policy: str, B: int, T: int, budget: int | None, steps: int, time_ms) -> float:
+    """Milliseconds per decode step over a cache pre-filled with ``T`` random tokens, through `BudgetCache`."""
+    from learnkv.cache import BudgetCache
+    from learnkv.policies import make_policy
+
+    cfg = model.config
+    device, dtype = model.device, model.dtype
+    p = make_policy(policy)
+    p = p.resolve(budget) if p.evicts else p
+    cache = BudgetCache(cfg.num_hidden_layers, p, budget if p.evicts else None)
+    H, D = cfg.num_key_value_heads, cfg.head_dim
+    g = torch.Generator(device=device).manual_seed(T)
+    for layer in cache.layers:
+        k = torch.randn(B, H, T, D, generator=g, device=device).to(dtype)
+        layer.lazy_initialization(k, k)
+        layer.keys, layer.values = k, torch.randn(B, H, T, D, generator=g, device=device).to(dtype)
+        layer.positions = torch.arange(T, device=device).expand(B, H, T).contiguous()
+    cache.step = 0  # the next forward pass is decode step 1 (step 0 is the prefill)
+    tok = torch.zeros(B, 1, dtype=torch.long, device=device)
+    pos = torch.full((B, 1), T, dtype=torch.long, device=device)
+
+    def run():
+        nonlocal pos
+        for _ in range(steps):
+            cache.begin_step(pos)
+            model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                  learnkv_cache=cache)  # fmt: skip
+            cache.end_step()
+            pos = pos + 1
+
+    return time_ms(run) / steps
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (more get descheduled on a busy machine)")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (overrides the defaults)")
+    parser.add_argument("--contexts", default=None, help="comma-separated context lengths T (overrides the defaults)")
+    parser.add_argument("--budget", type=float, default=0.25, help="decode-step table: budget as a share of T")
+    parser.add_argument("--policies", default="h2o,lazy,paged", help="decode-step table: comma-separated policies")
+    parser.add_argument("--layers", type=int, default=2, help="decode-step table: decoder layers of the model")
+    parser.add_argument("--steps", type=int, default=8, help="decode-step table: steps per timed run")
+    parser.add_argument("--skip-kernels", action="store_true", help="only the decode-step table")
+    parser.add_argument("--skip-steps", action="store_true", help="only the kernel table")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(args.threads)
@@ -108,26 +202,53 @@ def main() -> None:
     else:
         dtype, Hq, H, D = torch.float32, 8, 2, 64
         batches, contexts = ([1, 4], [512, 2048]) if args.quick else ([1, 4, 8], [512, 2048, 4096])
+    batches = [int(x) for x in args.batches.split(",")] if args.batches else batches
+    contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else contexts
     time_ms = timer(device)
+    import kernels
+
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"device: {name}; {dtype}, Hq={Hq}, H={H}, D={D}; keep = T/2, n_sink = 4, n_recent = 64\n")
-    print("| kernel | B | T | impl | ms | GB/s | % copy | check |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"device: {name}; {dtype}, Hq={Hq}, H={H}, D={D}; LEARNKV_KERNELS={kernels.kernel_mode()}; "
+          f"{time.strftime('%Y-%m-%d')}\n")  # fmt: skip
+    if not args.skip_kernels:
+        print("keep = T/2, n_sink = 4, n_recent = 64\n")
+        print("| kernel | B | T | impl | ms | GB/s | % copy | check |")
+        print("|---|---|---|---|---|---|---|---|")
+        for B in batches:
+            for T in contexts:
+                copy_gbs = None
+                rows = cases(B, T, Hq, H, D, dtype, device, device == "cuda")
+                for kernel, reference, triton_fn, moved, exact in rows:
+                    impls = [("reference", reference)] + ([("triton", triton_fn)] if triton_fn is not None else [])
+                    for impl, fn in impls:
+                        ms = time_ms(fn)
+                        gbs = moved / ms / 1e6
+                        copy_gbs = copy_gbs or gbs
+                        verdict = check(fn(), reference(), exact) if impl == "triton" else ""
+                        impl = "torch" if kernel == "copy K" else impl
+                        print(f"| {kernel} | {B} | {T} | {impl} | {ms:.3f} | {gbs:.1f} | {100 * gbs / copy_gbs:.0f} "
+                              f"| {verdict} |")  # fmt: skip
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+        print()
+    if args.skip_steps:
+        return
+    model = step_model(Hq, H, D, args.layers, dtype, device)
+    print(f"decode steps: {args.layers} layers, hidden {Hq * D}, budget {args.budget:g} of T, {args.steps} steps per "
+          "timed run; ms per step\n")  # fmt: skip
+    print("| B | T | budget | full | no eviction | policy | ms | eviction share | speed-up vs full |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for B in batches:
         for T in contexts:
-            copy_gbs = None
-            for kernel, reference, triton_fn, moved, exact in cases(B, T, Hq, H, D, dtype, device, device == "cuda"):
-                impls = [("reference", reference)] + ([("triton", triton_fn)] if triton_fn is not None else [])
-                for impl, fn in impls:
-                    ms = time_ms(fn)
-                    gbs = moved / ms / 1e6
-                    copy_gbs = copy_gbs or gbs
-                    verdict = check(fn(), reference(), exact) if impl == "triton" else ""
-                    impl = "torch" if kernel == "copy K" else impl
-                    print(f"| {kernel} | {B} | {T} | {impl} | {ms:.3f} | {gbs:.1f} | {100 * gbs / copy_gbs:.0f} "
-                          f"| {verdict} |")  # fmt: skip
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+            budget = max(1, int(args.budget * T))
+            full = decode_step_ms(model, "full", B, T, None, args.steps, time_ms)
+            floor = decode_step_ms(model, "full", B, budget, None, args.steps, time_ms)
+            for policy in args.policies.split(","):
+                ms = decode_step_ms(model, policy, B, budget, budget, args.steps, time_ms)
+                print(f"| {B} | {T} | {budget} | {full:.2f} | {floor:.2f} | {policy} | {ms:.2f} | "
+                      f"{100 * (1 - floor / ms):.1f}% | {full / ms:.2f}x |")  # fmt: skip
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

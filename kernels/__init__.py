@@ -8,8 +8,17 @@ Every public function has a reference with the same signature in `kernels.refere
 and a Triton launcher in its own module (`kernels.select`, `kernels.compact`, `kernels.decode_attn`,
 `kernels.block_score`, `kernels.state_update`, `kernels.scorer`). No module may be named after a public
 function: importing `kernels.<name>` binds the attribute `kernels.<name>` to the module and would shadow the
-function. The Triton interpreter is never a dispatch target: it is for tests only.
+function.
+
+The one switch is the environment variable ``LEARNKV_KERNELS``, read at every call (so tests can flip it):
+
+- ``auto`` (default): Triton for CUDA tensors when triton imports, the references otherwise;
+- ``torch``: the references everywhere, CUDA included (to compare both paths on a GPU);
+- ``triton``: the Triton launchers for every tensor. On CPU tensors that needs ``TRITON_INTERPRET=1`` set before
+  triton is imported: it exists so CI can run the whole Triton path of the decode loop in the interpreter.
 """
+
+import os
 
 __all__ = [
     "select_keep",
@@ -20,8 +29,10 @@ __all__ = [
     "scorer_mlp",
     "triton_available",
     "use_triton",
+    "kernel_mode",
 ]
 
+MODES = ("auto", "torch", "triton")
 _TRITON = None
 
 
@@ -38,17 +49,31 @@ def triton_available() -> bool:
     return _TRITON
 
 
-def _use_triton(*tensors) -> bool:
-    # the one switch: LEARNKV_KERNELS=torch runs the references on CUDA too (to compare both paths)
-    import os
+def kernel_mode() -> str:
+    """The switch's value: "auto", "torch" or "triton" (`LEARNKV_KERNELS`, default "auto")."""
+    mode = os.environ.get("LEARNKV_KERNELS", "auto")
+    if mode not in MODES:
+        raise ValueError(f"LEARNKV_KERNELS must be one of {MODES}, got {mode!r}")
+    return mode
 
-    if os.environ.get("LEARNKV_KERNELS", "auto") == "torch":
+
+def _use_triton(*tensors) -> bool:
+    mode = kernel_mode()
+    if mode == "torch":
         return False
-    return all(t.is_cuda for t in tensors) and triton_available()
+    on_cuda = all(t.is_cuda for t in tensors)
+    if mode == "auto":
+        return on_cuda and triton_available()
+    # checked here because triton's own error on a CPU pointer does not say what to do
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("LEARNKV_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 set before importing triton")
+    if not triton_available():
+        raise RuntimeError("LEARNKV_KERNELS=triton but triton does not import")
+    return True
 
 
 def use_triton(*tensors) -> bool:
-    """Whether the public functions would run Triton for these tensors (CUDA, triton importable, switch on)."""
+    """Whether the public functions run Triton for these tensors (see the switch in the module docstring)."""
     return _use_triton(*tensors)
 
 

@@ -327,6 +327,8 @@ build(compact._gather_kernel, dict(BLOCK_K=16, BLOCK_R=128), x_ptr="*i16", idx_p
 build(compact._gather_kernel, dict(BLOCK_K=1024, BLOCK_R=1), x_ptr="*i64", idx_ptr="*i64", out_ptr="*i64")
 build(block_score._block_scores_kernel, dict(BLOCK_NB=1, BLOCK_S=16, BLOCK_D=128),
       k_ptr="*bf16", v_ptr="*bf16", out_ptr="*fp32")
+build(block_score._block_scores_kernel, dict(BLOCK_NB=16, BLOCK_S=1, BLOCK_D=128),  # the paged policy's token scores
+      k_ptr="*bf16", v_ptr="*bf16", out_ptr="*fp32")
 for dt, prec, bt in (("*bf16", "tf32", 64), ("*fp32", "ieee", 32)):
     ptrs = dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, kpos_ptr="*i64", qpos_ptr="*i64", m_ptr="*fp32", l_ptr="*fp32",
                 probs_ptr="*fp32", acc_ptr="*fp32", scaling="fp32")

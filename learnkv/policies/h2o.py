@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+import kernels
 from learnkv.policies.base import LayerView, Policy
 
 
@@ -27,6 +28,10 @@ class H2O(Policy):
 
     def update(self, view: LayerView) -> None:
         acc = view.state.get("acc")
+        if acc is not None and view.n_new == 1 and kernels.use_triton(acc, view.attn_sum):
+            # a decode step on the kernel path: the fused in-place update (`kernels.update_token_state`)
+            kernels.update_token_state(view.attn_sum, None, view.positions, view.step, 1, 0.0, acc=acc)
+            return
         if acc is None:
             acc = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
         view.state["acc"] = acc + view.attn_sum

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+import kernels
 from learnkv.policies.base import LayerView, Policy
 
 DEFAULT_WINDOW = 128  # `decoding_recent_size` argparse default of the official code
@@ -60,6 +61,11 @@ class LazyEviction(Policy):
             zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
             st["ts"], st["mri"] = zeros, zeros.clone()
         if t == 0:  # the prefill observes nothing
+            return
+        if view.n_new == 1 and kernels.use_triton(st["ts"], view.attn):
+            # a decode step on the kernel path: TS and MRI in one fused in-place launch
+            kernels.update_token_state(None, view.attn[:, :, -1, :], view.positions, t, 1, self.alpha,
+                                       ts=st["ts"], mri=st["mri"])  # fmt: skip
             return
         ts = st["ts"].clone()
         ts[..., -view.n_new :] = t - 1  # a new token starts as if last seen one step ago

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+import kernels
 from learnkv.policies.base import LayerView, Policy, reduce_heads
 
 
@@ -40,5 +41,10 @@ class PagedEviction(Policy):
         return 1 if step == 0 else self.block_size
 
     def score(self, view: LayerView) -> Tensor:
+        if kernels.use_triton(view.keys, view.values):
+            # one fused pass over K and V (`kernels.block_scores` with blocks of one slot = the head-averaged token
+            # score); the cache's selection then averages whole blocks, over non-padding slots, as on the torch path
+            B, H, T, _ = view.keys.shape
+            return kernels.block_scores(view.keys, view.values, 1)[:, None].expand(B, H, T)
         ratio = view.values.float().norm(dim=-1) / view.keys.float().norm(dim=-1).clamp(min=1e-6)
         return reduce_heads(ratio)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+import kernels
 from kernels.reference import protected_slots
 from learnkv.policies.base import LayerView, Policy
 
@@ -41,6 +42,12 @@ class RoCo(Policy):
 
     def update(self, view: LayerView) -> None:
         st = view.state
+        if "s1" in st and view.n_new == 1 and kernels.use_triton(st["s1"], view.attn_sum):
+            # a decode step on the kernel path: s1, s2 and count in one fused in-place launch (with one query,
+            # the step's squared-attention sum is the square of its attention, which is what the kernel adds)
+            kernels.update_token_state(view.attn_sum, None, view.positions, view.step, 1, 0.0,
+                                       s1=st["s1"], s2=st["s2"], count=st["count"])  # fmt: skip
+            return
         if "s1" not in st:
             zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
             st["s1"], st["s2"], st["count"] = zeros, zeros.clone(), zeros.clone()

@@ -46,10 +46,10 @@ class Scorer(nn.Module):
 
     def forward(self, features: Tensor, layer: int | Tensor) -> Tensor:
         """``features [..., F]`` of tokens of ``layer`` (an int, or a LongTensor broadcastable to ``[...]``) -> ``[...]``."""
-        if isinstance(layer, int) and features.is_cuda and not torch.is_grad_enabled():
-            # inference on GPU (the learned policy): one fused launch; the kernel has no backward
-            import kernels
+        import kernels
 
+        if isinstance(layer, int) and not torch.is_grad_enabled() and kernels.use_triton(features):
+            # inference on the kernel path (the learned policy on GPU): one fused launch; the kernel has no backward
             w = (self.mean, self.std, self.w1[layer], self.b1[layer], self.w2[layer], self.b2[layer])
             return kernels.scorer_mlp(features.reshape(-1, features.shape[-1]), *w).view(features.shape[:-1])
         x = (features.float() - self.mean) / self.std

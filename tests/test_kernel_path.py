@@ -1,0 +1,131 @@
+"""The one kernel switch (`LEARNKV_KERNELS`) and the decode loop on the Triton path.
+
+On CPU, ``LEARNKV_KERNELS=triton`` runs every kernel the decode loop uses through the Triton interpreter
+(`TRITON_INTERPRET=1`, set by conftest before anything imports triton), so CI checks the wiring of item 6 without a
+GPU: the same tiny model decodes with the references and with the kernels, and must keep the same tokens (slot
+positions per layer, per step) and generate the same tokens. Shapes are tiny: the interpreter is ~100x slower.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from conftest import params_for, random_ids
+
+pytest.importorskip("triton")
+
+#: policy -> the Triton launchers its decode steps must go through (module, function)
+LAUNCHERS = {
+    "decode_attention": ("kernels.decode_attn", "decode_attention"),
+    "select_keep": ("kernels.select", "select_keep"),
+    "gather_tokens": ("kernels.compact", "gather_tokens"),
+    "update_token_state": ("kernels.state_update", "update_token_state"),
+    "scorer_mlp": ("kernels.scorer", "scorer_mlp"),
+    "block_scores": ("kernels.block_score", "block_scores"),
+}
+EVICTION = ("decode_attention", "select_keep", "gather_tokens")
+POLICY_CASES = [  # policy, extra generate arguments, launchers that must run
+    pytest.param("h2o", {}, EVICTION + ("update_token_state",), id="h2o"),
+    pytest.param("roco", {}, EVICTION + ("update_token_state",), id="roco"),
+    pytest.param("lazy", {}, EVICTION + ("update_token_state",), id="lazy"),
+    pytest.param("tova", {}, EVICTION, id="tova"),
+    pytest.param("paged", {"policy_params": {"block_size": 4}}, EVICTION + ("block_scores",), id="paged"),
+    pytest.param("learned", {}, ("select_keep", "gather_tokens", "scorer_mlp"), id="learned"),
+    pytest.param("h2o", {"granularity": "block", "block_size": 4}, EVICTION + ("update_token_state",),
+                 id="h2o-shared-blocks"),
+]
+
+
+def decode(model, policy, mode, monkeypatch, extra):
+    """Greedy decode of a left-padded batch of two prompts; kept positions per step and layer, and the tokens."""
+    from learnkv import generate
+
+    monkeypatch.setenv("LEARNKV_KERNELS", mode)
+    ids = random_ids(21, batch=2, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1 is a 16-token prompt, left-padded
+    params = {**params_for(policy, len(model.model.layers)), **extra.pop("policy_params", {})}
+    kept = []
+    res = generate(model, input_ids=ids, attention_mask=mask, policy=policy, budget=12, max_new_tokens=7,
+                   policy_params=params, stop_at_eos=False,
+                   observer=lambda c: kept.append([layer.positions.clone() for layer in c.layers]), **extra)
+    return kept, res.tokens
+
+
+@pytest.mark.parametrize("policy, extra, launchers", POLICY_CASES)
+def test_decode_loop_triton_path_keeps_what_torch_path_keeps(tiny, monkeypatch, policy, extra, launchers):
+    import importlib
+
+    calls = dict.fromkeys(LAUNCHERS, 0)
+    for name, (module, fn) in LAUNCHERS.items():
+        mod = importlib.import_module(module)
+        real = getattr(mod, fn)
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(mod, fn, spy)
+
+    kept_torch, tokens_torch = decode(tiny, policy, "torch", monkeypatch, dict(extra))
+    assert not any(calls.values()), f"the torch path ran Triton launchers: {calls}"
+    kept_triton, tokens_triton = decode(tiny, policy, "triton", monkeypatch, dict(extra))
+    missing = [n for n in launchers if not calls[n]]
+    assert not missing, f"the Triton path never ran {missing} (calls: {calls})"
+
+    assert len(kept_torch) == len(kept_triton) == 7  # the prefill and 6 decode steps give 7 tokens
+    assert any(layer.shape[-1] < 21 for step in kept_torch for layer in step), "the budget never evicted anything"
+    for step, (a_step, b_step) in enumerate(zip(kept_torch, kept_triton)):
+        for layer, (a, b) in enumerate(zip(a_step, b_step)):
+            assert torch.equal(a, b), f"step {step}, layer {layer}: kept positions differ\n{a}\n{b}"
+    assert torch.equal(tokens_torch, tokens_triton)
+
+
+def test_switch(monkeypatch):
+    x = torch.zeros(3)
+    monkeypatch.setenv("LEARNKV_KERNELS", "auto")
+    assert kernels.kernel_mode() == "auto" and not kernels.use_triton(x)  # CPU tensors: the references
+    monkeypatch.setenv("LEARNKV_KERNELS", "torch")
+    assert not kernels.use_triton(x)
+    monkeypatch.setenv("LEARNKV_KERNELS", "triton")
+    assert kernels.use_triton(x)  # conftest set TRITON_INTERPRET=1
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernels.use_triton(x)
+    monkeypatch.setenv("LEARNKV_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="LEARNKV_KERNELS"):
+        kernels.use_triton(x)
+
+
+def test_benchmark_and_decode_path_import_neither_wandb_nor_datasets():
+    """The GPU machine has torch, triton, transformers and lightning but no wandb or datasets: the benchmark, the
+    kernels and the decode loop (every policy but `learned`, with the kernel path forced) must not import them."""
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['kernels.py', '--help']\n"
+        "try:\n"
+        "    runpy.run_path('bench/kernels.py', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "import kernels, kernels.reference, kernels.select, kernels.compact, kernels.decode_attn, kernels.block_score\n"
+        "import kernels.state_update, kernels.scorer, kernels.reference\n"
+        "from learnkv import generate, POLICIES\n"
+        "from learnkv.model import tiny_model\n"
+        "import torch\n"
+        "model = tiny_model()\n"
+        "ids = torch.randint(0, 256, (1, 44))\n"
+        "for name in POLICIES:\n"
+        "    if name != 'learned':\n"
+        "        generate(model, input_ids=ids, policy=name, budget=36, max_new_tokens=3)\n"
+        "import learnkv.scorer.artifact, learnkv.features\n"
+        "print(sorted({'wandb', 'datasets'} & set(sys.modules)))\n"
+    )
+    env = {"TRITON_INTERPRET": "1", "LEARNKV_KERNELS": "triton", "PATH": "/usr/bin:/bin"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout
