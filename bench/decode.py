@@ -21,20 +21,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learnkv import POLICIES, generate, load_model  # noqa: E402
+from learnkv.eval.metrics import agreement_length  # noqa: E402
 
 PROMPT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May? Think step by step."
 )
-
-
-def agreement_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main() -> None:

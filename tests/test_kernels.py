@@ -6,12 +6,10 @@ Indices and copies must match exactly; floats within per-dtype tolerances. Launc
 NaN-filled (ints: most negative value), so a slot a kernel forgets to write fails.
 """
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +17,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
+from kernel_checks import assert_close, gen, poisoned
 
 pytest.importorskip("triton")
 from kernels.block_score import block_scores  # noqa: E402
@@ -31,35 +30,6 @@ DEVICE = "cuda" if CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not CUDA, reason="large shapes need a GPU (compiled Triton, not the interpreter)")
 #: (atol, rtol) per input dtype for float outputs
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
-
-
-def gen(case_id: str) -> torch.Generator:
-    """A generator seeded by the case, so every case gets its own fresh inputs."""
-    return torch.Generator().manual_seed(zlib.crc32(case_id.encode()))
-
-
-@contextlib.contextmanager
-def poisoned():
-    """Make `torch.empty` / `torch.empty_like` return poisoned memory while a launcher runs."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        if t.is_floating_point():
-            return t.fill_(float("nan"))
-        return t.fill_(True) if t.dtype == torch.bool else t.fill_(torch.iinfo(t.dtype).min)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
-        mp.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
-        yield
-
-
-def assert_close(name, expected, actual, atol, rtol):
-    expected, actual = expected.float().cpu(), actual.float().cpu()
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    err = (actual - expected).abs()
-    ok = not actual.isnan().any() and torch.allclose(actual, expected, atol=atol, rtol=rtol)
-    assert ok, f"{name}: max abs err {err.max():.3g}, mean {err.mean():.3g} (atol {atol}, rtol {rtol})"
 
 
 def make_positions(B, H, T, g, pad=3):

@@ -8,17 +8,16 @@ place, so its state tensors are views into NaN-filled buffers (a write outside t
 allocated NaN-filled (an unwritten score fails).
 """
 
-import contextlib
 import os
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import reference as ref
+from kernel_checks import assert_close, gen, poisoned
 
 pytest.importorskip("triton")
 from kernels.scorer import scorer_mlp  # noqa: E402
@@ -32,31 +31,6 @@ STATE_TOL = (1e-7, 1e-6)
 SCORER_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-5, 1e-5)}
 STATES = ("acc", "s1", "s2", "count", "ts", "mri")
 EXACT = ("count", "ts", "mri")
-
-
-def gen(case_id: str) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(case_id.encode()))
-
-
-@contextlib.contextmanager
-def poisoned():
-    """Make `torch.empty` return NaN-filled memory while a launcher runs (as in `tests/test_kernels.py`)."""
-    empty = torch.empty
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(torch.iinfo(t.dtype).min)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
-        yield
-
-
-def assert_close(name, expected, actual, atol, rtol):
-    expected, actual = expected.float().cpu(), actual.float().cpu()
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    err = (actual - expected).abs()
-    ok = not actual.isnan().any() and torch.allclose(actual, expected, atol=atol, rtol=rtol)
-    assert ok, f"{name}: max abs err {err.max():.3g}, mean {err.mean():.3g} (atol {atol}, rtol {rtol})"
 
 
 def near_alpha(alpha: float) -> torch.Tensor:
