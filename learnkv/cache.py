@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 import kernels
 from learnkv.policies.base import LayerView, Policy
-from learnkv.pooling import shared_token_scores
+from learnkv.pooling import shared_keep_slots
 
 
 class BudgetLayer(DynamicLayer):
@@ -168,11 +168,10 @@ class BudgetCache(Cache):
         if len(self._shared_scores) != len(self.layers):
             raise RuntimeError("layer-shared eviction needs every layer's scores in the same step")
         positions = self.layers[0].positions  # every layer holds the same slots in this mode
-        pooled = shared_token_scores([self._shared_scores[i] for i in range(len(self.layers))], positions)
+        scores = [self._shared_scores[i] for i in range(len(self.layers))]
         self._shared_scores = {}
         policy = self.policy
-        index = kernels.select_keep(pooled[:, None], positions[:, :1], self.keep, policy.n_sink, policy.n_recent,
-                                    self.shared_block)
+        index = shared_keep_slots(scores, positions, self.keep, policy.n_sink, policy.n_recent, self.shared_block)
         for layer in self.layers:
             layer.keep_slots(index.expand(-1, layer.positions.shape[1], -1))
         self.eviction_s += time.perf_counter() - t0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from learnkv.atomic import sha256_file
 from learnkv.features import FEATURE_VERSION, FEATURES
+from learnkv.pooling import POOLING
 from learnkv.scorer.model import Scorer
 
 FORMAT = "learnkv-scorer"
@@ -45,6 +46,7 @@ def export_scorer(scorer: Scorer, out: str | Path, *, model: str, n_kv_heads: in
         "model": model,
         "n_layers": scorer.n_layers,
         "n_kv_heads": n_kv_heads,
+        "pooling": POOLING,  # how layers and heads share one block decision in serving (`learnkv.pooling`)
         "architecture": scorer.config(),
         "normalization": {"mean": scorer.mean.tolist(), "std": scorer.std.tolist()},
         "config_digest": config_digest,
