@@ -106,6 +106,21 @@ def resolve_budget(budget: int | float | str | None, full_length: int) -> int | 
     return int(budget)
 
 
+def resolve_policy(policy: str | Policy, budget_tokens: int | None, granularity: str = "token",
+                   block_size: int = 16, **params) -> Policy:
+    """The policy as `generate` runs it: built (``params``), set to whole blocks in ``"block"`` granularity, and
+    resolved for a budget in tokens. Raises ValueError when its windows do not fit the budget, so callers that run
+    many decodes (`learnkv.eval`) can check every combination before the first one."""
+    policy_obj = make_policy(policy, **params)
+    if not policy_obj.evicts:
+        return policy_obj
+    if budget_tokens is None:
+        raise ValueError(f"policy {policy_obj.name!r} needs a budget (tokens, or a fraction of the full length)")
+    if granularity == "block":
+        policy_obj = dataclasses.replace(policy_obj, block_size=block_size)
+    return policy_obj.resolve(budget_tokens)
+
+
 def encode_prompts(tokenizer, prompts: str | Sequence[str], chat: bool = True) -> tuple[Tensor, Tensor]:
     """Tokenize prompts with left padding; ``chat`` applies the tokenizer's chat template if it has one."""
     if isinstance(prompts, str):
@@ -207,11 +222,8 @@ def generate(
     policy_obj = make_policy(policy, **(policy_params or {}))
     if granularity not in ("token", "block"):
         raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
-    if granularity == "block":
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if policy_obj.evicts:
-            policy_obj = dataclasses.replace(policy_obj, block_size=block_size)
+    if granularity == "block" and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     if input_ids is None:
         if tokenizer is None or prompts is None:
             raise ValueError("give prompts and a tokenizer, or input_ids")
@@ -228,9 +240,7 @@ def generate(
 
     prompt_len = input_ids.shape[1]
     budget_tokens = resolve_budget(budget, prompt_len + max_new_tokens) if policy_obj.evicts else None
-    if policy_obj.evicts and budget_tokens is None:
-        raise ValueError(f"policy {policy_obj.name!r} needs a budget (tokens, or a fraction of the full length)")
-    policy_obj = policy_obj.resolve(budget_tokens) if policy_obj.evicts else policy_obj
+    policy_obj = resolve_policy(policy_obj, budget_tokens, granularity, block_size)
     if policy_obj.needs_future:
         if forced_tokens is None:  # the future is the full-cache continuation of this very call
             forced_tokens = generate(

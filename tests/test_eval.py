@@ -169,6 +169,21 @@ def test_block_granularity_is_what_generate_does_in_block_mode(tiny, policy):
     assert token_mode["attention_recall"] != got["metrics"]["attention_recall"]
 
 
+def test_budget_too_small_for_a_prompt_fails_before_any_decode(tiny, monkeypatch):
+    """A fraction resolves per prompt: 25% of a 30 + 10 token run is 10 tokens, too few for paged's two protected
+    blocks (the first prompt, 140 + 10 tokens, fits). The whole grid fails at once, naming the prompt."""
+    from learnkv.eval.tasks.fidelity import Fidelity
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("decoded before the budgets were checked")
+
+    monkeypatch.setattr(Fidelity, "reference", no_decode)
+    spec = build_spec("full,h2o,paged", "0.9,0.25", "fidelity", max_new_tokens=10)
+    with pytest.raises(ValueError, match=r"fidelity prompt ids/1 \(30 \+ 10 tokens\), budget 0.25 = 10 tokens: "
+                                         r"policy 'paged'.*do not fit in a budget of 10 tokens"):
+        evaluate(tiny, None, spec, samples=[*samples(n=1, length=140), *samples(n=2, length=30)[1:]])
+
+
 # -- tasks, records, files --------------------------------------------------------------------------------------
 
 

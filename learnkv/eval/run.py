@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from learnkv.decode import GenerationResult, resolve_budget
+from learnkv.decode import GenerationResult, resolve_budget, resolve_policy
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
 from learnkv.eval.tasks.base import evicts
 from learnkv.policies import POLICIES, make_policy
@@ -95,7 +95,8 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
             params[name]["seed"] = seed
         for b in budgets:  # a token budget too small for the policy's windows fails now, not mid-run
             if isinstance(b, int):
-                make_policy(name, **params[name]).resolve(b)
+                for task in tasks:
+                    resolve_policy(name, b, task.granularity, task.block_size, **params[name])
     if scorer:  # checked even when unused: a typo should not pass silently
         make_policy("learned", scorer=str(scorer)).resolve_defaults(1)
     return EvalSpec(names, budgets, tasks, params, limit, seed)
@@ -147,6 +148,26 @@ def aggregate(rows: list[dict]) -> dict:
     return {k: _mean([row.get(k) for row in rows]) for k in keys}
 
 
+def check_budgets(task: Task, prompts: Sequence[Sample], spec: EvalSpec) -> None:
+    """Every (prompt, policy, budget) of the grid can run: a fraction resolves per prompt, and a policy whose
+    windows do not fit the resolved budget (e.g. `paged`'s two protected blocks in 25% of a short run) must fail
+    before the first decode, not after an hour of results. Raises ValueError naming the prompt."""
+    checked = set()
+    for sample in prompts:
+        full_length = sample.input_ids.shape[1] + task.max_new_tokens
+        for b in spec.budgets:
+            for p in spec.policies:
+                tokens = resolve_budget(b, full_length) if evicts(p) else None
+                if (p, tokens) in checked:
+                    continue
+                try:
+                    resolve_policy(p, tokens, task.granularity, task.block_size, **spec.params[p])
+                except ValueError as e:
+                    raise ValueError(f"{task.name} prompt {sample.id} ({sample.input_ids.shape[1]} + "
+                                     f"{task.max_new_tokens} tokens), budget {b} = {tokens} tokens: {e}") from None
+                checked.add((p, tokens))
+
+
 def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None = None, progress: bool | None = None,
              model_name: str | None = None) -> list[dict]:
     """Run every policy x budget x task of ``spec``.
@@ -175,6 +196,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         prompts = list(samples)[:limit] if samples is not None else task.load(tokenizer, limit, spec.seed)
         if not prompts:
             raise ValueError(f"task {task.name!r} found no prompts")
+        check_budgets(task, prompts, spec)
         rows = {(p, b): [] for b in spec.budgets for p in spec.policies}
         costs = {key: _Cost() for key in rows}
         first_params = {}
