@@ -15,7 +15,20 @@ from learnkv.atomic import write_json_atomic
 COST_COLUMNS = ("kv_share", "kept_share", "peak_kv_bytes", "tokens_per_s", "eviction_share")
 PLOTTED_COST = ("kv_share", "kept_share", "tokens_per_s", "eviction_share")
 #: the ceiling and the headroom reference stand apart from the colour cycle
-REFERENCE_STYLE = {"full": {"color": "black", "linestyle": "--"}, "oracle": {"color": "dimgray", "linestyle": ":"}}
+#: the learned scorer is the line people look for
+REFERENCE_STYLE = {"full": {"color": "black", "linestyle": "--"}, "oracle": {"color": "dimgray", "linestyle": ":"},
+                   "learned": {"color": "crimson", "linestyle": "-", "linewidth": 2.5}}
+#: the other policies' colours: matplotlib's cycle without its red (C3, too close to learned) and gray (C7, which
+#: reads as the oracle); past eight policies the colours repeat with dash-dot lines
+PALETTE = tuple(f"C{i}" for i in range(10) if i not in (3, 7))
+
+
+def policy_styles(policies) -> dict[str, dict]:
+    """Line colour and style of each policy, the same in every plot of a task (the references stand apart)."""
+    others = [p for p in policies if p not in REFERENCE_STYLE]
+    styles = {p: {"color": PALETTE[i % len(PALETTE)], "linestyle": "-" if i < len(PALETTE) else "-."}
+              for i, p in enumerate(others)}
+    return {p: REFERENCE_STYLE.get(p) or styles[p] for p in policies}
 
 
 def _fmt(metric: str, value) -> str:
@@ -84,13 +97,13 @@ def plot(records: list[dict], out_dir: str | Path) -> list[Path]:
         numeric = len({type(b) for b in budgets}) == 1
         xs = {b: (b if numeric else i) for i, b in enumerate(budgets)}
         unit = ("fraction of the full length" if isinstance(budgets[0], float) else "tokens") if numeric else "as given"
+        styles = policy_styles(list(dict.fromkeys(r["policy"] for r in rows)))
         for metric in _metric_columns(rows) + list(PLOTTED_COST):
             fig, ax = plt.subplots(figsize=(6, 4))
-            for i, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
+            for policy, style in styles.items():
                 pts = sorted((xs[r["budget"]], r["metrics"].get(metric)) for r in rows if r["policy"] == policy
                              and r["metrics"].get(metric) is not None)
                 if pts:
-                    style = REFERENCE_STYLE.get(policy, {"color": f"C{i % 10}", "linestyle": "-"})
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy, **style)
             if not numeric:
                 ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
