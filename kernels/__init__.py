@@ -6,9 +6,9 @@ The public functions import their implementation on first call.
 
 Every public function has a reference with the same signature in `kernels.reference` (the spec and the CPU path)
 and a Triton launcher in its own module (`kernels.select`, `kernels.compact`, `kernels.decode_attn`,
-`kernels.block_score`, `kernels.state_update`, `kernels.scorer`). No module may be named after a public
-function: importing `kernels.<name>` binds the attribute `kernels.<name>` to the module and would shadow the
-function.
+`kernels.block_score`, `kernels.state_update`, `kernels.scorer`, `kernels.features`). No module may be named after
+a public function: importing `kernels.<name>` binds the attribute `kernels.<name>` to the module and would shadow
+the function.
 
 The one switch is the environment variable ``LEARNKV_KERNELS``, read at every call (so tests can flip it):
 
@@ -27,6 +27,7 @@ __all__ = [
     "block_scores",
     "update_token_state",
     "scorer_mlp",
+    "decode_features",
     "triton_available",
     "use_triton",
     "kernel_mode",
@@ -131,3 +132,13 @@ def scorer_mlp(features, mean, std, w1, b1, w2, b2):
     else:
         from kernels.reference import scorer_mlp_reference as impl
     return impl(features, mean, std, w1, b1, w2, b2)
+
+
+def decode_features(attn, keys, values, positions, layer, n_layers, step, state):
+    """One decode step of the learned policy's feature tracker (state in place, ``[B, H, T, F]`` features out);
+    see `kernels.reference`."""
+    if _use_triton(attn, keys, values, positions, *state.values()):
+        from kernels.features import decode_features as impl
+    else:
+        from kernels.reference import decode_features_reference as impl
+    return impl(attn, keys, values, positions, layer, n_layers, step, state)

@@ -273,3 +273,44 @@ def scorer_mlp_reference(
     h = torch.relu(x @ w1.float() + b1.float())
     b2 = b2.float().reshape(()) if isinstance(b2, Tensor) else float(b2)
     return h @ w2.float() + b2
+
+
+def decode_features_reference(
+    attn: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    positions: Tensor,
+    layer: int,
+    n_layers: int,
+    step: int,
+    state: dict[str, Tensor],
+) -> Tensor:
+    """One decode step of the learned policy's feature tracker: `FeatureTracker.update` then `.features`.
+
+    Parameters
+    ----------
+    attn : Tensor
+        ``[B, H, G, 1, T]`` fp32 attention of the step's one query row, per query head of each KV head.
+    keys, values : Tensor
+        ``[B, H, T, D]`` as cached.
+    positions : Tensor
+        ``[B, H, T]`` int64 slot positions, -1 for padding; the step's query is the last slot (``n_new = 1``).
+    layer, n_layers : int
+        This layer and the model's layer count.
+    step : int
+        The decode step (>= 1); the prefill, which creates the state, runs the tracker itself.
+    state : dict[str, Tensor]
+        The tracker's ``f.*`` state, updated (its entries rebound to the new tensors).
+
+    Returns
+    -------
+    Tensor
+        ``[B, H, T, F]`` fp32 features in `learnkv.features.FEATURES` order, zero on padding slots.
+    """
+    from learnkv.features import FeatureTracker
+
+    if attn.ndim != 5 or attn.shape[3] != 1 or step < 1:
+        raise ValueError(f"a decode step: attn [B, H, G, 1, T] and step >= 1, got {tuple(attn.shape)}, step {step}")
+    tracker = FeatureTracker(n_layers)
+    tracker.update(attn, positions, 1, step, state)
+    return tracker.features(attn, keys, values, positions, layer, step, state)

@@ -26,6 +26,7 @@ LAUNCHERS = {
     "update_token_state": ("kernels.state_update", "update_token_state"),
     "scorer_mlp": ("kernels.scorer", "scorer_mlp"),
     "block_scores": ("kernels.block_score", "block_scores"),
+    "decode_features": ("kernels.features", "decode_features"),
 }
 EVICTION = ("decode_attention", "select_keep", "gather_tokens")
 POLICY_CASES = [  # policy, extra generate arguments, launchers that must run
@@ -34,7 +35,9 @@ POLICY_CASES = [  # policy, extra generate arguments, launchers that must run
     pytest.param("lazy", {}, EVICTION + ("update_token_state",), id="lazy"),
     pytest.param("tova", {}, EVICTION, id="tova"),
     pytest.param("paged", {"policy_params": {"block_size": 4}}, EVICTION + ("block_scores",), id="paged"),
-    pytest.param("learned", {}, ("select_keep", "gather_tokens", "scorer_mlp"), id="learned"),
+    # small protected windows: with the defaults (4 + 8) a budget of 12 is all protected and the scores never count
+    pytest.param("learned", {"policy_params": {"n_sink": 1, "n_recent": 2}},
+                 ("select_keep", "gather_tokens", "scorer_mlp", "decode_features"), id="learned"),
     pytest.param("h2o", {"granularity": "block", "block_size": 4}, EVICTION + ("update_token_state",),
                  id="h2o-shared-blocks"),
 ]
@@ -113,7 +116,7 @@ def test_benchmark_and_decode_path_import_neither_wandb_nor_datasets():
         "except SystemExit:\n"
         "    pass\n"
         "import kernels, kernels.reference, kernels.select, kernels.compact, kernels.decode_attn, kernels.block_score\n"
-        "import kernels.state_update, kernels.scorer, kernels.reference\n"
+        "import kernels.state_update, kernels.scorer, kernels.features, kernels.reference\n"
         "from learnkv import generate, POLICIES\n"
         "from learnkv.model import tiny_model\n"
         "import torch\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
@@ -63,10 +64,43 @@ class Learned(Policy):
 
     def update(self, view: LayerView) -> None:
         _, tracker = self._loaded(view.layer)
+        self.__dict__["_fused_features"] = None
+        if _fused_step(view):
+            import kernels
+
+            # one launch updates the state and computes the features; `score`, which the cache calls right after
+            # this update when it evicts, takes them from here (only the latest layer's are kept)
+            feats = kernels.decode_features(view.attn, view.keys, view.values, view.positions, view.layer,
+                                            tracker.n_layers, view.step, view.state)  # fmt: skip
+            self.__dict__["_fused_features"] = (view.layer, view.step, view.positions, feats)
+            return
         tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
 
     def score(self, view: LayerView) -> Tensor:
         model, tracker = self._loaded(view.layer)
-        feats = tracker.features(view.attn, view.keys, view.values, view.positions, view.layer, view.step, view.state)
+        fused, self.__dict__["_fused_features"] = self.__dict__.get("_fused_features"), None
+        if fused is not None and fused[:2] == (view.layer, view.step) and fused[2] is view.positions:
+            feats = fused[3]
+        else:
+            feats = tracker.features(view.attn, view.keys, view.values, view.positions, view.layer, view.step,
+                                     view.state)  # fmt: skip
         model = model.to(feats.device)
         return model(feats, view.layer)
+
+
+def _fused_step(view: LayerView) -> bool:
+    """A decode step (one new fp32 query row, state from the prefill) on the kernel path: `kernels.decode_features`.
+    The prefill and multi-token steps stay on the torch tracker, as does everything on the torch path."""
+    import kernels
+
+    attn = view.attn
+    return (
+        view.step >= 1
+        and view.n_new == 1
+        and attn is not None
+        and attn.ndim == 5
+        and attn.shape[3] == 1
+        and attn.dtype == torch.float32
+        and "f.acc" in view.state
+        and kernels.use_triton(attn, view.keys, view.values, view.positions)
+    )

@@ -1,0 +1,271 @@
+"""Triton `decode_features`: one decode step of `learnkv.features.FeatureTracker` (``update`` then ``features``)
+in one launch per layer (`kernels.reference.decode_features_reference`).
+
+The torch tracker costs dozens of small launches per layer and step (running sums, a torch.cat window shift,
+the recurrence counters, ~20 ops for the features). Here program ``(b * H + h, chunk)`` owns ``BLOCK_T`` slots of
+one row: it scans the row's positions once for the visible-token count and the current position, updates every
+``f.*`` state tensor of its slots in place (the window shifted row by row, so ``f.win [B, H, WINDOW, T]`` keeps
+its layout and the torch tracker can take over mid-run), and writes the slots' ``[F]`` features.
+
+The arithmetic follows the tracker op by op in fp32: the group mean is a sequential sum then one division, divisions
+and square roots are correctly rounded (``div_rn``, ``sqrt_rn``), the window std is Welford's (as torch's), so
+integer-valued state (counts, steps, intervals) is exact and the rest agrees to a few ulps. ``log1p`` is libdevice's
+on GPU; the interpreter has no libdevice, so there it is Goldberg's ``log(u) * x / (u - 1)``, ``u = 1 + x``
+(accurate to a few ulps for the non-negative arguments used here).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from learnkv.features import _STATE, FEATURES, SINKS, WINDOW
+
+# the column order the kernel writes; checked against the feature list so a change there cannot go unnoticed
+_ORDER = (
+    "attn", "attn_gmax", "acc_sum", "acc_mean", "acc_std", "win_mean", "win_max", "win_std", "since_high",
+    "n_returns", "mean_interval", "last_interval", "max_interval", "key_norm", "value_norm", "age", "rel_pos",
+    "is_sink", "layer",
+)  # fmt: skip
+
+
+@triton.jit
+def _log1p(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.log1p(x)
+    else:
+        u = 1.0 + x
+        return tl.where(u == 1.0, x, tl.log(u) * tl.math.div_rn(x, tl.where(u == 1.0, 1.0, u - 1.0)))
+
+
+@triton.jit
+def _sq_norm(base, slot, m, s_t, s_d, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(base + slot[:, None] * s_t + d[None, :] * s_d, mask=m[:, None] & (d[None, :] < D), other=0.0)
+        x = x.to(tl.float32)
+        total += tl.sum(x * x, axis=1)
+    return total
+
+
+@triton.jit
+def _decode_features_kernel(
+    attn_ptr, key_ptr, val_ptr, pos_ptr,
+    acc_ptr, sq_ptr, cnt_ptr, lh_ptr, nr_ptr, si_ptr, li_ptr, mi_ptr, win_ptr, out_ptr,
+    H, T, G, DK, DV, w_first, g_f, n_win_f, step_f, layer_f,
+    sa_b, sa_h, sa_g, sa_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_h, sp_t,
+    ss_b, ss_h, ss_t, sw_b, sw_h, sw_w, sw_t, so_b, so_h, so_t, so_f,
+    WIN: tl.constexpr, N_SINK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    b = (row // H).to(tl.int64)
+    h = (row % H).to(tl.int64)
+    p_base = pos_ptr + b * sp_b + h * sp_h
+
+    # the whole row's visible-token count and newest position (every chunk needs them)
+    n_vis = tl.zeros([BLOCK_T], dtype=tl.int32)
+    p_max = tl.full([BLOCK_T], -1, dtype=tl.int64)
+    for t0 in range(0, T, BLOCK_T):
+        s = t0 + tl.arange(0, BLOCK_T)
+        p = tl.load(p_base + s * sp_t, mask=s < T, other=-1)
+        n_vis += (p >= 0).to(tl.int32)
+        p_max = tl.maximum(p_max, p)
+    n_f = tl.maximum(tl.sum(n_vis, axis=0), 1).to(tl.float32)
+    current = tl.maximum(tl.max(p_max, axis=0), 1).to(tl.float32)
+    q = tl.load(p_base + (T - 1) * sp_t)  # the step's query is the newest slot
+
+    slot = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    m = slot < T
+    pos = tl.load(p_base + slot * sp_t, mask=m, other=-1)
+
+    # the query heads of the group: sequential sum (torch's order for a reduction over a short outer axis), max
+    a_base = attn_ptr + b * sa_b + h * sa_h + slot * sa_t
+    a_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
+    a_max = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+    for g in range(0, G):
+        a = tl.load(a_base + g * sa_g, mask=m, other=0.0).to(tl.float32)
+        a_sum += a
+        a_max = tl.maximum(a_max, a)
+    a_mean = tl.math.div_rn(a_sum, g_f)
+
+    # -- update: running sums, observation count
+    st = b * ss_b + h * ss_h + slot * ss_t
+    acc = tl.load(acc_ptr + st, mask=m) + a_mean
+    tl.store(acc_ptr + st, acc, mask=m)
+    acc_sq = tl.load(sq_ptr + st, mask=m) + a_mean * a_mean
+    tl.store(sq_ptr + st, acc_sq, mask=m)
+    seen = (pos >= 0) & (q >= 0) & (pos <= q)
+    count = tl.load(cnt_ptr + st, mask=m) + seen.to(tl.float32)
+    tl.store(cnt_ptr + st, count, mask=m)
+
+    # -- update: the window moves up one row, the step's mean enters last. Each slot's column is read and written
+    # by the same lanes in row order, so the in-place shift reads every old row before it is overwritten.
+    # The statistics of its last n_win rows come along: sequential sum, max, Welford's mean and M2.
+    w_base = win_ptr + b * sw_b + h * sw_h + slot * sw_t
+    w_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
+    w_max = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+    w_mu = tl.zeros([BLOCK_T], dtype=tl.float32)
+    w_m2 = tl.zeros([BLOCK_T], dtype=tl.float32)
+    w_k = tl.zeros([BLOCK_T], dtype=tl.float32)  # rows seen so far
+    for w in tl.static_range(WIN):
+        if w == WIN - 1:
+            x = a_mean
+        else:
+            x = tl.load(w_base + (w + 1) * sw_w, mask=m, other=0.0)
+        tl.store(w_base + w * sw_w, x, mask=m)
+        if w >= w_first:
+            w_k += 1.0
+            w_sum += x
+            w_max = tl.maximum(w_max, x)
+            delta = x - w_mu
+            w_mu += tl.math.div_rn(delta, w_k)
+            w_m2 += delta * (x - w_mu)
+
+    # -- update: recurrence ("high" = above-uniform attention from any head of the group)
+    high = a_max * n_f >= 1.0
+    last = tl.where(slot == T - 1, step_f - 1.0, tl.load(lh_ptr + st, mask=m))  # a new slot: seen the step before
+    gap = step_f - last
+    ret = high & (gap >= 2.0)
+    n_ret = tl.load(nr_ptr + st, mask=m) + ret.to(tl.float32)
+    tl.store(nr_ptr + st, n_ret, mask=m)
+    s_int = tl.load(si_ptr + st, mask=m) + tl.where(ret, gap, 0.0)
+    tl.store(si_ptr + st, s_int, mask=m)
+    l_int = tl.where(ret, gap, tl.load(li_ptr + st, mask=m))
+    tl.store(li_ptr + st, l_int, mask=m)
+    m_int = tl.maximum(tl.load(mi_ptr + st, mask=m), tl.where(high, gap, 0.0))
+    tl.store(mi_ptr + st, m_int, mask=m)
+    last = tl.where(high, step_f, last)
+    tl.store(lh_ptr + st, last, mask=m)
+
+    # -- features, in FEATURES order; padding slots get zeros
+    cnt1 = tl.maximum(count, 1.0)
+    mean = tl.math.div_rn(acc, cnt1)
+    std = tl.sqrt_rn(tl.maximum(tl.math.div_rn(acc_sq, cnt1) - mean * mean, 0.0))
+    pos_f = pos.to(tl.float32)
+    k_norm = tl.sqrt_rn(_sq_norm(key_ptr + b * sk_b + h * sk_h, slot, m, sk_t, sk_d, DK, BLOCK_T, BLOCK_D))
+    v_norm = tl.sqrt_rn(_sq_norm(val_ptr + b * sv_b + h * sv_h, slot, m, sv_t, sv_d, DV, BLOCK_T, BLOCK_D))
+    valid = pos >= 0
+    o_base = out_ptr + b * so_b + h * so_h + slot * so_t
+    for f in tl.static_range(19):
+        if f == 0:
+            v = _log1p(a_mean * n_f, LIBDEVICE)
+        elif f == 1:
+            v = _log1p(a_max * n_f, LIBDEVICE)
+        elif f == 2:
+            v = _log1p(acc, LIBDEVICE)
+        elif f == 3:
+            v = _log1p(mean * n_f, LIBDEVICE)
+        elif f == 4:
+            v = _log1p(std * n_f, LIBDEVICE)
+        elif f == 5:
+            v = _log1p(tl.math.div_rn(w_sum, n_win_f) * n_f, LIBDEVICE)
+        elif f == 6:
+            v = _log1p(w_max * n_f, LIBDEVICE)
+        elif f == 7:
+            v = _log1p(tl.sqrt_rn(tl.math.div_rn(w_m2, n_win_f)) * n_f, LIBDEVICE)
+        elif f == 8:
+            v = _log1p(tl.maximum(step_f - last, 0.0), LIBDEVICE)
+        elif f == 9:
+            v = _log1p(n_ret, LIBDEVICE)
+        elif f == 10:
+            v = _log1p(tl.math.div_rn(s_int, tl.maximum(n_ret, 1.0)), LIBDEVICE)
+        elif f == 11:
+            v = _log1p(l_int, LIBDEVICE)
+        elif f == 12:
+            v = _log1p(m_int, LIBDEVICE)
+        elif f == 13:
+            v = k_norm
+        elif f == 14:
+            v = v_norm
+        elif f == 15:
+            v = _log1p(tl.maximum(current - pos_f, 0.0), LIBDEVICE)
+        elif f == 16:
+            v = tl.math.div_rn(pos_f, current)
+        elif f == 17:
+            v = (valid & (pos < N_SINK)).to(tl.float32)
+        else:
+            v = tl.zeros([BLOCK_T], dtype=tl.float32) + layer_f
+        tl.store(o_base + f * so_f, tl.where(valid, v, 0.0), mask=m)
+
+
+def decode_features(attn, keys, values, positions, layer: int, n_layers: int, step: int, state, *, block_t=None):
+    """Triton launcher of `kernels.reference.decode_features_reference` (same arguments, same effect).
+
+    Parameters
+    ----------
+    attn : Tensor
+        ``[B, H, G, 1, T]`` fp32 attention of the step's one query row, per query head of each KV head.
+    keys, values : Tensor
+        ``[B, H, T, D]`` any float dtype, any strides (read for their norms, in fp32).
+    positions : Tensor
+        ``[B, H, T]`` int64 slot positions, -1 for padding; the step's query is the last slot.
+    layer, n_layers : int
+        This layer and the model's layer count (the ``layer`` feature).
+    step : int
+        The decode step, >= 1 (the prefill stays on the torch tracker).
+    state : dict[str, Tensor]
+        The tracker's ``f.*`` fp32 state, updated in place: ``[B, H, T]`` tensors sharing one layout, and
+        ``f.win [B, H, WINDOW, T]``.
+    block_t : int, optional
+        Tuning (and tests): slots per program, a power of two.
+
+    Returns
+    -------
+    Tensor
+        ``[B, H, T, F]`` fp32 features in `learnkv.features.FEATURES` order, zero on padding slots.
+    """
+    if FEATURES != _ORDER:
+        raise RuntimeError("learnkv.features.FEATURES changed: update the kernel's columns and _ORDER")
+    if positions.ndim != 3:
+        raise ValueError(f"positions must be [B, H, T], got {tuple(positions.shape)}")
+    B, H, T = positions.shape
+    if attn.ndim != 5 or attn.shape[:2] != (B, H) or attn.shape[3:] != (1, T):
+        raise ValueError(f"attn must be [B, H, G, 1, T] with [B, H, T] = {(B, H, T)}, got {tuple(attn.shape)}")
+    if attn.dtype != torch.float32:  # the tracker would reduce a bf16 group in bf16; the attention hands fp32
+        raise ValueError(f"attn must be fp32, got {attn.dtype}")
+    for name, x in (("keys", keys), ("values", values)):
+        if x.ndim != 4 or x.shape[:3] != (B, H, T):
+            raise ValueError(f"{name} must be [B, H, T, D] with [B, H, T] = {(B, H, T)}, got {tuple(x.shape)}")
+    if step < 1:
+        raise ValueError(f"decode_features is for decode steps (step >= 1), got step {step}")
+    missing = [n for n in _STATE if n not in state]
+    if missing:
+        raise ValueError(f"state lacks {missing}: the prefill (the torch tracker) creates it")
+    first = state["f.acc"]
+    layout = [s for s, n in zip(first.stride(), first.shape) if n > 1]  # a size-1 dim's stride is never used
+    for name in _STATE:
+        t = state[name]
+        shape = (B, H, WINDOW, T) if name == "f.win" else (B, H, T)
+        same = name == "f.win" or [s for s, n in zip(t.stride(), t.shape) if n > 1] == layout
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not same:
+            raise ValueError(f"state {name!r} must be fp32 {shape} (the [B, H, T] ones with one layout), "
+                             f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")  # fmt: skip
+    out = torch.empty(B, H, T, len(FEATURES), dtype=torch.float32, device=positions.device)
+    if B * H * T == 0:
+        return out
+
+    D = max(keys.shape[-1], values.shape[-1], 1)
+    if positions.is_cuda:
+        default_t, block_d, warps = 512, min(32, triton.next_power_of_2(D)), 8
+    else:  # the interpreter: one program per row is fastest
+        default_t, block_d, warps = triton.next_power_of_2(T), triton.next_power_of_2(D), 1
+    block_t = block_t or default_t
+    positions = positions.long()
+    layer_f = float(torch.tensor(layer / max(n_layers - 1, 1), dtype=torch.float32))  # torch.full's fp32 value
+    s = {n: state[n] for n in _STATE}
+    n_win = min(WINDOW, step + 1)  # the window rows filled so far, as the tracker counts them
+    grid = (B * H, triton.cdiv(T, block_t))
+    _decode_features_kernel[grid](
+        attn, keys, values, positions,
+        s["f.acc"], s["f.acc_sq"], s["f.count"], s["f.last_high"], s["f.n_returns"], s["f.sum_interval"],
+        s["f.last_interval"], s["f.max_interval"], s["f.win"], out,
+        H, T, attn.shape[2], keys.shape[-1], values.shape[-1],
+        WINDOW - n_win, float(attn.shape[2]), float(n_win), float(step), layer_f,
+        attn.stride(0), attn.stride(1), attn.stride(2), attn.stride(4), *keys.stride(), *values.stride(),
+        *positions.stride(), *first.stride(), *s["f.win"].stride(), *out.stride(),
+        WIN=WINDOW, N_SINK=SINKS, BLOCK_T=block_t, BLOCK_D=block_d, LIBDEVICE=positions.is_cuda, num_warps=warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,213 @@
+"""The fused decode-step feature kernel (`kernels.features.decode_features`) against its reference
+(`FeatureTracker.update` then `.features`), and the two paths taking turns over a decode.
+
+As in `tests/test_kernels_state.py`: on CPU the launcher runs under the Triton interpreter (`TRITON_INTERPRET=1`, set
+by conftest); with a real GPU (``TRITON_INTERPRET=0``) the same tests run compiled on CUDA. Integer-valued state
+(counts, steps, intervals) must match exactly, float state and features within tight tolerances. The state is
+updated in place, so the state tensors are views into NaN-filled buffers (a write outside them shows), and the
+features are allocated NaN-filled (an unwritten slot or column fails).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernel_checks import assert_close, gen, poisoned
+from kernels import reference as ref
+from learnkv.features import _STATE, FEATURES, WINDOW, FeatureTracker
+
+pytest.importorskip("triton")
+from kernels.features import decode_features  # noqa: E402
+
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+DEVICE = "cuda" if CUDA else "cpu"
+EXACT = ("f.count", "f.last_high", "f.n_returns", "f.sum_interval", "f.last_interval", "f.max_interval")
+#: fp32 sums (acc_sq may take a fused multiply-add on GPU); features: log1p and norms to a few ulps
+STATE_TOL = (1e-7, 1e-6)
+FEATURE_TOL = (1e-6, 4e-6)
+N_LAYERS = 3
+
+CASES = [  # B, H, G, T, D, step, keys/values dtype, layout, slots per program
+    pytest.param(1, 1, 1, 1, 4, 1, torch.float32, "contiguous", None, id="B1-H1-G1-T1-t1"),
+    pytest.param(2, 2, 4, 13, 8, 3, torch.float32, "contiguous", None, id="B2-H2-G4-T13-t3"),
+    pytest.param(2, 2, 8, 13, 8, 15, torch.bfloat16, "strided", 8, id="B2-H2-G8-T13-t15-bf16-strided-chunk8"),
+    pytest.param(1, 3, 4, 29, 16, 20, torch.float32, "strided", 8, id="B1-H3-G4-T29-t20-strided-chunk8"),
+    pytest.param(2, 1, 1, 21, 6, 40, torch.bfloat16, "contiguous", None, id="B2-H1-G1-T21-D6-t40-bf16"),
+    pytest.param(2, 2, 8, 17, 8, 7, torch.float32, "pad-query", 16, id="B2-H2-G8-T17-t7-padquery-chunk16"),
+    pytest.param(1, 2, 4, 33, 8, 16, torch.bfloat16, "shared-pos", None, id="B1-H2-G4-T33-t16-bf16-sharedpos"),
+]
+
+
+def decode_inputs(g, B, H, G, T, D, step, dtype, layout):
+    """A decode step as the cache hands it: gapped left-padded positions with the step's token last, attention that
+    sums to one over the visible slots (some of it exactly at and next to the uniform level, where "high" flips),
+    and tracker state with integer counts and steps, zeros in the new slot and in window rows not filled yet."""
+    pos = torch.randint(1, 3, (B, 1 if layout == "shared-pos" else H, T), generator=g).cumsum(-1) - 1
+    pos[0, :, : min(3, T - 1)] = -1  # left padding, never the new slot
+    if layout == "pad-query":
+        pos[-1, :, -1] = -1  # a padding query row: it sees nothing
+    pos = pos.expand(B, H, T) if layout == "shared-pos" else pos
+    valid = pos >= 0
+    attn = torch.rand(B, H, G, 1, T, generator=g) * valid[:, :, None, None]
+    attn = attn / attn.sum(-1, keepdim=True).clamp(min=1e-9)
+    n = valid.sum(-1).clamp(min=1)  # [B, H]
+    uniform = (1.0 / n.float())[:, :, None, None, None]
+    edge = torch.cat([uniform, torch.nextafter(uniform, torch.zeros(())), torch.nextafter(uniform, torch.ones(()))], -1)
+    if T >= 4:
+        attn[..., -4:-1] = edge.expand(B, H, G, 1, 3)
+    keys = torch.randn(B, H, T, D, generator=g).to(dtype)
+    values = torch.randn(B, H, T, D, generator=g).to(dtype)
+
+    def ints(high):
+        return torch.randint(0, max(high, 1), (B, H, T), generator=g).float()
+
+    state = {
+        "f.acc": torch.rand(B, H, T, generator=g) * step,
+        "f.acc_sq": torch.rand(B, H, T, generator=g) * step / T,
+        "f.count": ints(step + 1),
+        "f.last_high": ints(step),
+        "f.n_returns": ints(step // 2),
+        "f.sum_interval": ints(step),
+        "f.last_interval": ints(step),
+        "f.max_interval": ints(step),
+        "f.win": torch.rand(B, H, WINDOW, T, generator=g) / T,
+    }
+    state["f.win"][:, :, : max(WINDOW - step, 0)] = 0  # rows before the prefill's last query row
+    for t in state.values():
+        t[..., -1] = 0  # the cache appends zeros for the step's new slot
+    return attn, keys, values, pos, state
+
+
+def nan_views(state):
+    """Copies of the state as views into NaN-filled buffers: ``[B, H, T]`` inside ``[B, H, T + 2]``, and the window
+    as the torch tracker leaves it after a step (the last WINDOW rows of ``[B, H, WINDOW + 1, T]``)."""
+    views, buffers = {}, {}
+    for name, t in state.items():
+        if name == "f.win":
+            buf = torch.full((t.shape[0], t.shape[1], WINDOW + 1, t.shape[3]), float("nan"), device=DEVICE)
+            view = buf[:, :, 1:]
+        else:
+            buf = torch.full((*t.shape[:-1], t.shape[-1] + 2), float("nan"), device=DEVICE)
+            view = buf[..., 1:-1]
+        view.copy_(t)
+        views[name], buffers[name] = view, buf
+    return views, buffers
+
+
+def check(expected_state, state, expected_feats, feats, where=""):
+    for name in _STATE:
+        if name in EXACT:
+            assert torch.equal(state[name].cpu(), expected_state[name]), f"{where}{name} differs"
+        else:
+            assert_close(f"{where}{name}", expected_state[name], state[name], *STATE_TOL)
+    assert feats.dtype == torch.float32 and feats.shape == expected_feats.shape
+    for i, name in enumerate(FEATURES):
+        assert_close(f"{where}feature {name}", expected_feats[..., i], feats[..., i], *FEATURE_TOL)
+
+
+@pytest.mark.parametrize("B, H, G, T, D, step, dtype, layout, block_t", CASES)
+def test_decode_features(request, B, H, G, T, D, step, dtype, layout, block_t):
+    g = gen(request.node.callspec.id)
+    attn, keys, values, pos, state = decode_inputs(g, B, H, G, T, D, step, dtype, layout)
+    expected_state = {n: t.clone() for n, t in state.items()}
+    expected = ref.decode_features_reference(attn, keys, values, pos, 1, N_LAYERS, step, expected_state)
+
+    if layout == "strided":
+        actual_state, buffers = nan_views(state)
+    else:
+        actual_state, buffers = {n: t.to(DEVICE) for n, t in state.items()}, {}
+    tensors = [t.to(DEVICE) for t in (attn, keys, values, pos)]
+    with poisoned():
+        feats = decode_features(*tensors, 1, N_LAYERS, step, actual_state, block_t=block_t)
+    check(expected_state, actual_state, expected, feats)
+    assert (expected[~(pos >= 0)] == 0).all() and (feats[~(pos >= 0).to(DEVICE)] == 0).all()
+    for name, buf in buffers.items():
+        edges = buf[:, :, 0] if name == "f.win" else buf[..., [0, -1]]
+        assert edges.isnan().all(), f"{name}: a write outside the state tensor"
+
+
+def test_paths_take_turns_over_a_decode():
+    """Prefill with the tracker, then decode steps alternating kernel and reference on one growing state, against
+    the tracker alone: either path can take over mid-run (same state layout), past the window filling up."""
+    g = gen("turns")
+    B, H, G, T0, D = 2, 2, 4, 6, 4
+    pos = torch.arange(T0).expand(B, H, T0).clone()
+    pos[1, :, :2] = -1
+    attn = torch.rand(B, H, G, T0, T0, generator=g).softmax(-1)
+    mine, theirs = {}, {}
+    tracker = FeatureTracker(N_LAYERS)
+    tracker.update(attn, pos, T0, 0, mine)
+    tracker.update(attn, pos, T0, 0, theirs)
+    for step in range(1, WINDOW + 3):
+        pos = torch.cat([pos, torch.full((B, H, 1), T0 + step - 1)], dim=-1)
+        T = pos.shape[-1]
+        for st in (mine, theirs):
+            for n, t in st.items():
+                st[n] = torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], dim=-1)
+        attn = torch.rand(B, H, G, 1, T, generator=g) ** 4  # peaked: some tokens go high, come back
+        attn = attn / attn.sum(-1, keepdim=True)
+        keys, values = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+        tracker.update(attn, pos, 1, step, theirs)
+        expected = tracker.features(attn, keys, values, pos, 2, step, theirs)
+        if step % 2:
+            on = {n: t.to(DEVICE) for n, t in mine.items()}
+            feats = decode_features(*(t.to(DEVICE) for t in (attn, keys, values, pos)), 2, N_LAYERS, step, on)
+            mine = {n: t.cpu() for n, t in on.items()}
+        else:
+            feats = ref.decode_features_reference(attn, keys, values, pos, 2, N_LAYERS, step, mine)
+        check(theirs, mine, expected, feats, where=f"step {step}: ")
+    assert theirs["f.n_returns"].sum() > 0, "no token ever came back: the recurrence went untested"
+
+
+def test_decode_features_rejects_bad_arguments():
+    g = gen("bad")
+    attn, keys, values, pos, state = decode_inputs(g, 2, 2, 4, 9, 4, 3, torch.float32, "contiguous")
+    with pytest.raises(ValueError, match="fp32"):
+        decode_features(attn.bfloat16(), keys, values, pos, 0, N_LAYERS, 3, dict(state))
+    with pytest.raises(ValueError, match="step >= 1"):
+        decode_features(attn, keys, values, pos, 0, N_LAYERS, 0, dict(state))
+    with pytest.raises(ValueError, match=r"\[B, H, G, 1, T\]"):
+        decode_features(attn.expand(-1, -1, -1, 2, -1), keys, values, pos, 0, N_LAYERS, 3, dict(state))
+    with pytest.raises(ValueError, match="lacks"):
+        decode_features(attn, keys, values, pos, 0, N_LAYERS, 3, {n: t for n, t in state.items() if n != "f.win"})
+    other = dict(state, **{"f.count": state["f.count"].transpose(0, 1).contiguous().transpose(0, 1)})
+    with pytest.raises(ValueError, match="one layout"):
+        decode_features(attn, keys, values, pos, 0, N_LAYERS, 3, other)
+    with pytest.raises(ValueError, match="step >= 1"):
+        ref.decode_features_reference(attn, keys, values, pos, 0, N_LAYERS, 0, dict(state))
+
+
+COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import features
+
+fn = features._decode_features_kernel
+consts = dict(WIN=16, N_SINK=4, BLOCK_T=512, BLOCK_D=32, LIBDEVICE=True)
+floats = ("g_f", "n_win_f", "step_f", "layer_f")
+for kv in ("*fp32", "*bf16"):
+    sig = {n: "constexpr" if n in consts else "fp32" if n in floats else "*fp32" if n.endswith("_ptr") else "i32"
+           for n in fn.arg_names}
+    sig.update(key_ptr=kv, val_ptr=kv, pos_ptr="*i64")
+    triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+print("compiled")
+"""
+
+
+def test_decode_features_kernel_compiles_for_h100():
+    """The kernel in the configuration the launcher picks on CUDA (libdevice's log1p, a runtime branch per window
+    row) compiles to an sm_90 cubin: the interpreter checks none of what the GPU compiler does."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton wheel ships no ptxas")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", COMPILE], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
