@@ -90,6 +90,7 @@ def cases(B: int, T: int, Hq: int, H: int, D: int, dtype, device: str, use_trito
         from kernels.block_score import block_scores
         from kernels.compact import gather_tokens
         from kernels.decode_attn import decode_attention
+        from kernels.features import decode_features
         from kernels.scorer import scorer_mlp
         from kernels.select import select_keep
         from kernels.state_update import update_token_state
@@ -130,6 +131,22 @@ def cases(B: int, T: int, Hq: int, H: int, D: int, dtype, device: str, use_trito
     w[1] = w[1].abs() + 0.5
     yield ("scorer_mlp", lambda: ref.scorer_mlp_reference(feats, *w),
            (lambda: scorer_mlp(feats, *w)) if triton_ok else None, nbytes(feats) + B * H * T * 4, False)  # fmt: skip
+
+    # the learned policy's decode step: tracker state in place + the features the scorer reads, one launch per layer
+    from learnkv.features import _STATE, WINDOW
+
+    step = 40  # past the window: every statistic is live
+    tracker_attn = torch.softmax(torch.randn(B, H, Hq // H, 1, T, generator=g, device=device), dim=-1)
+    tracker_state = {n: (torch.rand(B, H, T, generator=g, device=device) * step).floor() for n in _STATE}
+    tracker_state["f.acc"] = tracker_state["f.acc"] / T
+    tracker_state["f.acc_sq"] = tracker_state["f.acc_sq"] / T**2
+    tracker_state["f.win"] = torch.rand(B, H, WINDOW, T, generator=g, device=device) / T
+    fresh_tracker = lambda: {n: t.clone() for n, t in tracker_state.items()}  # noqa: E731
+    yield ("decode_features",
+           lambda: ref.decode_features_reference(tracker_attn, k, v, kpos, 3, 32, step, fresh_tracker()),
+           (lambda: decode_features(tracker_attn, k, v, kpos, 3, 32, step, fresh_tracker())) if triton_ok else None,
+           nbytes(tracker_attn, k, v, kpos) + 2 * nbytes(*tracker_state.values()) + B * H * T * F * 4,
+           False)  # fmt: skip
 
 
 def step_model(Hq: int, H: int, D: int, layers: int, dtype, device: str):
@@ -207,6 +224,9 @@ def main() -> None:
     time_ms = timer(device)
     import kernels
 
+    # the one switch decides: Triton rows on CUDA, and on CPU too under LEARNKV_KERNELS=triton TRITON_INTERPRET=1
+    # (how CI checks this script's Triton path before a GPU session spends its time on it)
+    triton_rows = kernels.use_triton(torch.empty(0, device=device))
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {name}; {dtype}, Hq={Hq}, H={H}, D={D}; LEARNKV_KERNELS={kernels.kernel_mode()}; "
           f"{time.strftime('%Y-%m-%d')}\n")  # fmt: skip
@@ -217,7 +237,7 @@ def main() -> None:
         for B in batches:
             for T in contexts:
                 copy_gbs = None
-                rows = cases(B, T, Hq, H, D, dtype, device, device == "cuda")
+                rows = cases(B, T, Hq, H, D, dtype, device, triton_rows)
                 for kernel, reference, triton_fn, moved, exact in rows:
                     impls = [("reference", reference)] + ([("triton", triton_fn)] if triton_fn is not None else [])
                     for impl, fn in impls:

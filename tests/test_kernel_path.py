@@ -6,6 +6,7 @@ GPU: the same tiny model decodes with the references and with the kernels, and m
 positions per layer, per step) and generate the same tokens. Shapes are tiny: the interpreter is ~100x slower.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,18 @@ def test_benchmark_and_decode_path_import_neither_wandb_nor_datasets():
     res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout
+
+
+def test_benchmark_triton_rows_match_their_references_in_the_interpreter():
+    """`bench/kernels.py` on the Triton path (the interpreter here, compiled on a GPU) runs every kernel row and
+    checks it against its reference, so a GPU session does not find a broken benchmark."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "LEARNKV_KERNELS": "triton"}
+    res = subprocess.run([sys.executable, "bench/kernels.py", "--batches", "1", "--contexts", "80", "--skip-steps"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split("|") for line in res.stdout.splitlines() if "| triton |" in line]
+    kernels_run = {r[1].strip() for r in rows}
+    assert {"decode_attention", "gather_tokens K", "block_scores bs=16", "update_token_state (all 6)", "scorer_mlp",
+            "decode_features", "select_keep bs=1", "select_keep bs=16"} <= kernels_run, res.stdout
+    assert all(r[8].strip() in ("=", "~") for r in rows), res.stdout
