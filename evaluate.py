@@ -37,6 +37,7 @@ def _numbers(cast):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from learnkv.decode import GRANULARITIES
     from learnkv.eval.run import DEFAULT_BUDGETS, DEFAULT_POLICIES
 
     p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="needle: prompt lengths L[,L...] (default 1024,2048,4096)")
     p.add_argument("--depths", type=_numbers(float), default=None,
                    help="needle: depths D[,D...] in [0, 1] (default 0.1,0.5,0.9)")
-    p.add_argument("--granularity", default="token", choices=["token", "block"],
+    p.add_argument("--granularity", default="token", choices=GRANULARITIES,
                    help="block: whole blocks, one decision shared by every layer and KV head (what a paged serving "
                         "engine such as vLLM can do)")
     p.add_argument("--block-size", type=int, default=16, help="slots per block with --granularity block")

@@ -84,6 +84,10 @@ class GenerationResult:
         }
 
 
+#: how eviction decisions are shared: per layer and KV head, or whole blocks shared by every layer and head
+GRANULARITIES = ("token", "block")
+
+
 def resolve_budget(budget: int | float | str | None, full_length: int) -> int | None:
     """A budget in tokens from a token count (int >= 1) or a fraction of the full length (float in (0, 1])."""
     if budget is None:
@@ -220,7 +224,7 @@ def generate(
         Called with the cache after every forward pass (after eviction).
     """
     policy_obj = make_policy(policy, **(policy_params or {}))
-    if granularity not in ("token", "block"):
+    if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
     if granularity == "block" and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+import kernels
 from learnkv.policies.base import LayerView, Policy
 
 
@@ -66,8 +67,6 @@ class Learned(Policy):
         _, tracker = self._loaded(view.layer)
         self.__dict__["_fused_features"] = None
         if _fused_step(view):
-            import kernels
-
             # one launch updates the state and computes the features; `score`, which the cache calls right after
             # this update when it evicts, takes them from here (only the latest layer's are kept)
             feats = kernels.decode_features(view.attn, view.keys, view.values, view.positions, view.layer,
@@ -91,8 +90,6 @@ class Learned(Policy):
 def _fused_step(view: LayerView) -> bool:
     """A decode step (one new fp32 query row, state from the prefill) on the kernel path: `kernels.decode_features`.
     The prefill and multi-token steps stay on the torch tracker, as does everything on the torch path."""
-    import kernels
-
     attn = view.attn
     return (
         view.step >= 1

@@ -13,10 +13,8 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from learnkv.decode import GenerationResult, encode_prompts, generate
+from learnkv.decode import GRANULARITIES, GenerationResult, encode_prompts, generate
 from learnkv.policies import POLICIES
-
-GRANULARITIES = ("token", "block")
 
 
 @dataclass
