@@ -19,9 +19,14 @@ attention, the policy, selection and compaction; kernels or references as `LEARN
 
 - "full": the full cache of T tokens; "no eviction": the full cache at the budget's size (what a budgeted step
   costs without the eviction work); "policy": the budgeted cache, evicting every step (lazy: every W steps).
-- eviction share = 1 - no eviction / policy: the state update, scoring, selection and compaction as a share of the
-  budgeted decode step (the attention statistics are part of the fused attention either way).
+- slack: dead slots a layer may hold before it compacts (`BudgetCache`, ``--slacks``). At 0 every eviction
+  compacts the cache; with slack S a per-token policy compacts once every S + 1 steps and attends over up to S
+  dead slots. Policies that group neighbouring slots (paged, snapkv) always compact, so they get one row.
+- eviction share = 1 - no eviction / policy: the state update, scoring, selection and compaction (and the dead
+  slots' share of attention) as a share of the budgeted decode step.
 - speed-up = full / policy: budgeted over full-cache tokens/s.
+
+Every cache appends into preallocated slots (no per-step concatenation), as a serving engine's would.
 """
 
 from __future__ import annotations
@@ -165,8 +170,10 @@ def step_model(Hq: int, H: int, D: int, layers: int, dtype, device: str):
 
 
 @torch.no_grad()
-def decode_step_ms(model, policy: str, B: int, T: int, budget: int | None, steps: int, time_ms) -> float:
-    """Milliseconds per decode step over a cache pre-filled with ``T`` random tokens, through `BudgetCache`."""
+def decode_step_ms(model, policy: str, B: int, T: int, budget: int | None, steps: int, time_ms,
+                   slack: int = 0) -> tuple[float, int]:  # fmt: skip
+    """Milliseconds per decode step over a cache pre-filled with ``T`` random tokens, through `BudgetCache`, and
+    the slack the cache applied (0 for policies that always compact)."""
     from learnkv.cache import BudgetCache
     from learnkv.policies import make_policy
 
@@ -174,15 +181,16 @@ def decode_step_ms(model, policy: str, B: int, T: int, budget: int | None, steps
     device, dtype = model.device, model.dtype
     p = make_policy(policy)
     p = p.resolve(budget) if p.evicts else p
-    cache = BudgetCache(cfg.num_hidden_layers, p, budget if p.evicts else None)
+    # the full cache grows by a token per step for as long as the timer runs: room for that, allocated up front
+    cache = BudgetCache(cfg.num_hidden_layers, p, budget if p.evicts else None, slack=slack,
+                        capacity=None if p.evicts else T + 4096)  # fmt: skip
     H, D = cfg.num_key_value_heads, cfg.head_dim
     g = torch.Generator(device=device).manual_seed(T)
+    cache.begin_step(torch.arange(T, device=device).expand(B, T))  # a prefill of random keys and values
     for layer in cache.layers:
-        k = torch.randn(B, H, T, D, generator=g, device=device).to(dtype)
-        layer.lazy_initialization(k, k)
-        layer.keys, layer.values = k, torch.randn(B, H, T, D, generator=g, device=device).to(dtype)
-        layer.positions = torch.arange(T, device=device).expand(B, H, T).contiguous()
-    cache.step = 0  # the next forward pass is decode step 1 (step 0 is the prefill)
+        layer.update(torch.randn(B, H, T, D, generator=g, device=device).to(dtype),
+                     torch.randn(B, H, T, D, generator=g, device=device).to(dtype))  # fmt: skip
+    cache.end_step()
     tok = torch.zeros(B, 1, dtype=torch.long, device=device)
     pos = torch.full((B, 1), T, dtype=torch.long, device=device)
 
@@ -195,7 +203,7 @@ def decode_step_ms(model, policy: str, B: int, T: int, budget: int | None, steps
             cache.end_step()
             pos = pos + 1
 
-    return time_ms(run) / steps
+    return time_ms(run) / steps, cache.slack
 
 
 def main() -> None:
@@ -206,6 +214,7 @@ def main() -> None:
     parser.add_argument("--contexts", default=None, help="comma-separated context lengths T (overrides the defaults)")
     parser.add_argument("--budget", type=float, default=0.25, help="decode-step table: budget as a share of T")
     parser.add_argument("--policies", default="h2o,lazy,paged", help="decode-step table: comma-separated policies")
+    parser.add_argument("--slacks", default="0,64", help="decode-step table: comma-separated cache slacks")
     parser.add_argument("--layers", type=int, default=2, help="decode-step table: decoder layers of the model")
     parser.add_argument("--steps", type=int, default=8, help="decode-step table: steps per timed run")
     parser.add_argument("--skip-kernels", action="store_true", help="only the decode-step table")
@@ -256,17 +265,21 @@ def main() -> None:
     model = step_model(Hq, H, D, args.layers, dtype, device)
     print(f"decode steps: {args.layers} layers, hidden {Hq * D}, budget {args.budget:g} of T, {args.steps} steps per "
           "timed run; ms per step\n")  # fmt: skip
-    print("| B | T | budget | full | no eviction | policy | ms | eviction share | speed-up vs full |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| B | T | budget | full | no eviction | policy | slack | ms | eviction share | speed-up vs full |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    slacks = [int(s) for s in args.slacks.split(",")]
     for B in batches:
         for T in contexts:
             budget = max(1, int(args.budget * T))
-            full = decode_step_ms(model, "full", B, T, None, args.steps, time_ms)
-            floor = decode_step_ms(model, "full", B, budget, None, args.steps, time_ms)
+            full, _ = decode_step_ms(model, "full", B, T, None, args.steps, time_ms)
+            floor, _ = decode_step_ms(model, "full", B, budget, None, args.steps, time_ms)
             for policy in args.policies.split(","):
-                ms = decode_step_ms(model, policy, B, budget, budget, args.steps, time_ms)
-                print(f"| {B} | {T} | {budget} | {full:.2f} | {floor:.2f} | {policy} | {ms:.2f} | "
-                      f"{100 * (1 - floor / ms):.1f}% | {full / ms:.2f}x |")  # fmt: skip
+                for slack in slacks:
+                    ms, applied = decode_step_ms(model, policy, B, budget, budget, args.steps, time_ms, slack)
+                    if applied != slack and slack != slacks[0]:
+                        continue  # the policy always compacts: its row is already printed
+                    print(f"| {B} | {T} | {budget} | {full:.2f} | {floor:.2f} | {policy} | {applied} | {ms:.2f} | "
+                          f"{100 * (1 - floor / ms):.1f}% | {full / ms:.2f}x |")  # fmt: skip
             if device == "cuda":
                 torch.cuda.empty_cache()
 

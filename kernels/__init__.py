@@ -87,13 +87,14 @@ def select_keep(scores, positions, keep, n_sink, n_recent, block_size=1):
     return impl(scores, positions, keep, n_sink, n_recent, block_size)
 
 
-def gather_tokens(x, index, dim):
-    """Gather the slots ``index [B, H, K]`` of ``x`` along its token axis ``dim``; see `kernels.reference`."""
+def gather_tokens(x, index, dim, out=None):
+    """Gather the slots ``index [B, H, K]`` of ``x`` along its token axis ``dim`` (into the first ``K`` slots of
+    ``out`` if given); see `kernels.reference`."""
     if _use_triton(x, index):
         from kernels.compact import gather_tokens as impl
     else:
         from kernels.reference import gather_tokens_reference as impl
-    return impl(x, index, dim)
+    return impl(x, index, dim, out)
 
 
 def decode_attention(query, key, value, key_positions, query_positions, scaling=None, reduce="mean"):

@@ -89,7 +89,7 @@ def select_keep_reference(
     return torch.cat([slots, tail], dim=-1)
 
 
-def gather_tokens_reference(x: Tensor, index: Tensor, dim: int) -> Tensor:
+def gather_tokens_reference(x: Tensor, index: Tensor, dim: int, out: Tensor | None = None) -> Tensor:
     """Gather kept slots along the token axis.
 
     Parameters
@@ -99,13 +99,19 @@ def gather_tokens_reference(x: Tensor, index: Tensor, dim: int) -> Tensor:
         policy state ``[B, H, ..., T]``).
     index : Tensor
         ``[B, H, K]`` slot indices.
+    out : Tensor, optional
+        Shaped like ``x`` with at least ``K`` slots on the token axis and no memory shared with ``x``: the gathered
+        slots are written to its first ``K`` slots, and that view is returned.
     """
     dim = dim % x.ndim
     shape = list(x.shape)
     shape[dim] = index.shape[-1]
     # index [B, H, K] -> broadcast to x's layout with K on the token axis
     idx = index.reshape(index.shape[0], index.shape[1], *([1] * (dim - 2)), index.shape[-1], *([1] * (x.ndim - dim - 1)))
-    return x.gather(dim, idx.expand(shape))
+    kept = x.gather(dim, idx.expand(shape))
+    if out is None:
+        return kept
+    return out.narrow(dim, 0, kept.shape[dim]).copy_(kept)
 
 
 def decode_attention_reference(

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--granularity", choices=("token", "block"), default="token",
                      help="block: whole blocks, one decision for all layers and KV heads (as a paged serving engine)")
     gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--slack", type=int, default=0,
+                     help="dead slots a layer may hold before it compacts (same kept tokens; faster on GPU)")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -134,6 +136,8 @@ def cmd_generate(args) -> None:
     if args.scorer is not None:
         params["scorer"] = args.scorer
     policy = make_policy(args.policy, **params)  # fail on bad input before loading a model
+    if args.slack < 0:
+        raise ValueError(f"--slack must be >= 0 dead slots, got {args.slack}")
     if policy.evicts:
         if args.budget is None:
             raise ValueError(f"policy {policy.name!r} needs --budget (tokens, e.g. 64, or a fraction, e.g. 0.25)")
@@ -153,6 +157,7 @@ def cmd_generate(args) -> None:
         seed=args.seed,
         chat=not args.no_chat,
         granularity=args.granularity,
+        slack=args.slack,
         block_size=args.block_size,
         progress=sys.stderr.isatty(),
     )

@@ -196,6 +196,7 @@ def generate(
     block_size: int = 16,
     observer: Callable[[BudgetCache], None] | None = None,
     progress: bool = False,
+    slack: int = 0,
 ) -> GenerationResult:
     """Decode with a KV cache that never holds more than ``budget`` tokens per layer and KV head.
 
@@ -222,6 +223,10 @@ def generate(
         budgeted run can follow a full-cache continuation.
     observer : callable, optional
         Called with the cache after every forward pass (after eviction).
+    slack : int
+        Evicted slots each layer may leave dead before it compacts (`BudgetCache`): the same tokens are kept, the
+        cache is moved once per ``slack`` evictions instead of every step, for ``slack`` more slots of memory.
+        Worth it on GPU for policies that evict every step (h2o, tova, roco, learned); 0 by default.
     """
     policy_obj = make_policy(policy, **(policy_params or {}))
     if granularity not in GRANULARITIES:
@@ -261,7 +266,8 @@ def generate(
         attention.register()
         model.set_attn_implementation(attention.NAME)
     cache = BudgetCache(model.config.num_hidden_layers, policy_obj, budget_tokens, last_step=max_new_tokens - 1,
-                        shared_block=block_size if granularity == "block" and policy_obj.evicts else None)
+                        shared_block=block_size if granularity == "block" and policy_obj.evicts else None,
+                        slack=slack)
     eos = torch.tensor(_eos_ids(model, tokenizer) if stop_at_eos else [], device=device, dtype=torch.long)
     pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     pad_id = pad_id if pad_id is not None else (int(eos[0]) if len(eos) else 0)

@@ -33,6 +33,7 @@ def test_policies_lists_registry():
         (["--policy", "h2o", "--budget", "0"], "budget must be >= 1"),
         (["--policy", "h2o"], "needs --budget"),
         (["--policy", "h2o", "--budget", "8", "--param", "oops"], "NAME=VALUE"),
+        (["--policy", "h2o", "--budget", "8", "--slack", "-1"], "--slack must be >= 0"),
         (["--policy", "full", "--model", "./no/such/model"], "model path './no/such/model' does not exist"),
     ],
 )

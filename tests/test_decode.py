@@ -50,12 +50,16 @@ def _masked_reference_attention(layer_masks):
     return "learnkv_test_masked"
 
 
-@pytest.mark.parametrize("policy,budget,granularity", [
-    ("h2o", 24, "token"), ("lazy", 30, "token"), ("snapkv", 20, "token"), ("paged", 40, "token"),
-    ("knorm", 16, "token"), ("learned", 20, "token"), ("h2o", 32, "block"), ("learned", 40, "block"),
+@pytest.mark.parametrize("policy,budget,granularity,slack", [
+    ("h2o", 24, "token", 0), ("lazy", 30, "token", 0), ("snapkv", 20, "token", 0), ("paged", 40, "token", 0),
+    ("knorm", 16, "token", 0), ("learned", 20, "token", 0), ("h2o", 32, "block", 0), ("learned", 40, "block", 0),
+    ("h2o", 24, "token", 5), ("tova", 16, "token", 3), ("learned", 20, "token", 4),
 ])
-def test_eviction_matches_masked_full_forward(tiny, policy, budget, granularity):
-    """Decoding with eviction and explicit positions == a full-length forward that masks the evicted tokens."""
+def test_eviction_matches_masked_full_forward(tiny, policy, budget, granularity, slack):
+    """Decoding with eviction and explicit positions == a full-length forward that masks the evicted tokens.
+
+    With slack, evicted slots stay in the cache dead (position -1) until a compaction: they must be masked exactly.
+    """
     ids = random_ids(30, seed=3)
     new = 20
     kept_after = []  # per forward pass: per layer [B, H, T] positions kept after eviction
@@ -64,7 +68,7 @@ def test_eviction_matches_masked_full_forward(tiny, policy, budget, granularity)
     def observe(cache):
         kept_after.append([layer.positions.clone() for layer in cache.layers])
 
-    mode = {"granularity": granularity, "block_size": 8}
+    mode = {"granularity": granularity, "block_size": 8, "slack": slack}
     result = generate(tiny, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new, observer=observe,
                       policy_params=params_for(policy, 2), **mode)
     assert result.max_kept_tokens <= budget
@@ -77,6 +81,7 @@ def test_eviction_matches_masked_full_forward(tiny, policy, budget, granularity)
         allowed = torch.ones(1, H, L, L, dtype=torch.bool).tril()
         for row in range(P, L):  # decode step s = row - P + 1 sees what step s-1 kept, plus itself
             kept = kept_after[row - P][layer][0]  # [H, T]
+            kept = torch.where(kept >= 0, kept, row)  # dead slots (slack) hide nothing extra; row is visible anyway
             visible = torch.zeros(H, L, dtype=torch.bool)
             visible.scatter_(1, kept, True)
             visible[:, row] = True

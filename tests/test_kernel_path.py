@@ -41,6 +41,10 @@ POLICY_CASES = [  # policy, extra generate arguments, launchers that must run
                  ("select_keep", "gather_tokens", "scorer_mlp", "decode_features"), id="learned"),
     pytest.param("h2o", {"granularity": "block", "block_size": 4}, EVICTION + ("update_token_state",),
                  id="h2o-shared-blocks"),
+    # dead slots (position -1) stay in the cache between compactions: every kernel must mask them as padding
+    pytest.param("h2o", {"slack": 3}, EVICTION + ("update_token_state",), id="h2o-slack"),
+    pytest.param("learned", {"policy_params": {"n_sink": 1, "n_recent": 2}, "slack": 3},
+                 ("select_keep", "gather_tokens", "scorer_mlp", "decode_features"), id="learned-slack"),
 ]
 
 

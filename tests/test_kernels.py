@@ -145,6 +145,44 @@ def test_gather_tokens(request, shape, dim, K, dtype, block_k):
     assert torch.equal(actual.view(bits)[~nan], expected.view(bits)[~nan]), "gathered values are not bitwise equal"
 
 
+@pytest.mark.parametrize("shape, dim, K, T_out", [
+    pytest.param((2, 2, 17, 64), -2, 8, 30, id="kv-B2-H2-T17-D64-K8-out30"),
+    pytest.param((1, 4, 100, 128), -2, 37, 37, id="kv-B1-H4-T100-D128-K37-out37"),
+    pytest.param((2, 4, 100), -1, 36, 61, id="positions-B2-H4-T100-K36-out61"),
+])
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_gather_tokens_into_a_buffer(request, shape, dim, K, T_out, impl):
+    """``out=``: the kept slots go to the first K slots of a larger buffer (the cache's compaction); the rest of
+    the buffer is left as it was."""
+    g = gen(request.node.callspec.id)
+    B, H = shape[:2]
+    x = torch.randn(shape, generator=g) if len(shape) == 4 else torch.randint(0, 1000, shape, generator=g)
+    index = torch.rand(B, H, shape[dim], generator=g).argsort(-1)[..., :K].sort(-1).values
+    out_shape = list(shape)
+    out_shape[dim] = T_out
+    out = torch.full(out_shape, -7, dtype=x.dtype, device=DEVICE)
+    fn = gather_tokens if impl == "triton" else ref.gather_tokens_reference
+    result = fn(x.to(DEVICE), index.to(DEVICE), dim, out)
+    assert result.data_ptr() == out.data_ptr()  # a view of out, written in place
+    expected = ref.gather_tokens_reference(x, index, dim)
+    out = out.cpu()
+    assert torch.equal(out.narrow(dim, 0, K), expected)
+    assert (out.narrow(dim, K, T_out - K) == -7).all(), "slots past K were written"
+
+
+def test_gather_tokens_refuses_a_bad_out():
+    x = torch.randn(1, 2, 9, 8)
+    index = torch.tensor([[[0, 3, 5]] * 2])
+    with pytest.raises(ValueError, match="shaped like x"):
+        gather_tokens(x, index, -2, torch.empty(1, 2, 2, 8))
+    with pytest.raises(ValueError, match="shaped like x"):
+        gather_tokens(x, index, -2, torch.empty(1, 2, 9, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="must not share memory"):
+        gather_tokens(x, index, -2, x)
+    with pytest.raises(ValueError, match="contiguous"):
+        gather_tokens(x, index, -2, torch.empty(1, 2, 8, 9).transpose(-1, -2))
+
+
 # -- decode_attention -----------------------------------------------------------------------------------------
 
 ATTENTION_CASES = [  # B, H, G, T, D, dtype, reduce, block_t, split_t

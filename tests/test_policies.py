@@ -20,7 +20,10 @@ def check_invariants(cache, budget, seen_positions):
     newest = max(seen_positions)
     for layer in cache.layers:
         pos = layer.positions  # [B, H, T]
-        assert pos.shape[-1] <= budget, f"layer {layer.layer_idx} holds {pos.shape[-1]} > budget {budget}"
+        held = pos.shape[-1] - layer.n_dead
+        assert held <= budget, f"layer {layer.layer_idx} holds {held} > budget {budget}"
+        assert 0 <= layer.n_dead <= cache.slack, f"{layer.n_dead} dead slots with slack {cache.slack}"
+        assert ((pos >= 0).sum(-1) <= held).all()
         assert layer.keys.shape[-2] == pos.shape[-1] == layer.values.shape[-2]
         for name, t in layer.state.items():
             assert t.shape[-1] == pos.shape[-1], f"state {name} misaligned"
@@ -34,7 +37,7 @@ def check_invariants(cache, budget, seen_positions):
                 assert not missing, f"protected positions {sorted(missing)} evicted (layer {layer.layer_idx})"
 
 
-def run_checked(model, policy, budget, prompt_len, new_tokens, seed=0, **params):
+def run_checked(model, policy, budget, prompt_len, new_tokens, seed=0, slack=0, **params):
     ids = random_ids(prompt_len, seed=seed)
     fed = list(range(prompt_len))
 
@@ -45,7 +48,7 @@ def run_checked(model, policy, budget, prompt_len, new_tokens, seed=0, **params)
 
     params = {**params_for(policy, model.config.num_hidden_layers), **params}
     return generate(model, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new_tokens,
-                    policy_params=params, observer=observe)
+                    policy_params=params, observer=observe, slack=slack)
 
 
 @pytest.mark.parametrize("budget", [32, 48])
@@ -64,8 +67,9 @@ def test_invariants_every_step(tiny, policy, budget):
     new_tokens=st.integers(min_value=1, max_value=30),
     n_sink=st.integers(min_value=0, max_value=4),
     window=st.integers(min_value=1, max_value=8),
+    slack=st.sampled_from([0, 0, 1, 7]),
 )
-def test_invariants_property(tiny, policy, budget, prompt_len, new_tokens, n_sink, window):
+def test_invariants_property(tiny, policy, budget, prompt_len, new_tokens, n_sink, window, slack):
     params = {"n_sink": n_sink}
     if policy in ("lazy", "snapkv"):
         params["window"] = window
@@ -73,7 +77,7 @@ def test_invariants_property(tiny, policy, budget, prompt_len, new_tokens, n_sin
         params = {"block_size": window, "n_sink": n_sink, "n_recent": 1}
     else:
         params["n_recent"] = window
-    result = run_checked(tiny, policy, budget, prompt_len, new_tokens, **params)
+    result = run_checked(tiny, policy, budget, prompt_len, new_tokens, slack=slack, **params)
     assert result.max_kept_tokens <= budget
 
 

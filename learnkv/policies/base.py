@@ -46,6 +46,9 @@ class LayerView:
         How many slots the cache keeps if it evicts now.
     state : dict[str, Tensor]
         The policy's own per-token tensors, token axis last.
+    n_dead : int
+        Slots already evicted but not yet compacted away (position -1, like padding; the cache's ``slack``). The
+        cache holds ``T - n_dead`` tokens (padding included), the same in every row.
     """
 
     layer: int
@@ -59,6 +62,7 @@ class LayerView:
     attn_sq_sum: Tensor | None = None
     keep: int = 0
     state: dict[str, Tensor] = field(default_factory=dict)
+    n_dead: int = 0
 
     @property
     def valid(self) -> Tensor:
@@ -104,6 +108,9 @@ class Policy:
     needs_sq_sum: ClassVar[bool] = False
     #: False only for the full cache and observers
     evicts: ClassVar[bool] = True
+    #: whether scores depend on which slots are neighbours (pooling, blocks), so evicted slots must be compacted
+    #: away at once instead of left dead in place (`BudgetCache.slack`)
+    needs_dense_slots: ClassVar[bool] = False
     #: True for the oracle: `generate` first decodes with the full cache, then replays those tokens under the
     #: budget with ``policy.with_future(model, input_ids, attention_mask, continuation)``
     needs_future: ClassVar[bool] = False

@@ -64,8 +64,7 @@ class RoCo(Policy):
         c = st["count"].clamp(min=1)
         mean = st["s1"] / c
         std = (st["s2"] / c - mean * mean).clamp(min=0).sqrt()
-        T = mean.shape[-1]
-        n_evict = max(T - view.keep, 0)
+        n_evict = max(mean.shape[-1] - view.n_dead - view.keep, 0)
         scope_size = max(view.keep - int(self.recent_ratio * view.keep), n_evict)
         out_of_scope = protected_slots(view.positions, self.n_sink, self.n_recent) | ~view.valid
         std = std.masked_fill(out_of_scope, float("inf"))

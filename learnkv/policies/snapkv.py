@@ -31,6 +31,7 @@ class SnapKV(Policy):
     """
 
     name = "snapkv"
+    needs_dense_slots = True  # the pooling averages neighbouring slots: a dead slot between two would change it
     window: int | None = None
     kernel_size: int = 5
 

@@ -1,0 +1,173 @@
+"""The cache's memory layout: preallocated slots (no per-step concatenation) and dead slots (``slack``).
+
+Slack changes where evicted tokens go (they stay in place, dead, until a compaction), never which tokens are kept:
+every test here compares the live tokens with a slack-free run of the same decode.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from conftest import params_for, random_ids
+from learnkv import generate
+from learnkv.cache import BudgetCache
+from learnkv.policies import make_policy
+from learnkv.policies.base import LayerView, Policy
+
+BIG = torch.iinfo(torch.long).max
+
+
+def live_positions(layer) -> torch.Tensor:
+    """``[B, H, held]`` the positions a layer holds, ascending, padding (-1) last; dead slots left out."""
+    pos = layer.positions
+    return torch.where(pos >= 0, pos, BIG).sort(dim=-1).values[..., : layer.n_slots - layer.n_dead]
+
+
+def padded_batch():
+    ids = random_ids(21, batch=2, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1 is a 16-token prompt, left-padded
+    return ids, mask
+
+
+def decode(model, policy, slack, budget=12, new_tokens=20):
+    """Tokens, live positions per step and layer, dead counts per step, and the cache of a padded batch."""
+    ids, mask = padded_batch()
+    live, dead, caches = [], [], []
+
+    def observe(cache):
+        live.append([live_positions(layer) for layer in cache.layers])
+        dead.append([layer.n_dead for layer in cache.layers])
+        caches[:] = [cache]
+
+    result = generate(model, input_ids=ids, attention_mask=mask, policy=policy, budget=budget,
+                      max_new_tokens=new_tokens, policy_params=params_for(policy, 2), stop_at_eos=False,
+                      observer=observe, slack=slack)  # fmt: skip
+    return result, live, dead, caches[0]
+
+
+# every policy whose scores do not depend on neighbouring slots, so that slack applies to it
+@pytest.mark.parametrize("policy", ["h2o", "tova", "roco", "lazy", "knorm", "streaming", "learned", "oracle"])
+@pytest.mark.parametrize("slack", [1, 5])
+def test_slack_keeps_the_same_tokens(tiny, policy, slack):
+    base, base_live, _, _ = decode(tiny, policy, 0)
+    ours, live, dead, cache = decode(tiny, policy, slack)
+    assert ours.tokens.tolist() == base.tokens.tolist()
+    for step, (a, b) in enumerate(zip(live, base_live)):
+        for layer, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"step {step}, layer {layer}: slack {slack} kept other tokens"
+    assert cache.slack == slack
+    most_dead = max(max(d) for d in dead)
+    assert most_dead <= slack
+    if cache.policy.interval == 1:  # one eviction per step: dead slots pile up to the slack before a compaction
+        assert most_dead == slack
+    assert ours.kept_per_step == base.kept_per_step and ours.max_kept_tokens <= 12
+    assert ours.peak_kv_bytes <= base.peak_kv_bytes * (12 + slack + 1) / (12 + 1)
+
+
+@pytest.mark.parametrize("policy, extra", [("snapkv", {}), ("paged", {"budget": 40}),
+                                           ("h2o", {"granularity": "block", "block_size": 4})])
+def test_slack_is_ignored_where_slots_are_grouped(tiny, policy, extra):
+    """SnapKV pools neighbouring slots and block eviction groups them: a dead slot in between would change both."""
+    dead = []
+    kw = {"budget": 12, **extra}
+    generate(tiny, input_ids=random_ids(30, seed=1), policy=policy, max_new_tokens=20, slack=8,
+             observer=lambda c: dead.append((c.slack, [layer.n_dead for layer in c.layers])), **kw)
+    assert all(s == 0 and not any(d) for s, d in dead)
+
+
+def test_decode_steps_write_into_preallocated_slots(tiny):
+    """A decode step writes its token into the preallocated buffer; only a compaction moves the cache."""
+    budget, slack = 12, 4
+    seen = []
+
+    def observe(cache):
+        layer = cache.layers[0]
+        seen.append((layer.keys.data_ptr(), layer.capacity, layer.n_dead, layer.n_slots))
+
+    generate(tiny, input_ids=random_ids(8, seed=2), policy="h2o", budget=budget, max_new_tokens=30, slack=slack,
+             observer=observe)  # fmt: skip
+    assert {cap for _, cap, _, _ in seen} == {budget + slack + 1}
+    compactions = 0
+    for (ptr, _, dead, n), (ptr2, _, dead2, n2) in zip(seen, seen[1:]):
+        if n2 == n + 1 or dead2 == dead + 1:  # appended (and maybe marked a slot dead): same buffer
+            assert ptr2 == ptr
+        else:  # compacted: the kept slots moved to the front of a fresh buffer
+            assert (dead, dead2, n2) == (slack, 0, budget)
+            compactions += 1
+    assert compactions == (30 - 1 - (budget - 8)) // (slack + 1)  # one per slack + 1 evictions
+
+
+def test_long_prompt_memory_is_given_back(tiny):
+    """A prompt longer than the budget is allocated whole, then compressed into a budget-sized buffer."""
+    caps = []
+    generate(tiny, input_ids=random_ids(60, seed=4), policy="tova", budget=12, max_new_tokens=5, slack=2,
+             observer=lambda c: caps.append(c.layers[0].capacity))
+    assert caps == [12 + 2 + 1] * 5
+
+
+def test_full_cache_allocates_the_whole_decode_once(tiny):
+    ptrs = []
+    result = generate(tiny, input_ids=random_ids(10, seed=5), policy="full", max_new_tokens=12,
+                      observer=lambda c: ptrs.append((c.layers[0].keys.data_ptr(), c.layers[0].capacity)))
+    assert len(set(ptrs)) == 1 and ptrs[0][1] == 10 + 11  # prompt + every decode step's token
+    assert result.peak_kv_bytes == result.full_kv_bytes
+
+
+def test_cache_grows_when_the_length_is_unknown(tiny):
+    """Without ``last_step`` the full cache grows geometrically, keeping every slot."""
+    cache = BudgetCache(1, make_policy("full"), None)
+    layer = cache.layers[0]
+    caps, kv = [], torch.randn(1, 2, 1, 4)
+    for step in range(40):
+        cache.begin_step(torch.tensor([[step]]))
+        layer.update(kv + step, kv - step)
+        caps.append(layer.capacity)
+    assert layer.positions[0, 0].tolist() == list(range(40))
+    assert torch.equal(layer.keys[0, 0, :, 0], torch.arange(40.0) + kv[0, 0, 0, 0])
+    assert len(set(caps)) < 12  # amortised O(1) appends: a handful of reallocations, not one per step
+
+
+@pytest.mark.parametrize("slack", [-1, 1.5, True, "4"])
+def test_bad_slack_is_refused(tiny, slack):
+    with pytest.raises(ValueError, match="slack must be an integer >= 0"):
+        generate(tiny, input_ids=random_ids(8), policy="h2o", budget=6, max_new_tokens=2, slack=slack)
+
+
+@dataclass
+class InPlaceAge(Policy):
+    """Test double: per-slot age, updated in place (as the Triton path updates state); scattered scores."""
+
+    name = "inplace-age"
+    needs_attention = False
+
+    def update(self, view: LayerView) -> None:
+        if "age" not in view.state:
+            view.state["age"] = torch.zeros(view.positions.shape)
+        elif view.step > 0:
+            view.state["age"] += 1
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return (view.positions * 7919 % 13).float()
+
+
+@pytest.mark.parametrize("slack", [0, 4])
+def test_state_updated_in_place_stays_in_its_buffer_and_aligned(tiny, slack):
+    prompt = 10
+    seen = []
+
+    def observe(cache):
+        layer = cache.layers[1]
+        age, pos = layer.state["age"], layer.positions
+        live = pos >= 0
+        expected = cache.step - (pos - prompt).clamp(min=0)
+        assert torch.equal(age[live], expected[live].float()), f"state misaligned at step {cache.step}"
+        seen.append((age.data_ptr(), layer.n_slots, layer.n_dead))
+
+    generate(tiny, input_ids=random_ids(prompt, seed=6), policy=InPlaceAge(n_sink=1, n_recent=2), budget=12,
+             max_new_tokens=25, slack=slack, observer=observe)  # fmt: skip
+    moved = [(a, b) for a, b in zip(seen, seen[1:]) if a[0] != b[0]]
+    appended = [(a, b) for a, b in zip(seen[1:], seen[2:]) if b[1] == a[1] + 1 or b[2] == a[2] + 1]
+    assert appended and all(a[0] == b[0] for a, b in appended), "an append moved the state"
+    assert len(moved) <= 1 + (25 - 1) // (slack + 1)  # one buffer at the first append, then only compactions
