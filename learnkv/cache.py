@@ -277,7 +277,8 @@ class BudgetCache(Cache):
         scores = [self._shared_scores[i] for i in range(len(self.layers))]
         self._shared_scores = {}
         policy = self.policy
-        index = shared_keep_slots(scores, positions, self.keep, policy.n_sink, policy.n_recent, self.shared_block)
+        index = shared_keep_slots(scores, positions, self.keep, policy.n_sink, policy.n_recent, self.shared_block,
+                                  policy.pooling)
         for layer in self.layers:
             layer.keep_slots(index.expand(-1, layer.positions.shape[1], -1))
         self.eviction_s += time.perf_counter() - t0

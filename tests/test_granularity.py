@@ -68,3 +68,36 @@ def test_shared_scores_average_layers_and_heads():
     pooled = shared_token_scores([layer0, layer1], positions)
     # layer 0: head means (0+1)/2, (0.5+0.5)/2, (1+0)/2 = 0.5 each; layer 1: 0, 0.5, 1
     assert torch.allclose(pooled, torch.tensor([[0.25, 0.5, 0.75]]))
+
+
+def test_mass_pooling_keeps_what_a_few_heads_need():
+    """Rank pooling and mass pooling disagree on a token one head needs badly and the others ignore."""
+    # 4 heads, 3 tokens. Token 0 has 0.9 of head 0's attention and 0.02 elsewhere; token 1 a steady 0.3 in the others
+    head0 = [0.9, 0.04, 0.06]
+    others = [0.02, 0.3, 0.68]
+    scores = torch.tensor([[head0, others, others, others]])  # [B=1, H=4, T=3]
+    positions = torch.arange(3).expand(1, 4, 3)
+    mass = shared_token_scores([scores], positions, "mean_mass")
+    rank = shared_token_scores([scores], positions, "mean_rank")
+    assert torch.allclose(mass, torch.tensor([[0.24, 0.235, 0.525]]))  # token 0 above token 1
+    assert torch.allclose(rank, torch.tensor([[0.25, 0.375, 0.875]]))  # token 0 below token 1 (last in 3 heads of 4)
+    padded = positions.clone()
+    padded[..., 2] = -1
+    assert shared_token_scores([scores], padded, "mean_mass")[0, 2] == 0  # padding carries no mass
+    with pytest.raises(ValueError, match="unknown pooling rule 'max'"):
+        shared_token_scores([scores], positions, "max")
+
+
+@pytest.mark.parametrize("policy, rule", [("h2o", "mean_mass"), ("tova", "mean_mass"), ("snapkv", "mean_mass"),
+                                          ("oracle", "mean_mass"), ("learned", "mean_rank"), ("knorm", "mean_rank"),
+                                          ("roco", "mean_rank"), ("lazy", "mean_rank")])
+def test_block_mode_pools_with_the_policy_rule(tiny, monkeypatch, policy, rule):
+    """Attention-mass policies pool mass; scores on no shared scale pool ranks (`learnkv.pooling`)."""
+    import learnkv.pooling as pooling
+
+    used = []
+    real = pooling.shared_token_scores
+    monkeypatch.setattr(pooling, "shared_token_scores", lambda *a: used.append(a[2]) or real(*a))
+    generate(tiny, input_ids=random_ids(40, seed=13), policy=policy, budget=32, max_new_tokens=4,
+             granularity="block", block_size=8, policy_params=params_for(policy, 2))
+    assert used and set(used) == {rule}

@@ -108,6 +108,9 @@ class Policy:
     needs_sq_sum: ClassVar[bool] = False
     #: False only for the full cache and observers
     evicts: ClassVar[bool] = True
+    #: how the layer-shared block mode pools this policy's scores over layers and heads (`learnkv.pooling`):
+    #: "mean_mass" for scores that are attention mass, "mean_rank" for scores on no shared scale
+    pooling: ClassVar[str] = "mean_rank"
     #: whether scores depend on which slots are neighbours (pooling, blocks), so evicted slots must be compacted
     #: away at once instead of left dead in place (`BudgetCache.slack`)
     needs_dense_slots: ClassVar[bool] = False

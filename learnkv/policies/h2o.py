@@ -24,6 +24,7 @@ class H2O(Policy):
     """
 
     name = "h2o"
+    pooling = "mean_mass"  # accumulated attention: comparable across layers and heads
     n_recent: int | float = 0.5
 
     def update(self, view: LayerView) -> None:

@@ -64,6 +64,7 @@ class Oracle(Policy):
     """
 
     name = "oracle"
+    pooling = "mean_mass"  # future attention mass: comparable across layers and heads
     needs_attention = False
     needs_future = True
     horizon: int = 32

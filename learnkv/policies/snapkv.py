@@ -31,7 +31,8 @@ class SnapKV(Policy):
     """
 
     name = "snapkv"
-    needs_dense_slots = True  # the pooling averages neighbouring slots: a dead slot between two would change it
+    pooling = "mean_mass"  # the window's attention: comparable across layers and heads
+    needs_dense_slots = True  # its 1-D average pool mixes neighbouring slots; a dead slot between would change it
     window: int | None = None
     kernel_size: int = 5
 

@@ -17,6 +17,7 @@ class TOVA(Policy):
     """
 
     name = "tova"
+    pooling = "mean_mass"  # the current query's attention: comparable across layers and heads
 
     def score(self, view: LayerView) -> Tensor:
         return reduce_heads(view.attn[:, :, -1, :])
