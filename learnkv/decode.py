@@ -217,7 +217,7 @@ def generate(
     granularity : str
         "token" (each layer and KV head decides for itself, the policy's own granularity) or "block": whole blocks
         of ``block_size`` slots, one decision shared by every layer and KV head (what a paged serving engine can do;
-        scores pooled by `learnkv.pooling.shared_token_scores`).
+        scores pooled over layers and heads by the policy's rule, `learnkv.pooling.shared_token_scores`).
     forced_tokens : Tensor, optional
         ``[B, N]`` teacher forcing: these tokens are fed (and returned) instead of the model's choices, so a
         budgeted run can follow a full-cache continuation.

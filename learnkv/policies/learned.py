@@ -10,6 +10,7 @@ from torch import Tensor
 
 import kernels
 from learnkv.policies.base import LayerView, Policy
+from learnkv.pooling import POOLING
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Learned(Policy):
 
     name = "learned"
     group_reduce = "none"
+    pooling = POOLING  # the rule its exported artifact records: logits compare within a row only, so ranks
     scorer: str | None = None
     n_sink: int | float = 4
     n_recent: int | float = 8

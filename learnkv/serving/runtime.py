@@ -234,7 +234,8 @@ class ServingRuntime:
 
     def _evict(self, req: _Request, scores: list[Tensor]) -> list[int]:
         p = req.policy
-        index = shared_keep_slots(scores, req.positions, self._keep(req), p.n_sink, p.n_recent, self.block_size)[0, 0]
+        index = shared_keep_slots(scores, req.positions, self._keep(req), p.n_sink, p.n_recent, self.block_size,
+                                  p.pooling)[0, 0]
         T = req.positions.shape[-1]
         dropped = torch.ones(T, dtype=torch.bool, device=index.device)
         dropped[index] = False
