@@ -76,7 +76,7 @@ def update_token_state(
         LazyEviction's activation threshold.
     acc, s1, s2, count, ts, mri : Tensor or None
         ``[B, H, T]`` fp32 state, updated in place; the given ones must share one layout (strides), as the
-        cache's contiguous state does. ts and mri come together.
+        cache's state buffers (one capacity) do. ts and mri come together.
     block_t : int, optional
         Tuning (and tests): slots per program, a power of two.
     """
