@@ -111,7 +111,7 @@ class Policy:
     #: how the layer-shared block mode pools this policy's scores over layers and heads (`learnkv.pooling`):
     #: "mean_mass" for scores that are attention mass, "mean_rank" for scores on no shared scale
     pooling: ClassVar[str] = "mean_rank"
-    #: whether scores depend on which slots are neighbours (pooling, blocks), so evicted slots must be compacted
+    #: whether scores depend on which slots are neighbours (SnapKV's average pool), so evicted slots must be compacted
     #: away at once instead of left dead in place (`BudgetCache.slack`)
     needs_dense_slots: ClassVar[bool] = False
     #: True for the oracle: `generate` first decodes with the full cache, then replays those tokens under the
