@@ -99,14 +99,22 @@ class BudgetLayer(DynamicLayer):
         """Grow every state entry by ``q`` zero slots, in place where the entry is still a view of its buffer."""
         buffers = {}
         for name, t in self.state.items():
-            buf = self._state_buffers.get(name)
-            if buf is None or not _is_prefix_view(t, buf) or buf.shape[-1] < n + q:
+            buf = self._state_buffer(name, t)
+            if buf is None or buf.shape[-1] < n + q:
                 buf = t.new_empty(*t.shape[:-1], self.capacity)
                 buf[..., :n] = t
             buf[..., n : n + q] = 0
             buffers[name] = buf
             self.state[name] = buf[..., : n + q]
         self._state_buffers = buffers
+
+    def _state_buffer(self, name: str, t: Tensor) -> Tensor | None:
+        """The buffer behind state entry ``name`` if ``t`` is still its prefix view (the policy updated it in place),
+        else None (the policy rebound the entry to a tensor of its own)."""
+        buf = self._state_buffers.get(name)
+        if buf is None or t.data_ptr() != buf.data_ptr() or t.stride() != buf.stride() or t.shape[:-1] != buf.shape[:-1]:
+            return None
+        return buf
 
     def _view(self, n: int) -> None:
         kb, vb, pb = self._buffers
@@ -135,17 +143,12 @@ class BudgetLayer(DynamicLayer):
         self._view(K)
         buffers = {}
         for name, t in self.state.items():
-            buf = self._state_buffers.get(name)
-            src = buf if buf is not None and _is_prefix_view(t, buf) else t  # the whole buffer is contiguous
+            src = self._state_buffer(name, t)
+            src = t if src is None else src  # the whole buffer, which is contiguous
             buffers[name] = t.new_empty(*t.shape[:-1], self.capacity)
             self.state[name] = kernels.gather_tokens(src, index, -1, out=buffers[name])
         self._state_buffers = buffers
         self.n_dead = 0
-
-
-def _is_prefix_view(t: Tensor, buf: Tensor) -> bool:
-    """Whether ``t`` is ``buf[..., :n]`` (so writing ``buf`` past ``n`` extends ``t`` in place)."""
-    return t.data_ptr() == buf.data_ptr() and t.stride() == buf.stride() and t.shape[:-1] == buf.shape[:-1]
 
 
 class BudgetCache(Cache):
