@@ -112,9 +112,9 @@ class BudgetLayer(DynamicLayer):
         """The buffer behind state entry ``name`` if ``t`` is still its prefix view (the policy updated it in place),
         else None (the policy rebound the entry to a tensor of its own)."""
         buf = self._state_buffers.get(name)
-        if buf is None or t.data_ptr() != buf.data_ptr() or t.stride() != buf.stride() or t.shape[:-1] != buf.shape[:-1]:
+        if buf is None or t.data_ptr() != buf.data_ptr():
             return None
-        return buf
+        return buf if t.stride() == buf.stride() and t.shape[:-1] == buf.shape[:-1] else None
 
     def _view(self, n: int) -> None:
         kb, vb, pb = self._buffers
@@ -169,8 +169,9 @@ class BudgetCache(Cache):
     slack : int
         Dead slots a layer may hold before it compacts (see `BudgetLayer`). 0 compacts at every eviction. The
         kept tokens are the same for any slack; memory grows by ``slack`` slots per layer and the compaction
-        runs once per ``slack + 1`` evicted tokens instead of at every eviction. Ignored (0) wherever neighbouring slots are
-        grouped: block eviction (the block mode, PagedEviction) and SnapKV's pooling (``needs_dense_slots``).
+        runs once per ``slack + 1`` evicted tokens instead of at every eviction. Ignored (0) wherever neighbouring
+        slots are grouped: block eviction (the block mode, PagedEviction) and SnapKV's average pool
+        (``needs_dense_slots``).
     capacity : int, optional
         Slots to preallocate per layer; by default what the budget needs (`slots_to_allocate`).
     """
@@ -219,7 +220,7 @@ class BudgetCache(Cache):
         if self._shared_scores:
             self._evict_shared()
         self.peak_slots = max(self.peak_slots, sum(self._attended_slots))
-        kept = [layer.n_slots - layer.n_dead for layer in self.layers]  # what the budget bounds; dead slots are not kept
+        kept = [layer.n_slots - layer.n_dead for layer in self.layers]  # what the budget bounds: dead slots are not
         self.kept_per_step.append(kept)
         self.max_kept = max(self.max_kept, max(kept))
 
