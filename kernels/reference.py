@@ -11,12 +11,26 @@ import torch
 from torch import Tensor
 
 
-def protected_slots(positions: Tensor, n_sink: int, n_recent: int) -> Tensor:
+def per_row(value, B: int, device=None) -> Tensor:
+    """``value`` (an int, or one int per row) as an int64 ``[B, 1, 1]`` tensor, to broadcast over ``[B, H, T]``."""
+    t = torch.as_tensor(value, dtype=torch.int64, device=device)
+    if t.dim() == 0:
+        t = t.expand(B)
+    if t.shape != (B,):
+        raise ValueError(f"expected one value or one per row ({B} rows), got shape {tuple(t.shape)}")
+    return t.view(B, 1, 1)
+
+
+def protected_slots(positions: Tensor, n_sink, n_recent) -> Tensor:
     """``[B, H, T]`` bool: attention sinks (position < n_sink) and the n_recent newest positions.
 
     Protection is defined on original positions, not slot indices, so it is right with left padding
-    (padding slots have position -1 and are never protected).
+    (padding and dead slots have position -1 and are never protected). ``n_sink`` and ``n_recent`` are ints, or
+    one int per row (rows of a batch may have different budgets, hence different windows).
     """
+    B = positions.shape[0]
+    n_sink = per_row(n_sink, B, positions.device)
+    n_recent = per_row(n_recent, B, positions.device)
     newest = positions.max(dim=-1, keepdim=True).values
     sink = (positions >= 0) & (positions < n_sink)
     recent = (positions >= 0) & (positions > newest - n_recent)
@@ -34,8 +48,21 @@ def _rank_prefer_recent(priority: Tensor) -> Tensor:
     return T - 1 - order
 
 
+def kept_units(T: int, keep: Tensor, block_size: int) -> Tensor:
+    """``[B]`` units (slots, or full blocks of ``block_size``) each row keeps when it keeps at most ``keep [B]``
+    slots: the fewest whole blocks are dropped, the trailing partial block always stays."""
+    if block_size <= 1:
+        return keep.clamp(max=T)
+    n_full = T // block_size
+    n_drop = (T - keep).clamp(min=0).add(block_size - 1).div(block_size, rounding_mode="floor")  # ceil
+    if bool((n_drop > n_full).any()):
+        raise ValueError(f"cannot drop {int(n_drop.max())} blocks of {block_size} from {T} slots "
+                         f"(only {n_full} full blocks)")
+    return n_full - n_drop
+
+
 def select_keep_reference(
-    scores: Tensor, positions: Tensor, keep: int, n_sink: int, n_recent: int, block_size: int = 1
+    scores: Tensor, positions: Tensor, keep, n_sink, n_recent, block_size: int = 1
 ) -> Tensor:
     """Which slots to keep.
 
@@ -44,12 +71,12 @@ def select_keep_reference(
     scores : Tensor
         ``[B, H, T]`` importance, higher means keep.
     positions : Tensor
-        ``[B, H, T]`` int64 original positions, -1 for padding (padding is evicted first).
-    keep : int
-        Token mode: keep exactly ``min(keep, T)`` slots. Block mode: drop the fewest whole blocks that bring
-        the cache to at most ``keep`` slots.
-    n_sink, n_recent : int
-        Protected sink positions and recent window (see `protected_slots`).
+        ``[B, H, T]`` int64 original positions, -1 for padding or a dead slot (those are evicted first).
+    keep : int or sequence of int
+        Slots to keep, one for every row or one per row. Token mode: exactly ``min(keep, T)`` slots. Block mode:
+        the fewest whole blocks are dropped that bring the row to at most ``keep`` slots.
+    n_sink, n_recent : int or sequence of int
+        Protected sink positions and recent window (see `protected_slots`), for every row or per row.
     block_size : int
         1 for token granularity. Otherwise slots ``[j*bs, (j+1)*bs)`` form block j; the trailing partial block
         is always kept and a block's score is the mean score of its non-padding slots.
@@ -57,36 +84,47 @@ def select_keep_reference(
     Returns
     -------
     Tensor
-        ``[B, H, K]`` int64 slot indices in ascending order (so kept tokens stay in original order).
+        ``[B, H, K]`` int64 slot indices, ``K`` the most any row keeps: each row's kept slots in ascending order
+        (so kept tokens stay in original order), after ``K - k_b`` entries of -1 for a row that keeps fewer
+        (``k_b``) than the widest row. A -1 entry is no slot: the caller leaves a dead slot there, at the left,
+        where a left-padded row has its padding. With one ``keep`` for every row there is no -1 entry.
     """
     B, H, T = scores.shape
     device = scores.device
-    if T <= keep:
+    uniform = isinstance(keep, int)
+    if uniform and T <= keep:
         return torch.arange(T, device=device).expand(B, H, T).clone()
+    keep_b = per_row(keep, B, device).view(B)
     valid = positions >= 0
     protected = protected_slots(positions, n_sink, n_recent)
-    prio = scores.float().masked_fill(~valid, float("-inf")).masked_fill(protected, float("inf"))
+    units = kept_units(T, keep_b, block_size)  # [B]
 
     if block_size <= 1:
-        kept = _rank_prefer_recent(prio)[..., :keep]
-        return kept.sort(dim=-1).values
-
-    bs = block_size
-    n_full = T // bs
-    n_drop = -(-(T - keep) // bs)  # ceil
-    if n_drop > n_full:
-        raise ValueError(f"cannot drop {n_drop} blocks of {bs} from {T} slots (only {n_full} full blocks)")
-    blocks = scores.float()[..., : n_full * bs].reshape(B, H, n_full, bs)
-    bvalid = valid[..., : n_full * bs].reshape(B, H, n_full, bs)
-    n_valid = bvalid.sum(-1)
-    bscore = (blocks * bvalid).sum(-1) / n_valid.clamp(min=1)
-    bscore = bscore.masked_fill(n_valid == 0, float("-inf"))
-    bprot = protected[..., : n_full * bs].reshape(B, H, n_full, bs).any(-1)
-    bprio = bscore.masked_fill(bprot, float("inf"))
-    kept_blocks = _rank_prefer_recent(bprio)[..., : n_full - n_drop].sort(dim=-1).values
-    slots = (kept_blocks[..., None] * bs + torch.arange(bs, device=device)).flatten(-2)
-    tail = torch.arange(n_full * bs, T, device=device).expand(B, H, T - n_full * bs)
-    return torch.cat([slots, tail], dim=-1)
+        prio = scores.float().masked_fill(~valid, float("-inf")).masked_fill(protected, float("inf"))
+        rank = torch.empty_like(positions).scatter_(
+            -1, _rank_prefer_recent(prio), torch.arange(T, device=device).expand(B, H, T).contiguous())
+        kept = rank < units.view(B, 1, 1)
+    else:
+        bs = block_size
+        n_full = T // bs
+        blocks = scores.float()[..., : n_full * bs].reshape(B, H, n_full, bs)
+        bvalid = valid[..., : n_full * bs].reshape(B, H, n_full, bs)
+        n_valid = bvalid.sum(-1)
+        bscore = (blocks * bvalid).sum(-1) / n_valid.clamp(min=1)
+        bscore = bscore.masked_fill(n_valid == 0, float("-inf"))
+        bprot = protected[..., : n_full * bs].reshape(B, H, n_full, bs).any(-1)
+        bprio = bscore.masked_fill(bprot, float("inf"))
+        rank = torch.empty_like(bprio, dtype=torch.int64).scatter_(
+            -1, _rank_prefer_recent(bprio), torch.arange(n_full, device=device).expand(B, H, n_full).contiguous())
+        kept_blocks = rank < units.view(B, 1, 1)
+        tail = torch.ones(B, H, T - n_full * bs, dtype=torch.bool, device=device)
+        kept = torch.cat([kept_blocks.repeat_interleave(bs, dim=-1), tail], dim=-1)
+        units = units * bs + (T - n_full * bs)  # slots kept per row
+    K = int(units.max()) if B else 0
+    # kept slots sort after the rest (key T + slot), so a row's last K keys are its filler then its kept slots
+    slots = torch.arange(T, device=device).expand(B, H, T)
+    key = torch.where(kept, T + slots, slots).sort(dim=-1).values[..., T - K :]
+    return torch.where(key >= T, key - T, torch.full_like(key, -1))
 
 
 def gather_tokens_reference(x: Tensor, index: Tensor, dim: int, out: Tensor | None = None) -> Tensor:

@@ -54,3 +54,11 @@ def scorer_for(n_layers: int) -> str:
 def params_for(policy: str, n_layers: int) -> dict:
     """Extra parameters a registered policy needs to run in a test matrix."""
     return {"scorer": scorer_for(n_layers)} if policy == "learned" else {}
+
+
+def prefill_for(policy: str) -> dict:
+    """`generate` arguments a policy needs when the test's prompt is over the budget: a prefill policy for one that
+    observes nothing at the prefill (LazyEviction), which otherwise refuses to decide there."""
+    from learnkv.policies import POLICIES
+
+    return {} if POLICIES[policy].scores_prefill else {"prefill_policy": "snapkv"}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import params_for, random_ids
+from conftest import params_for, prefill_for, random_ids
 from learnkv import POLICIES, generate
 from learnkv.model import tiny_model
 
@@ -118,11 +118,12 @@ def test_left_padded_batch_equals_single_rows(tiny, policy):
     ids[1, 9:], mask[1, 9:] = b, 1
     budget = None if policy == "full" else 20
     params = params_for(policy, 2)
+    more = prefill_for(policy) if budget else {}
     batch = generate(tiny, input_ids=ids, attention_mask=mask, policy=policy, budget=budget, max_new_tokens=16,
-                     policy_params=params)
+                     policy_params=params, **more)
     for row, single in ((0, a), (1, b)):
         alone = generate(tiny, input_ids=single[None], policy=policy, budget=budget, max_new_tokens=16,
-                         policy_params=params)
+                         policy_params=params, **more)
         assert batch.tokens[row].tolist() == alone.tokens[0].tolist(), f"row {row}"
 
 

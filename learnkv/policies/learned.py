@@ -10,6 +10,7 @@ from torch import Tensor
 
 import kernels
 from learnkv.policies.base import LayerView, Policy
+from learnkv.policies.params import param
 from learnkv.pooling import POOLING
 
 
@@ -32,9 +33,9 @@ class Learned(Policy):
     name = "learned"
     group_reduce = "none"
     pooling = POOLING  # the rule its exported artifact records: logits compare within a row only, so ranks
-    scorer: str | None = None
-    n_sink: int | float = 4
-    n_recent: int | float = 8
+    scorer: str | None = param(None)
+    n_sink: int | float = param(4, low=0)
+    n_recent: int | float = param(8, low=0)
 
     @property
     def obs_window(self) -> int:
