@@ -48,17 +48,33 @@ def _rank_prefer_recent(priority: Tensor) -> Tensor:
     return T - 1 - order
 
 
-def kept_units(T: int, keep: Tensor, block_size: int) -> Tensor:
-    """``[B]`` units (slots, or full blocks of ``block_size``) each row keeps when it keeps at most ``keep [B]``
-    slots: the fewest whole blocks are dropped, the trailing partial block always stays."""
+def block_layout(positions: Tensor, keep: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Where each ``(b, h)`` row's blocks start, how many full blocks it has, and how many it keeps.
+
+    Blocks are counted from the row's first live slot, so a row of a batch, behind its left padding or dead slots,
+    is cut into the same blocks as it is alone (with ``block_size`` 1 every row starts at slot 0: a slot is a unit).
+    The trailing partial block always stays; the fewest whole blocks are dropped that bring the row to at most
+    ``keep [B]`` slots (counted from its first live slot).
+
+    Returns
+    -------
+    first, n_full, n_kept : Tensor
+        ``[B, H]`` int64 each: the first slot of block 0, the full blocks, the full blocks (or slots) kept.
+    """
+    B, H, T = positions.shape
+    keep = keep.view(B, 1).expand(B, H)
     if block_size <= 1:
-        return keep.clamp(max=T)
-    n_full = T // block_size
-    n_drop = (T - keep).clamp(min=0).add(block_size - 1).div(block_size, rounding_mode="floor")  # ceil
+        first = torch.zeros(B, H, dtype=torch.int64, device=positions.device)
+        return first, torch.full_like(first, T), keep.clamp(max=T)
+    valid = positions >= 0
+    first = torch.where(valid.any(-1), valid.int().argmax(-1), T).long()
+    span = T - first
+    n_full = span // block_size
+    n_drop = (span - keep).clamp(min=0).add(block_size - 1).div(block_size, rounding_mode="floor")  # ceil
     if bool((n_drop > n_full).any()):
-        raise ValueError(f"cannot drop {int(n_drop.max())} blocks of {block_size} from {T} slots "
-                         f"(only {n_full} full blocks)")
-    return n_full - n_drop
+        raise ValueError(f"cannot drop {int(n_drop.max())} blocks of {block_size} from {int(span.max())} slots "
+                         f"(only {int(n_full.min())} full blocks)")
+    return first, n_full, n_full - n_drop
 
 
 def select_keep_reference(
@@ -78,8 +94,9 @@ def select_keep_reference(
     n_sink, n_recent : int or sequence of int
         Protected sink positions and recent window (see `protected_slots`), for every row or per row.
     block_size : int
-        1 for token granularity. Otherwise slots ``[j*bs, (j+1)*bs)`` form block j; the trailing partial block
-        is always kept and a block's score is the mean score of its non-padding slots.
+        1 for token granularity. Otherwise block j of a row is its slots ``[f + j*bs, f + (j+1)*bs)``, ``f`` its
+        first live slot (`block_layout`); the trailing partial block is always kept and a block's score is the
+        mean score of its non-padding slots.
 
     Returns
     -------
@@ -91,38 +108,39 @@ def select_keep_reference(
     """
     B, H, T = scores.shape
     device = scores.device
-    uniform = isinstance(keep, int)
-    if uniform and T <= keep:
+    if isinstance(keep, int) and T <= keep:
         return torch.arange(T, device=device).expand(B, H, T).clone()
     keep_b = per_row(keep, B, device).view(B)
     valid = positions >= 0
     protected = protected_slots(positions, n_sink, n_recent)
-    units = kept_units(T, keep_b, block_size)  # [B]
+    first, n_full, n_kept = block_layout(positions, keep_b, block_size)
+    slots = torch.arange(T, device=device).expand(B, H, T)
 
     if block_size <= 1:
         prio = scores.float().masked_fill(~valid, float("-inf")).masked_fill(protected, float("inf"))
-        rank = torch.empty_like(positions).scatter_(
-            -1, _rank_prefer_recent(prio), torch.arange(T, device=device).expand(B, H, T).contiguous())
-        kept = rank < units.view(B, 1, 1)
+        rank = torch.empty_like(positions).scatter_(-1, _rank_prefer_recent(prio), slots.contiguous())
+        kept = rank < n_kept[..., None]
     else:
         bs = block_size
-        n_full = T // bs
-        blocks = scores.float()[..., : n_full * bs].reshape(B, H, n_full, bs)
-        bvalid = valid[..., : n_full * bs].reshape(B, H, n_full, bs)
-        n_valid = bvalid.sum(-1)
-        bscore = (blocks * bvalid).sum(-1) / n_valid.clamp(min=1)
-        bscore = bscore.masked_fill(n_valid == 0, float("-inf"))
-        bprot = protected[..., : n_full * bs].reshape(B, H, n_full, bs).any(-1)
-        bprio = bscore.masked_fill(bprot, float("inf"))
-        rank = torch.empty_like(bprio, dtype=torch.int64).scatter_(
-            -1, _rank_prefer_recent(bprio), torch.arange(n_full, device=device).expand(B, H, n_full).contiguous())
-        kept_blocks = rank < units.view(B, 1, 1)
-        tail = torch.ones(B, H, T - n_full * bs, dtype=torch.bool, device=device)
-        kept = torch.cat([kept_blocks.repeat_interleave(bs, dim=-1), tail], dim=-1)
-        units = units * bs + (T - n_full * bs)  # slots kept per row
-    K = int(units.max()) if B else 0
+        NB = T // bs + 1
+        rel = slots - first[..., None]
+        block = torch.where(rel >= 0, rel.div(bs, rounding_mode="floor"), NB)
+        in_full = block < n_full[..., None]
+        unit = torch.where(in_full, block, NB)  # slots of no full block go to the extra column NB
+        zeros = torch.zeros(B, H, NB + 1, device=device)
+        total = zeros.scatter_add(-1, unit, (scores.float() * valid).masked_fill(~in_full, 0.0))[..., :NB]
+        n_valid = zeros.scatter_add(-1, unit, (valid & in_full).float())[..., :NB]
+        bprot = zeros.scatter_add(-1, unit, (protected & in_full).float())[..., :NB] > 0
+        bprio = (total / n_valid.clamp(min=1)).masked_fill(n_valid == 0, float("-inf")).masked_fill(bprot, float("inf"))
+        order = _rank_prefer_recent(bprio)
+        exists = torch.arange(NB, device=device) < n_full[..., None]  # [B, H, NB]
+        order = order.gather(-1, torch.argsort(~exists.gather(-1, order), dim=-1, stable=True))  # real blocks first
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(NB, device=device).expand_as(order).contiguous())
+        kept_block = rank < n_kept[..., None]
+        kept = (in_full & kept_block.gather(-1, unit.clamp(max=NB - 1))) | ((rel >= 0) & ~in_full)  # + the tail
+        n_kept = n_kept * bs + (T - first - n_full * bs)
+    K = int(n_kept.max()) if B * H else 0
     # kept slots sort after the rest (key T + slot), so a row's last K keys are its filler then its kept slots
-    slots = torch.arange(T, device=device).expand(B, H, T)
     key = torch.where(kept, T + slots, slots).sort(dim=-1).values[..., T - K :]
     return torch.where(key >= T, key - T, torch.full_like(key, -1))
 

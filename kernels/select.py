@@ -2,6 +2,9 @@
 
 Two kernels, one program per ``(b, h)`` row, each streaming over the row in chunks (no limit on T):
 
+Blocks are counted from each row's first live slot (`kernels.reference.block_layout`, computed by the launcher), so
+a row behind left padding is cut into the blocks it has alone.
+
 1. `_priority_kernel` turns every unit (a slot, or a full block of ``block_size`` slots) into a unique int64 key
    ``(order-preserving bits of the fp32 priority) << IDX_BITS | unit index``. Priority is the reference's: the
    (block-mean) score, -inf for padding, +inf for protected units. Putting the index in the low bits is the
@@ -28,7 +31,7 @@ RADIX_BITS = 4
 
 @triton.jit
 def _priority_kernel(
-    scores_ptr, pos_ptr, key_ptr, sink_ptr, recent_ptr,
+    scores_ptr, pos_ptr, key_ptr, sink_ptr, recent_ptr, first_ptr, nfull_ptr,
     H, T, N, block_size,
     ss_b, ss_h, ss_t, sp_b, sp_h, sp_t,
     IDX_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -40,6 +43,8 @@ def _priority_kernel(
     p_base = pos_ptr + b * sp_b + h * sp_h
     n_sink = tl.load(sink_ptr + b)
     n_recent = tl.load(recent_ptr + b)
+    first = tl.load(first_ptr + row)  # block 0 starts at the row's first live slot (`block_layout`)
+    n_full = tl.load(nfull_ptr + row)
 
     newest = tl.full([BLOCK_T], -1, tl.int64)
     for start in range(0, T, BLOCK_T):
@@ -50,8 +55,8 @@ def _priority_kernel(
     j = tl.arange(0, BLOCK_S)
     for start in range(0, N, BLOCK_N):
         unit = start + tl.arange(0, BLOCK_N)
-        slot = unit[:, None] * block_size + j[None, :]
-        m = (unit[:, None] < N) & (j[None, :] < block_size)
+        slot = first + unit[:, None] * block_size + j[None, :]
+        m = (unit[:, None] < n_full) & (j[None, :] < block_size)
         s = tl.load(s_base + slot * ss_t, mask=m, other=0.0).to(tl.float32)
         pos = tl.load(p_base + slot * sp_t, mask=m, other=-1)
         valid = pos >= 0
@@ -67,20 +72,23 @@ def _priority_kernel(
         bits = tl.where(p != p, 0x7FC00000, bits)  # one NaN, above +inf as in torch's sort
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648
         key = (ordered << IDX_BITS) | unit.to(tl.int64)
+        key = tl.where(unit < n_full, key, 0)  # a unit past the row's full blocks: below every real key (> 0)
         tl.store(key_ptr + row.to(tl.int64) * N + unit, key, mask=unit < N)
 
 
 @triton.jit
 def _select_kernel(
-    key_ptr, out_ptr, keep_ptr,
-    H, T, N, out_len, block_size,
+    key_ptr, out_ptr, keep_ptr, first_ptr, nfull_ptr,
+    T, N, out_len, block_size,
     N_PASSES: tl.constexpr, RADIX_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
-    n_keep = tl.load(keep_ptr + row // H).to(tl.int32)  # units this row keeps
+    n_keep = tl.load(keep_ptr + row).to(tl.int32)  # units this row keeps
+    first = tl.load(first_ptr + row)
+    n_full = tl.load(nfull_ptr + row)
     k_base = key_ptr + row.to(tl.int64) * N
     j = tl.arange(0, BLOCK_S)
-    n_tail = T - N * block_size
+    n_tail = T - first - n_full * block_size
     # a row keeping fewer slots than the widest one starts with -1 (no slot), where left padding would be
     n_fill = out_len - n_keep * block_size - n_tail
     jn = tl.arange(0, BLOCK_N)
@@ -109,12 +117,12 @@ def _select_kernel(
         key = tl.load(k_base + unit, mask=unit < N, other=-1)
         kept = (key >= thr).to(tl.int32)
         rank = done + tl.cumsum(kept, axis=0) - 1
-        slot = unit[:, None].to(tl.int64) * block_size + j[None, :]
+        slot = first + unit[:, None].to(tl.int64) * block_size + j[None, :]
         m = (kept[:, None] > 0) & (j[None, :] < block_size)
         tl.store(o_base + rank[:, None] * block_size + j[None, :], slot, mask=m)
         done += tl.sum(kept, axis=0)
     # the trailing partial block is always kept, after the kept blocks (empty in token mode)
-    tail = N * block_size
+    tail = first + n_full * block_size
     tl.store(o_base + n_keep * block_size + j, (tail + j).to(tl.int64), mask=j < n_tail)
 
 
@@ -139,7 +147,7 @@ def select_keep(scores, positions, keep, n_sink, n_recent, block_size: int = 1, 
     Tensor
         ``[B, H, K]`` int64 kept slot indices, ascending, after -1 entries in rows that keep fewer than the widest.
     """
-    from kernels.reference import kept_units, per_row
+    from kernels.reference import block_layout, per_row
 
     B, H, T = scores.shape
     device = scores.device
@@ -152,8 +160,9 @@ def select_keep(scores, positions, keep, n_sink, n_recent, block_size: int = 1, 
         return torch.arange(T, device=device).expand(B, H, T).clone()
     bs = max(1, int(block_size))
     N = T // bs
-    units = kept_units(T, keep_b, bs)  # [B] units each row keeps
-    out_len = int(units.max()) * bs + (T - N * bs) if B else 0
+    positions = positions.long()
+    first, n_full, n_kept = (t.reshape(B * H).contiguous() for t in block_layout(positions, keep_b, bs))
+    out_len = int((n_kept * bs + T - first - n_full * bs).max()) if B * H else 0
     out = torch.empty(B, H, out_len, dtype=torch.int64, device=device)
     if out_len == 0 or B * H == 0:
         return out
@@ -166,19 +175,18 @@ def select_keep(scores, positions, keep, n_sink, n_recent, block_size: int = 1, 
     block_n = block_n or default_n
     block_t = block_n * block_s  # slots per chunk of the newest-position sweep
     idx_bits = max(N - 1, 0).bit_length()
-    keys = torch.empty(B * H, N, dtype=torch.int64, device=device)
-    positions = positions.long()
+    keys = torch.empty(B * H, max(N, 1), dtype=torch.int64, device=device)
     sinks = per_row(n_sink, B, device).view(B).contiguous()
     recents = per_row(n_recent, B, device).view(B).contiguous()
     _priority_kernel[(B * H,)](
-        scores, positions, keys, sinks, recents,
+        scores, positions, keys, sinks, recents, first, n_full,
         H, T, N, bs,
         *scores.stride(), *positions.stride(),
         IDX_BITS=idx_bits, BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_T=block_t, num_warps=warps,
     )  # fmt: skip
     _select_kernel[(B * H,)](
-        keys, out, units.contiguous(),
-        H, T, N, out_len, bs,
+        keys, out, n_kept, first, n_full,
+        T, N, out_len, bs,
         N_PASSES=-(-(32 + idx_bits) // RADIX_BITS), RADIX_BITS=RADIX_BITS, BLOCK_N=block_n, BLOCK_S=block_s,
         num_warps=warps,
     )  # fmt: skip

@@ -155,18 +155,18 @@ def resolve_budget(budget: int | float | str | None, full_length: int) -> int | 
 
 
 def resolve_policy(policy: str | Policy, budget_tokens: int | None, granularity: str = "token",
-                   block_size: int = 16, **params) -> Policy:
-    """The policy as `generate` runs it: built (``params``), set to whole blocks in ``"block"`` granularity, and
-    resolved for a budget in tokens. Raises ValueError when its windows do not fit the budget, so callers that run
-    many decodes (`learnkv.eval`) can check every combination before the first one."""
-    return resolve_policy_rows(policy, [budget_tokens], granularity, block_size, **params)[0]
+                   block_size: int = 16, params: dict | None = None) -> Policy:
+    """The policy as `generate` runs it: built with ``params``, set to whole blocks of ``block_size`` in ``"block"``
+    granularity, and resolved for a budget in tokens. Raises ValueError when its windows do not fit the budget, so
+    callers that run many decodes (`learnkv.eval`) can check every combination before the first one."""
+    return resolve_policy_rows(policy, [budget_tokens], granularity, block_size, params)[0]
 
 
 def resolve_policy_rows(policy: str | Policy, budgets: Sequence[int | None], granularity: str = "token",
-                        block_size: int = 16, **params) -> list[Policy]:
+                        block_size: int = 16, params: dict | None = None) -> list[Policy]:
     """`resolve_policy` for each row's budget of a batch: one policy per row, which may differ only in what the
     cache applies per row (`learnkv.policies.base.resolve_rows`); raises ValueError otherwise."""
-    policy_obj = make_policy(policy, **params)
+    policy_obj = make_policy(policy, **(params or {}))
     if not policy_obj.evicts:
         return [policy_obj] * len(budgets)
     if any(b is None for b in budgets):
@@ -320,7 +320,7 @@ def generate(
     rows = resolve_policy_rows(policy_obj, budgets or [None] * B, granularity, block_size)
     prefill_rows = None
     if prefill_policy is not None and policy_obj.evicts:
-        prefill_rows = resolve_policy_rows(prefill_policy, budgets, granularity, block_size, **(prefill_params or {}))
+        prefill_rows = resolve_policy_rows(prefill_policy, budgets, granularity, block_size, prefill_params)
     elif policy_obj.evicts:
         for n, b, row in zip(prompt_lengths, budgets, rows):
             if error := blind_prefill_error(row, n, b):

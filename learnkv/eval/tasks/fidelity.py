@@ -11,7 +11,12 @@ teacher-forced along that continuation, so every step compares the two caches on
 * ``agreement_length``: tokens a free-running greedy budgeted decode produces before it first differs from the
   full-cache output. Read off the forced run: greedy decoding is deterministic, so a free run feeds exactly
   the forced tokens until its own choice first differs, which is the first step whose argmax differs from the
-  reference token (tested against a separate free run). None for ``oracle``, which replays the full output.
+  reference token (tested against a separate free run). None for ``oracle``, which replays the full output;
+* ``generated_tokens``: the length of the full-cache continuation (the regime: how long the decode ran).
+
+A budget fraction is a share of the final length of the full-cache run (prompt + its continuation), as
+LazyEviction sets its budgets. Prompts are decoded in batches; every metric is accumulated per row, step by step
+(no budgeted logits or kept sets are stored), so a batch gives each prompt exactly its metrics alone.
 """
 
 from __future__ import annotations
@@ -21,9 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from learnkv.decode import GenerationResult
 from learnkv.eval import metrics as M
-from learnkv.eval.tasks.base import Sample, Task, capture_logits, replays
+from learnkv.eval.tasks.base import RunConfig, Sample, Task, capture_logits, left_pad, replays
 from learnkv.policies.oracle import full_attention
 from learnkv.prompts import load_prompts
 
@@ -35,51 +39,107 @@ class FullRun:
     Attributes
     ----------
     tokens : Tensor
-        ``[1, N]`` the greedy continuation.
+        ``[1, N]`` the greedy continuation (up to and including EOS).
     logits : Tensor
         ``[N, V]`` float32, the logits each continuation token was chosen from.
     attention : list of Tensor
-        Per layer ``[H, L, L]`` group-mean attention of prompt + continuation (all but the last token, L = P + N - 1),
-        indexed by (query position, key position).
+        Per layer ``[H, N - 1, L]`` float16: the group-mean attention of each decode step's query (positions
+        ``P .. P + N - 2``) over the keys of prompt + continuation (``L = P + N - 1``), indexed by key position.
+    prompt_len : int
+        P.
     """
 
     tokens: Tensor
     logits: Tensor
     attention: list[Tensor]
+    prompt_len: int
+
+    @property
+    def final_length(self) -> int:
+        return self.prompt_len + self.tokens.shape[1]
 
 
-def recall_of_run(attention: list[Tensor], kept: list, prompt_len: int) -> float:
-    """Attention recall of a run: decode step s (query at position P + s - 1) saw what pass s - 1 kept, plus
-    itself. ``attention`` per layer ``[H, L, L]``, ``kept`` as from `decode_traced`. 1.0 if nothing was decoded."""
-    n_steps = len(kept) - 1
-    if n_steps < 1:
-        return 1.0
-    queries = list(range(prompt_len, prompt_len + n_steps))
-    per_layer = []
-    for layer, attn in enumerate(attention):
-        visible = M.visible_mask([kept[s][layer] for s in range(n_steps)], queries, attn.shape[-1])
-        per_layer.append(M.attention_recall(attn[:, queries, :], visible).mean())
-    return float(torch.stack(per_layer).mean())
+def _pad_tokens(refs: list[FullRun], pad_id: int) -> Tensor:
+    n = max(r.tokens.shape[1] for r in refs)
+    out = torch.full((len(refs), n), pad_id, dtype=torch.long)
+    for i, r in enumerate(refs):
+        out[i, : r.tokens.shape[1]] = r.tokens[0]
+    return out
+
+
+class _Tracker:
+    """Accumulates each row's fidelity metrics during a teacher-forced budgeted run, one forward pass at a time."""
+
+    def __init__(self, refs: list[FullRun], latest: dict):
+        self.refs, self.latest = refs, latest
+        B = len(refs)
+        self.kl, self.top1, self.nll = ([[] for _ in range(B)] for _ in range(3))
+        self.agree: list[int | None] = [None] * B  # first step whose argmax differs from the reference token
+        self.recall = [[] for _ in range(B)]  # per decode step: mean over layers and heads
+        self.step = 0
+
+    def __call__(self, cache) -> None:
+        i, logits = self.step, self.latest.pop("logits")  # [B, V] of forward pass i
+        self.step += 1
+        for b, ref in enumerate(self.refs):
+            n = ref.tokens.shape[1]
+            if i >= n:
+                continue
+            q = logits[b : b + 1]
+            self.kl[b].append(float(M.kl_divergence(ref.logits[i : i + 1], q)[0]))
+            self.top1[b].append(float(q.argmax(-1)[0] == ref.logits[i].argmax()))
+            target = ref.tokens[0, i]
+            self.nll[b].append(float(-q.double().log_softmax(-1)[0, target]))
+            if self.agree[b] is None and int(q.argmax(-1)[0]) != int(target):
+                self.agree[b] = i
+            if i < n - 1:  # what this pass kept is what decode step i + 1's query (position P + i) attends to
+                self.recall[b].append(self._recall(cache, b, i))
+
+    def _recall(self, cache, b: int, i: int) -> float:
+        ref = self.refs[b]
+        per_layer = [M.step_recall(attn[:, i, :], layer.positions[b], ref.prompt_len + i)
+                     for layer, attn in zip(cache.layers, ref.attention)]
+        return sum(per_layer) / len(per_layer)
+
+    def metrics(self, b: int, policy: str) -> dict:
+        ref = self.refs[b]
+        n = ref.tokens.shape[1]
+        ref_nll = -ref.logits.double().log_softmax(-1).gather(-1, ref.tokens[0, :, None]).squeeze(-1)
+        return {
+            "kl": sum(self.kl[b]) / n,
+            "top1_agreement": sum(self.top1[b]) / n,
+            "ppl_ratio": float(torch.tensor(sum(self.nll[b]) / n - float(ref_nll.mean())).exp()),
+            "attention_recall": sum(self.recall[b]) / len(self.recall[b]) if self.recall[b] else 1.0,
+            "agreement_length": None if replays(policy) else (n if self.agree[b] is None else self.agree[b]),
+            "generated_tokens": float(n),
+        }
 
 
 @dataclass
 class Fidelity(Task):
-    """Fidelity to the full cache on held-out ``gsm_symbolic`` prompts (test split).
+    """Fidelity to the full cache on held-out prompts (test split) of a prompt source.
 
     Parameters
     ----------
     max_new_tokens : int
-        Length of the full-cache continuation each budgeted run is forced along.
+        The most tokens the full-cache continuation (that each budgeted run is forced along) may have.
     source : str
         Prompt source (`learnkv.prompts.SOURCES`).
     """
 
     name = "fidelity"
-    metrics = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length")
+    metrics = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length", "generated_tokens")
     default_limit = 8
 
     max_new_tokens: int = 24
     source: str = "gsm_symbolic"
+
+    def __post_init__(self):
+        super().__post_init__()
+        from learnkv.prompts import SOURCES
+
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown prompt source {self.source!r}; known: {', '.join(sorted(SOURCES))}")
 
     def load(self, tokenizer, limit: int | None, seed: int) -> list[Sample]:
         if tokenizer is None:
@@ -87,47 +147,39 @@ class Fidelity(Task):
         prompts = load_prompts(self.source, n=limit, seed=seed, split="test", tokenizer=tokenizer)
         return [Sample.from_prompt(p, tokenizer) for p in prompts]
 
-    def decode_traced(self, model, tokenizer, sample: Sample, policy: str, budget: int | None, params: dict,
-                      forced: Tensor | None = None) -> tuple[Tensor, list, GenerationResult]:
-        """A greedy (or teacher-forced) decode of one sample that records every forward pass.
+    def final_length(self, sample: Sample, ref: FullRun) -> int:
+        return ref.final_length
 
-        Returns
-        -------
-        logits : Tensor
-            ``[N, V]`` float32, the logits of each forward pass (prefill first), i.e. of each generated token.
-        kept : list
-            Per forward pass, per layer, the ``[H, T]`` positions the cache held after that pass.
-        result : GenerationResult
-        """
-        logits, kept = [], []
+    def reference_batch(self, model, tokenizer, samples: list[Sample]) -> list[FullRun]:
         latest, handle = capture_logits(model)
-
-        def observe(cache):
-            logits.append(latest.pop("logits"))
-            kept.append([layer.positions[0].detach().cpu().clone() for layer in cache.layers])
-
+        steps = []
         try:
-            result = self.decode(model, tokenizer, sample, policy, budget, params, forced_tokens=forced,
-                                 observer=observe)
+            result = self.decode_batch(model, tokenizer, samples, RunConfig("full", {}, [None] * len(samples)),
+                                       observer=lambda cache: steps.append(latest.pop("logits")))
         finally:
             handle.remove()
-        return torch.stack(logits), kept, result
-
-    def reference(self, model, tokenizer, sample: Sample) -> FullRun:
-        logits, _, result = self.decode_traced(model, tokenizer, sample, "full", None, {})
-        seq = torch.cat([sample.input_ids, result.tokens[:, :-1]], dim=1)
+        logits = torch.stack(steps, dim=1)  # [B, N, V]
         device = next(model.parameters()).device
-        attention = full_attention(model, seq.to(device), torch.ones_like(seq, device=device))
-        return FullRun(result.tokens, logits, [a[0].float().cpu() for a in attention])
+        refs = []
+        for b, sample in enumerate(samples):
+            n, P = result.new_tokens[b], sample.input_ids.shape[1]
+            tokens = result.tokens[b : b + 1, :n]
+            seq = torch.cat([sample.input_ids, tokens[:, :-1]], dim=1).to(device)
+            attention = [a[0, :, P:, :].to(torch.float16).cpu()  # the decode steps' query rows only
+                         for a in full_attention(model, seq, torch.ones_like(seq))]
+            refs.append(FullRun(tokens, logits[b, :n].clone(), attention, P))
+        return refs
 
-    def run(self, model, tokenizer, sample, ref: FullRun, policy, budget, params):
-        logits, kept, result = self.decode_traced(model, tokenizer, sample, policy, budget, params, forced=ref.tokens)
-        targets = ref.tokens[0]
-        free = None if replays(policy) else M.agreement_length(targets.tolist(), logits.argmax(-1).tolist())
-        return {
-            "kl": float(M.kl_divergence(ref.logits, logits).mean()),
-            "top1_agreement": M.top1_agreement(ref.logits, logits),
-            "ppl_ratio": M.ppl_ratio(ref.logits, logits, targets),
-            "attention_recall": recall_of_run(ref.attention, kept, sample.input_ids.shape[1]),
-            "agreement_length": free,
-        }, result
+    def run_batch(self, model, tokenizer, samples: list[Sample], refs: list[FullRun], run: RunConfig):
+        pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        latest, handle = capture_logits(model)
+        tracker = _Tracker(refs, latest)
+        try:
+            result = self.decode_batch(model, tokenizer, samples, run, forced_tokens=_pad_tokens(refs, pad_id or 0),
+                                       observer=tracker)
+        finally:
+            handle.remove()
+        return [tracker.metrics(b, run.policy) for b in range(len(samples))], result
+
+
+__all__ = ["Fidelity", "FullRun", "left_pad"]
