@@ -95,6 +95,8 @@ class RKV(Policy):
             raise ValueError(f"rkv: buffer ({buffer}) must be >= window ({window})")
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"rkv: kernel_size must be a positive odd number, got {self.kernel_size}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"rkv: threshold must be in [0, 1], got {self.threshold}")
         if not 0.0 <= self.mix_lambda <= 1.0:
             raise ValueError(f"rkv: mix_lambda must be in [0, 1], got {self.mix_lambda}")
         return {"window": window, "buffer": buffer, "interval": buffer, "n_recent": window}
@@ -126,22 +128,24 @@ class RKV(Policy):
 def redundancy(keys: Tensor, valid: Tensor, threshold: float) -> Tensor:
     """``[B, H, T]`` R-KV redundancy of each cached key (a distribution over the valid slots; 0 on padding).
 
-    keys ``[B, H, T, D]``, valid ``[B, H, T]`` bool. One ``[B, T, T]`` cosine matrix per KV head at a time.
+    keys ``[B, H, T, D]``, valid ``[B, H, T]`` bool, threshold in [0, 1]. Peak memory: one ``[B, T, T]`` fp32
+    cosine matrix and two bool masks of that size, one KV head at a time.
     """
     B, H, T, _ = keys.shape
     k = keys.float()
     k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
-    slot = torch.arange(T, device=keys.device)
-    not_self = ~torch.eye(T, dtype=torch.bool, device=keys.device)
     first = valid.int().argmax(dim=-1)  # [B, H] the oldest cached slot (the source's fallback index 0)
     n_valid = valid.sum(dim=-1).clamp_min(1)
     out = torch.empty(B, H, T, device=keys.device)
     for h in range(H):
         v = valid[:, h]
-        pair = v[:, :, None] & v[:, None, :] & not_self
-        cos = (k[:, h] @ k[:, h].transpose(-1, -2)).masked_fill(~pair, 0.0)  # [B, T, T]
-        last = torch.where(pair & (cos > threshold), slot, -1).amax(dim=-1)  # newest near-duplicate of each row
-        last = torch.where(last >= 0, last, first[:, h, None])
+        cos = k[:, h] @ k[:, h].transpose(-1, -2)  # [B, T, T]
+        cos.diagonal(dim1=-2, dim2=-1).zero_()
+        cos.masked_fill_(~v[:, :, None], 0.0).masked_fill_(~v[:, None, :], 0.0)  # padding: 0, never near
+        near = (cos > threshold).flip(-1)  # newest slot first
+        last = T - 1 - near.view(torch.uint8).argmax(dim=-1)  # the newest near-duplicate of each row
+        last = torch.where(near.any(dim=-1), last, first[:, h, None])
+        del near
         cos.scatter_(-1, last[..., None], 0.0)
         mean = cos.sum(dim=1) / n_valid[:, h, None]
         out[:, h] = mean.masked_fill(~v, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
