@@ -46,8 +46,8 @@ def reference_scores(q, k, pos, slots, queries, qpos, G, window, lam=0.1, kernel
                 logit = [[sum(a * c for a, c in zip(q[b][h * G + g][t], key[i])) / math.sqrt(len(key[i]))
                           for i in seen] for g in range(G)]
                 if official:
-                    top = {i: max(logit[g][j] for g in range(G)) for j, i in enumerate(seen)}
-                    p = dict(zip(cand, softmax([top[i] for i in cand])))
+                    best = {i: max(logit[g][j] for g in range(G)) for j, i in enumerate(seen)}
+                    p = dict(zip(cand, softmax([best[i] for i in cand])))
                 else:
                     probs = [dict(zip(seen, softmax(logit[g]))) for g in range(G)]
                     m = {i: max(pr[i] for pr in probs) for i in cand}

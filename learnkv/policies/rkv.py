@@ -35,7 +35,9 @@ class RKV(Policy):
 
     The source compresses at every ``buffer``-th token of the sequence (prompt included; ``divide_length``
     128) if the cache then holds at least ``budget`` tokens, and once at prefill if the prompt does (observed
-    by the prompt's last ``window`` queries), each time down to ``budget`` tokens. No sink tokens.
+    by the prompt's last ``window`` queries), each time down to ``budget`` tokens. No sink tokens. Its non-default
+    options are not reproduced (``divide_method="newline"``, ``compression_content="think"``, ``retain_direction``
+    other than "last").
 
     Deviations, for equal KV bytes across policies and for determinism:
 
