@@ -66,7 +66,7 @@ def test_slack_keeps_the_same_tokens(tiny, policy, slack):
     assert ours.peak_kv_bytes <= base.peak_kv_bytes * (12 + slack + 1) / (12 + 1)
 
 
-@pytest.mark.parametrize("policy, extra", [("snapkv", {}), ("paged", {"budget": 40}),
+@pytest.mark.parametrize("policy, extra", [("snapkv", {}), ("rkv", {}), ("paged", {"budget": 40}),
                                            ("h2o", {"granularity": "block", "block_size": 4})])
 def test_slack_is_ignored_where_slots_are_grouped(tiny, policy, extra):
     """SnapKV pools neighbouring slots and block eviction groups them: a dead slot in between would change both."""

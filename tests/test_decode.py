@@ -53,7 +53,7 @@ def _masked_reference_attention(layer_masks):
 @pytest.mark.parametrize("policy,budget,granularity,slack", [
     ("h2o", 24, "token", 0), ("lazy", 30, "token", 0), ("snapkv", 20, "token", 0), ("paged", 40, "token", 0),
     ("knorm", 16, "token", 0), ("learned", 20, "token", 0), ("h2o", 32, "block", 0), ("learned", 40, "block", 0),
-    ("h2o", 24, "token", 5), ("tova", 16, "token", 3), ("learned", 20, "token", 4),
+    ("h2o", 24, "token", 5), ("tova", 16, "token", 3), ("learned", 20, "token", 4), ("rkv", 20, "token", 0),
 ])
 def test_eviction_matches_masked_full_forward(tiny, policy, budget, granularity, slack):
     """Decoding with eviction and explicit positions == a full-length forward that masks the evicted tokens.
@@ -108,7 +108,7 @@ def _collect_logits(model, ids, policy, budget, new, params, **mode):
     return torch.stack(captured)
 
 
-@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "tova", "lazy", "snapkv", "knorm", "learned"])
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "tova", "lazy", "snapkv", "rkv", "knorm", "learned"])
 def test_left_padded_batch_equals_single_rows(tiny, policy):
     """Batch > 1 with left padding: each row decodes exactly as it does alone."""
     a, b = random_ids(26, seed=4)[0], random_ids(17, seed=5)[0]

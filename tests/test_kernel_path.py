@@ -35,6 +35,7 @@ POLICY_CASES = [  # policy, extra generate arguments, launchers that must run
     pytest.param("roco", {}, EVICTION + ("update_token_state",), id="roco"),
     pytest.param("lazy", {}, EVICTION + ("update_token_state",), id="lazy"),
     pytest.param("tova", {}, EVICTION, id="tova"),
+    pytest.param("rkv", {}, EVICTION, id="rkv"),
     pytest.param("paged", {"policy_params": {"block_size": 4}}, EVICTION + ("block_scores",), id="paged"),
     # small protected windows: with the defaults (4 + 8) a budget of 12 is all protected and the scores never count
     pytest.param("learned", {"policy_params": {"n_sink": 1, "n_recent": 2}},
