@@ -155,7 +155,7 @@ def test_roco_and_paged_equal_state_equal_scores(T):
 # -- rows of a batch with their own budgets ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy, kw", [("lazy", {}), ("h2o", {}), ("snapkv", {}), ("learned", {}),
+@pytest.mark.parametrize("policy, kw", [("lazy", {}), ("h2o", {}), ("snapkv", {}), ("learned", {}), ("rkv", {}),
                                         ("h2o", {"granularity": "block", "block_size": 4}), ("paged", {}),
                                         ("h2o", {"slack": 3})])
 def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw):
@@ -167,6 +167,7 @@ def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw):
     ids[1, 7:], mask[1, 7:] = b, 1
     budgets = [22, 16]
     params = {**params_for(policy, 2), **({"window": 4} if policy in ("lazy", "snapkv") else {}),
+              **({"window": 2, "buffer": 3} if policy == "rkv" else {}),
               **({"block_size": 4} if policy == "paged" else {})}
 
     def run(input_ids, attention_mask, budget):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
+from learnkv.policies.params import param
 
 DEFAULT_WINDOW = 8  # observation tokens α: README table, `run_math.py --window_size`, `R1KV(window_size=8)`
 DEFAULT_BUFFER = 128  # B_buffer: README table, `run_math.py --divide_length 128`
@@ -77,11 +78,12 @@ class RKV(Policy):
     name = "rkv"
     group_reduce = "max"  # the source max-pools over the group's query heads
     needs_dense_slots = True  # the max pool and "the last similar key" read neighbouring slots
-    window: int | None = None
-    buffer: int | None = None
-    mix_lambda: float = 0.1
-    kernel_size: int = 7
-    threshold: float = 0.5
+    per_row_fields = ("n_sink", "n_recent", "interval", "buffer")  # the buffer only sets the schedule
+    window: int | None = param(None, low=1)
+    buffer: int | None = param(None, low=1)
+    mix_lambda: float = param(0.1, low=0.0, high=1.0)
+    kernel_size: int = param(7, low=1)
+    threshold: float = param(0.5, low=0.0, high=1.0)
 
     @property
     def obs_window(self) -> int:
@@ -91,16 +93,10 @@ class RKV(Policy):
         cap = max(1, budget // 4)
         window = self.window if self.window is not None else min(DEFAULT_WINDOW, cap)
         buffer = self.buffer if self.buffer is not None else max(min(DEFAULT_BUFFER, cap), window)
-        if window < 1:
-            raise ValueError(f"rkv: window must be >= 1, got {window}")
         if buffer < window:  # as the source's serving config requires; keeps the observed rows exact (see above)
             raise ValueError(f"rkv: buffer ({buffer}) must be >= window ({window})")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+        if self.kernel_size % 2 == 0:
             raise ValueError(f"rkv: kernel_size must be a positive odd number, got {self.kernel_size}")
-        if not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"rkv: threshold must be in [0, 1], got {self.threshold}")
-        if not 0.0 <= self.mix_lambda <= 1.0:
-            raise ValueError(f"rkv: mix_lambda must be in [0, 1], got {self.mix_lambda}")
         return {"window": window, "buffer": buffer, "interval": buffer, "n_recent": window}
 
     def update(self, view: LayerView) -> None:
