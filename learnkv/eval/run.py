@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from learnkv.decode import GenerationResult, resolve_budget, resolve_policy
+from learnkv.decode import GenerationResult, parse_number, resolve_budget, resolve_policy
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
 from learnkv.eval.tasks.base import evicts
 from learnkv.policies import POLICIES, make_policy
@@ -66,7 +66,7 @@ def parse_budget(value: str | int | float) -> int | float:
     """``"64"`` -> 64 tokens, ``"0.25"`` -> a fraction; raises ValueError out of range."""
     if isinstance(value, str):
         try:
-            value = int(value) if value.strip().isdigit() else float(value)
+            value = parse_number(value)
         except ValueError:
             raise ValueError(f"budget must be a token count or a fraction in (0, 1], got {value!r}") from None
     resolve_budget(value, 1)  # range checks: >= 1 token, or a fraction in (0, 1]
