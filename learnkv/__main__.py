@@ -97,7 +97,18 @@ def _parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def cmd_collect(args) -> None:
+def _kept(out: str) -> str:
+    """What a trace directory holds now, for the interrupt message."""
+    from pathlib import Path
+
+    path = Path(out) / "manifest.json"
+    if not path.is_file():
+        return f"no shard was finished, nothing kept in {out}"
+    manifest = json.loads(path.read_text())
+    return f"{len(manifest['shards'])}/{manifest['n_shards_planned']} shards are finished and kept in {out}"
+
+
+def cmd_collect(args) -> int:
     import torch
 
     from learnkv.model import DEFAULT_MODEL
@@ -116,10 +127,21 @@ def cmd_collect(args) -> None:
         prompts_per_shard=args.prompts_per_shard,
         seed=args.seed,
     )
-    manifest, stats = collect(args.out, cfg, shard=_parse_shard(args.shard), progress=True)
+    try:
+        manifest, stats = collect(args.out, cfg, shard=_parse_shard(args.shard), progress=True)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {_kept(args.out)}; the shard in progress was discarded. Rerun the same command to "
+              "resume.", file=sys.stderr)
+        return 130
+    for line in stats.problems:
+        print(f"note: {line}", file=sys.stderr)
+    if stats.removed_temps:
+        print(f"note: removed {len(stats.removed_temps)} temporary file(s) an interrupted collector left: "
+              f"{', '.join(stats.removed_temps)}", file=sys.stderr)
     print(stats.line())
     state = "complete" if manifest["complete"] else f"{len(manifest['shards'])}/{manifest['n_shards_planned']} shards"
     print(f"manifest: {args.out}/manifest.json ({state})")
+    return 0
 
 
 def cmd_generate(args) -> None:
@@ -176,11 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "generate":
             cmd_generate(args)
         elif args.command == "collect":
-            cmd_collect(args)
+            return cmd_collect(args)
         elif args.command == "merge":
             from learnkv.traces.collect import merge
 
-            manifest = merge(args.dir)
+            manifest, problems = merge(args.dir)
+            for line in problems:
+                print(f"warning: {line}", file=sys.stderr)
             rows = sum(s["rows"] for s in manifest["shards"])
             print(f"{args.dir}/manifest.json: {len(manifest['shards'])}/{manifest['n_shards_planned']} shards, {rows} rows"
                   + ("" if manifest["complete"] else " (incomplete: run the missing collectors)"))

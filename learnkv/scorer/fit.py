@@ -34,15 +34,21 @@ def make_logger(cfg: PipelineConfig, out_dir: Path):
 
 
 def ensure_traces(cfg: PipelineConfig, progress: bool = True) -> dict:
-    """The trace manifest, collecting traces first if the trace directory lacks a complete set."""
-    from learnkv.traces.collect import collect
-    from learnkv.traces.store import read_manifest
+    """The trace manifest, collecting traces first if the trace directory lacks a complete set. Traces of another
+    format, feature version or collection config are refused, saying what differs."""
+    from learnkv.traces.collect import check_same_config, collect
+    from learnkv.traces.store import MANIFEST, read_manifest
 
-    manifest_path = Path(cfg.trace_dir) / "manifest.json"
-    if manifest_path.exists() and json.loads(manifest_path.read_text()).get("complete"):
-        return read_manifest(cfg.trace_dir)
+    if (Path(cfg.trace_dir) / MANIFEST).exists():
+        manifest = read_manifest(cfg.trace_dir)
+        check_same_config(manifest, cfg.collect, f"trace_dir {cfg.trace_dir}",
+                          "set collect.* to the settings it was collected with, or use another trace_dir")
+        if manifest["complete"]:
+            return manifest
     print(f"collecting traces into {cfg.trace_dir}")
     manifest, stats = collect(cfg.trace_dir, cfg.collect, progress=progress)
+    for line in stats.problems:
+        print(f"note: {line}")
     print(stats.line())
     return read_manifest(cfg.trace_dir)
 
@@ -84,7 +90,6 @@ def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
     from learnkv.scorer.artifact import export_scorer
     from learnkv.scorer.data import TraceDataModule, feature_stats
     from learnkv.scorer.module import ScorerModule
-    from learnkv.traces.collect import CollectConfig
 
     L.seed_everything(cfg.seed, verbose=False)
     manifest = ensure_traces(cfg, progress)
@@ -123,8 +128,7 @@ def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
 
         wandb.finish()  # so a second run in the same process starts its own
     table = recall_table(metrics, teachers)
-    digest = CollectConfig.digest(cfg.collect)
     artifact = export_scorer(best.scorer.cpu(), out / "scorer", model=manifest["model"], n_kv_heads=manifest["n_kv_heads"],
-                             config_digest=digest, metrics=metrics,
+                             config_digest=manifest["config_digest"], metrics=metrics,
                              extra={"trace_dir": str(cfg.trace_dir), "teachers": teachers, "train": to_dict(cfg.train)})
     return artifact, metrics, table
