@@ -147,23 +147,36 @@ def cmd_collect(args) -> int:
 def cmd_generate(args) -> None:
     import torch
 
-    from learnkv.decode import generate, resolve_budget
+    from learnkv.decode import generate, parse_number, resolve_budget, resolve_policy
     from learnkv.model import DEFAULT_MODEL, load_model
     from learnkv.policies import make_policy
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    # ---------------------------------------------- everything that needs no model is checked before it loads
     params = _parse_params(args.param)
     if args.scorer is not None:
         params["scorer"] = args.scorer
-    policy = make_policy(args.policy, **params)  # fail on bad input before loading a model
+    policy = make_policy(args.policy, **params)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.slack < 0:
         raise ValueError(f"--slack must be >= 0 dead slots, got {args.slack}")
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     if policy.evicts:
         if args.budget is None:
             raise ValueError(f"policy {policy.name!r} needs --budget (tokens, e.g. 64, or a fraction, e.g. 0.25)")
-        resolve_budget(args.budget, 1)
+        tokens = resolve_budget(args.budget, 1)
+        # a token count is checked against the policy's windows (and its scorer) now; a fraction's count depends on
+        # the prompt's length, so only what does not depend on the budget is checked now: at the largest budget
+        resolve_policy(policy, tokens if isinstance(parse_number(args.budget), int) else 1 << 30, args.granularity,
+                       args.block_size)
+    if args.scorer is not None:  # the model it was trained for, by name (its shape is checked once it loads)
+        from learnkv.scorer.artifact import check_binding, read_artifact_manifest
+
+        check_binding(read_artifact_manifest(args.scorer), args.scorer, model=args.model or DEFAULT_MODEL)
     model, tokenizer = load_model(args.model or DEFAULT_MODEL)
     result = generate(
         model,
