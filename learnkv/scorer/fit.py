@@ -99,6 +99,14 @@ def check_resumable(cfg: PipelineConfig, last: Path) -> None:
                          "settings, or use another out_dir")
 
 
+#: marks a finished run: the config it ran with and its artifact (a rerun of the same command then does nothing)
+DONE = "done.json"
+
+
+def _finish_config(cfg: PipelineConfig) -> dict:
+    return {k: v for k, v in to_dict(cfg).items() if k != "wandb"}
+
+
 def finished_run(cfg: PipelineConfig, out: Path):
     """(artifact, metrics, teachers) if ``out`` holds a finished run of exactly this config, else None."""
     from learnkv.scorer.artifact import ArtifactError, load_scorer
@@ -106,22 +114,17 @@ def finished_run(cfg: PipelineConfig, out: Path):
     path = out / DONE
     if not path.is_file():
         return None
-    done = json.loads(path.read_text())
+    try:
+        done = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # not a record of a finished run: train (resuming) and export again
     if done.get("config") != _finish_config(cfg):
         return None
     try:
         _, manifest = load_scorer(done["artifact"])
-    except ArtifactError:
+    except (ArtifactError, KeyError):
         return None  # the export is gone or damaged: train (resuming) and export again
     return Path(done["artifact"]), manifest["metrics"], manifest["teachers"]
-
-
-#: marks a finished run: the config it ran with and its artifact (a rerun of the same command then does nothing)
-DONE = "done.json"
-
-
-def _finish_config(cfg: PipelineConfig) -> dict:
-    return {k: v for k, v in to_dict(cfg).items() if k != "wandb"}
 
 
 def recall_table(metrics: dict, teachers: list[str]) -> str:

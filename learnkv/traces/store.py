@@ -57,6 +57,9 @@ def write_shard(out_dir: Path, index: int, columns: dict[str, list], prompts: li
 def check_shard_identity(entry: dict, name: str, config_digest: str | None) -> None:
     """Refuse (`TraceError`) a shard made with another feature version or collection config than ``config_digest``."""
     version, digest = entry.get("feature_version"), entry.get("config_digest")
+    if version is None:
+        raise TraceError(f"{name}: shard records no feature version (written before learnkv recorded it), so it cannot "
+                         "be checked; collect into another directory (or delete this one)")
     if version != FEATURE_VERSION:
         raise TraceError(f"{name}: shard of feature version {version}, this learnkv computes version {FEATURE_VERSION}; "
                          "collect into another directory (or delete this one)")
