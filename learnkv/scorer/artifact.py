@@ -150,11 +150,13 @@ def load_scorer(path: str | Path, expect_model: str | None = None, expect_layers
     try:
         scorer = Scorer(int(arch["n_layers"]), int(arch["n_features"]), int(arch["hidden"]))
     except (TypeError, KeyError, ValueError, RuntimeError):
-        raise ArtifactError(f"{path}: manifest 'architecture' {arch!r} is not n_layers, n_features, hidden >= 1") from None
+        raise ArtifactError(f"{path}: manifest 'architecture' {arch!r} is not n_layers, n_features, hidden >= 1") \
+            from None
     declared = {"n_layers": manifest.get("n_layers"), "n_features": len(manifest["features"])}
     for key, value in declared.items():
         if arch[key] != value:
-            raise ArtifactError(f"{path}: architecture says {key}={arch[key]}, the manifest {value}; the artifact is inconsistent")
+            raise ArtifactError(f"{path}: architecture says {key}={arch[key]}, the manifest {value}; "
+                                "the artifact is inconsistent")
     try:
         tensors = load_file(weights)
     except (SafetensorError, OSError) as e:
@@ -167,6 +169,7 @@ def load_scorer(path: str | Path, expect_model: str | None = None, expect_layers
         raise ArtifactError(f"{weights}: tensor shapes disagree with the manifest: {'; '.join(diff)}")
     bad = _non_finite(tensors)
     if bad:
-        raise ArtifactError(f"{weights}: non-finite weights in {bad} (a diverged training run); retrain with a lower train.lr")
+        raise ArtifactError(f"{weights}: non-finite weights in {bad} (a diverged training run); "
+                            "retrain with a lower train.lr")
     scorer.load_state_dict(tensors)
     return scorer.eval(), manifest

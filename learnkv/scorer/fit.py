@@ -89,7 +89,8 @@ def check_resumable(cfg: PipelineConfig, last: Path) -> None:
     try:
         previous = torch.load(last, map_location="cpu", weights_only=False).get(IDENTITY_KEY)
     except Exception as e:  # torch raises several types on a damaged file
-        raise ValueError(f"checkpoint {last} cannot be read ({type(e).__name__}); delete it to start this run over") from None
+        raise ValueError(f"checkpoint {last} cannot be read ({type(e).__name__}); "
+                         "delete it to start this run over") from None
     if previous is None:
         raise ValueError(f"checkpoint {last} does not record the run it belongs to; delete it to start this run over")
     identity = run_identity(cfg)

@@ -61,8 +61,8 @@ def check_shard_identity(entry: dict, name: str, config_digest: str | None) -> N
         raise TraceError(f"{name}: shard records no feature version (written before learnkv recorded it), so it cannot "
                          "be checked; collect into another directory (or delete this one)")
     if version != FEATURE_VERSION:
-        raise TraceError(f"{name}: shard of feature version {version}, this learnkv computes version {FEATURE_VERSION}; "
-                         "collect into another directory (or delete this one)")
+        raise TraceError(f"{name}: shard of feature version {version}, this learnkv computes version "
+                         f"{FEATURE_VERSION}; collect into another directory (or delete this one)")
     if digest != config_digest:
         raise TraceError(f"{name}: shard collected with config digest {digest}, this directory's is {config_digest}; "
                          "collect into another directory (or delete this one)")
