@@ -150,8 +150,8 @@ def load_scorer(path: str | Path, expect_model: str | None = None, expect_layers
     try:
         scorer = Scorer(int(arch["n_layers"]), int(arch["n_features"]), int(arch["hidden"]))
     except (TypeError, KeyError, ValueError, RuntimeError):
-        raise ArtifactError(f"{path}: manifest 'architecture' {arch!r} is not n_layers, n_features, hidden >= 1") \
-            from None
+        raise ArtifactError(
+            f"{path}: manifest 'architecture' {arch!r} is not n_layers, n_features, hidden >= 1") from None
     declared = {"n_layers": manifest.get("n_layers"), "n_features": len(manifest["features"])}
     for key, value in declared.items():
         if arch[key] != value:
