@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                           max_new_tokens=args.max_new_tokens, split=args.split, context_tokens=args.context_tokens,
                           depths=args.depths, granularity=args.granularity, block_size=args.block_size,
                           source=args.source)
+        from learnkv.eval.report import prepare_output
+
+        note = prepare_output(args.output)  # before any decode: a bad --output must not cost a finished run
+        if note:
+            print(f"note: {note}", file=sys.stderr)
         # ------------------------------------------------------------------ everything valid: load and run
         import torch
 

@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad config, bad traces, bad model: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # during collection (Lightning handles it during fit)
+        print("\ninterrupted: finished trace shards and the last epoch's checkpoint are kept; rerun the same command "
+              "to resume", file=sys.stderr)
+        return 130
     print("budget recall on the validation prompts (share of the oracle's top-b tokens kept):")
     print(table)
     print(f"artifact: {artifact}")

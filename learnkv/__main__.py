@@ -97,7 +97,18 @@ def _parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def cmd_collect(args) -> None:
+def _kept(out: str) -> str:
+    """What a trace directory holds now, for the interrupt message."""
+    from pathlib import Path
+
+    path = Path(out) / "manifest.json"
+    if not path.is_file():
+        return f"no shard was finished, nothing kept in {out}"
+    manifest = json.loads(path.read_text())
+    return f"{len(manifest['shards'])}/{manifest['n_shards_planned']} shards are finished and kept in {out}"
+
+
+def cmd_collect(args) -> int:
     import torch
 
     from learnkv.model import DEFAULT_MODEL
@@ -116,32 +127,56 @@ def cmd_collect(args) -> None:
         prompts_per_shard=args.prompts_per_shard,
         seed=args.seed,
     )
-    manifest, stats = collect(args.out, cfg, shard=_parse_shard(args.shard), progress=True)
+    try:
+        manifest, stats = collect(args.out, cfg, shard=_parse_shard(args.shard), progress=True)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {_kept(args.out)}; the shard in progress was discarded. Rerun the same command to "
+              "resume.", file=sys.stderr)
+        return 130
+    for line in stats.problems:
+        print(f"note: {line}", file=sys.stderr)
+    if stats.removed_temps:
+        print(f"note: removed {len(stats.removed_temps)} temporary file(s) an interrupted collector left: "
+              f"{', '.join(stats.removed_temps)}", file=sys.stderr)
     print(stats.line())
     state = "complete" if manifest["complete"] else f"{len(manifest['shards'])}/{manifest['n_shards_planned']} shards"
     print(f"manifest: {args.out}/manifest.json ({state})")
+    return 0
 
 
 def cmd_generate(args) -> None:
     import torch
 
-    from learnkv.decode import generate, resolve_budget
+    from learnkv.decode import generate, parse_number, resolve_budget, resolve_policy
     from learnkv.model import DEFAULT_MODEL, load_model
     from learnkv.policies import make_policy
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    # ---------------------------------------------- everything that needs no model is checked before it loads
     params = _parse_params(args.param)
     if args.scorer is not None:
         params["scorer"] = args.scorer
-    policy = make_policy(args.policy, **params)  # fail on bad input before loading a model
+    policy = make_policy(args.policy, **params)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.slack < 0:
         raise ValueError(f"--slack must be >= 0 dead slots, got {args.slack}")
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     if policy.evicts:
         if args.budget is None:
             raise ValueError(f"policy {policy.name!r} needs --budget (tokens, e.g. 64, or a fraction, e.g. 0.25)")
-        resolve_budget(args.budget, 1)
+        tokens = resolve_budget(args.budget, 1)
+        # a token count is checked against the policy's windows (and its scorer) now; a fraction's count depends on
+        # the prompt's length, so only what does not depend on the budget is checked now: at the largest budget
+        resolve_policy(policy, tokens if isinstance(parse_number(args.budget), int) else 1 << 30, args.granularity,
+                       args.block_size)
+    if args.scorer is not None:  # the model it was trained for, by name (its shape is checked once it loads)
+        from learnkv.scorer.artifact import check_binding, read_artifact_manifest
+
+        check_binding(read_artifact_manifest(args.scorer), args.scorer, model=args.model or DEFAULT_MODEL)
     model, tokenizer = load_model(args.model or DEFAULT_MODEL)
     result = generate(
         model,
@@ -176,11 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "generate":
             cmd_generate(args)
         elif args.command == "collect":
-            cmd_collect(args)
+            return cmd_collect(args)
         elif args.command == "merge":
             from learnkv.traces.collect import merge
 
-            manifest = merge(args.dir)
+            manifest, problems = merge(args.dir)
+            for line in problems:
+                print(f"warning: {line}", file=sys.stderr)
             rows = sum(s["rows"] for s in manifest["shards"])
             print(f"{args.dir}/manifest.json: {len(manifest['shards'])}/{manifest['n_shards_planned']} shards, {rows} rows"
                   + ("" if manifest["complete"] else " (incomplete: run the missing collectors)"))

@@ -2,8 +2,10 @@
 
     python train.py --config configs/smoke.yaml train.max_epochs=3 collect.prompts=4
 
-Unknown keys are errors (with the valid keys listed); values are parsed as YAML scalars; the resolved config is
-saved next to every output.
+Unknown keys are errors (with the valid keys listed); values are parsed as YAML scalars, then coerced to their
+field's declared type and checked against its range (`learnkv.fields`), so ``train.lr=1e-3`` (a string in YAML 1.1)
+is the number 0.001 and ``train.hidden=abc`` is refused at load time; the resolved config is saved next to every
+output.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from learnkv.fields import check_fields, setting
 from learnkv.traces.collect import CollectConfig
 
 
@@ -21,17 +24,17 @@ from learnkv.traces.collect import CollectConfig
 class TrainConfig:
     """Scorer and optimisation settings (see `learnkv.scorer.module.ScorerModule`)."""
 
-    hidden: int = 32
-    lr: float = 3e-3
-    weight_decay: float = 1e-4
-    batch_size: int = 8
-    max_epochs: int = 15
-    patience: int = 4  # early stopping on val/recall@25
-    label: str = "future_sum"  # or future_max
-    temperature: float = 1.0
-    membership_weight: float = 0.5
-    membership_budget: float = 0.25
-    distill: dict = field(default_factory=dict)  # teacher name -> weight
+    hidden: int = setting(32, ge=1)
+    lr: float = setting(3e-3, gt=0)
+    weight_decay: float = setting(1e-4, ge=0)
+    batch_size: int = setting(8, ge=1)
+    max_epochs: int = setting(15, ge=1)
+    patience: int = setting(4, ge=0)  # early stopping on val/recall@25
+    label: str = setting("future_sum", choices=("future_sum", "future_max"))
+    temperature: float = setting(1.0, gt=0)
+    membership_weight: float = setting(0.5, ge=0)
+    membership_budget: float = setting(0.25, gt=0, le=1)
+    distill: dict[str, float] = setting({}, ge=0)  # teacher name -> weight
     accelerator: str = "auto"
     devices: int | str = 1
     strategy: str = "auto"  # Lightning strategy, e.g. "ddp" to scale out
@@ -39,13 +42,14 @@ class TrainConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "auto"  # auto: online if a wandb key is configured, else offline; or online / offline / disabled
+    # auto: online if a wandb key is configured, else offline
+    mode: str = setting("auto", choices=("auto", "online", "offline", "disabled"))
     project: str = "learnkv"
 
 
 @dataclass
 class PipelineConfig:
-    seed: int = 0
+    seed: int = setting(0, ge=0)
     trace_dir: str = "runs/traces"
     out_dir: str = "runs/train"
     collect: CollectConfig = field(default_factory=CollectConfig)
@@ -60,23 +64,34 @@ def _build(cls, data: dict, where: str):
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ValueError(f"unknown config key(s) {', '.join(where + k for k in unknown)}; valid: {', '.join(where + k for k in fields)}")
+    defaults = cls()
     kwargs = {}
     for name, value in data.items():
-        default = getattr(cls(), name) if cls is not PipelineConfig else getattr(PipelineConfig(), name)
-        if dataclasses.is_dataclass(default):
-            kwargs[name] = _build(type(default), value, f"{where}{name}.")
-        elif isinstance(default, tuple):
-            kwargs[name] = tuple(value) if isinstance(value, (list, tuple)) else (value,)
-        else:
-            kwargs[name] = value
-    return cls(**kwargs)
+        default = getattr(defaults, name)
+        kwargs[name] = _build(type(default), value, f"{where}{name}.") if dataclasses.is_dataclass(default) else value
+    return cls(**kwargs)  # values are coerced and range-checked by `check_fields` once the whole tree is built
 
 
 def _set(tree: dict, dotted: str, value) -> None:
     keys = dotted.split(".")
-    for k in keys[:-1]:
+    if not all(keys):
+        raise ValueError(f"override key {dotted!r} must look like section.key")
+    for depth, k in enumerate(keys[:-1]):
         tree = tree.setdefault(k, {})
+        if not isinstance(tree, dict):
+            raise ValueError(f"override {dotted}: {'.'.join(keys[: depth + 1])} is a value, not a section")
     tree[keys[-1]] = value
+
+
+def _yaml(text: str, where: str):
+    """Parsed YAML; a syntax error names ``where`` and the line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"{where}{line}: malformed YAML ({problem})") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PipelineConfig:
@@ -86,16 +101,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pi
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _yaml(path.read_text(), str(path))
+        data = {} if data is None else data
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like section.key=value")
         key, value = item.split("=", 1)
-        _set(data, key.strip(), yaml.safe_load(value))
+        _set(data, key.strip(), _yaml(value, f"override {item!r}"))
     cfg = _build(PipelineConfig, data, "")
+    check_fields(cfg)
     cfg.collect.validate()
-    if cfg.wandb.mode not in ("auto", "online", "offline", "disabled"):
-        raise ValueError(f"wandb.mode must be auto, online, offline or disabled, got {cfg.wandb.mode!r}")
+    unknown = sorted(set(cfg.train.distill) - set(cfg.collect.teachers))
+    if unknown:
+        raise ValueError(f"train.distill names {', '.join(unknown)}, not among collect.teachers "
+                         f"({', '.join(cfg.collect.teachers)})")
     return cfg
 
 

@@ -138,7 +138,7 @@ def resolve_budget(budget: int | float | str | None, full_length: int) -> int | 
         return None
     if isinstance(budget, str):
         try:
-            budget = int(budget) if budget.strip().isdigit() else float(budget)
+            budget = parse_number(budget)
         except ValueError:
             raise ValueError(f"budget must be a token count or a fraction in (0, 1], got {budget!r}") from None
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
@@ -152,6 +152,14 @@ def resolve_budget(budget: int | float | str | None, full_length: int) -> int | 
     if budget <= 0:
         raise ValueError(f"budget must be >= 1 token, got {budget}")
     return int(budget)
+
+
+def parse_number(text: str) -> int | float:
+    """``"64"``, ``"-5"`` -> int (a token count, in range or not), ``"0.25"`` -> float; ValueError otherwise."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def resolve_policy(policy: str | Policy, budget_tokens: int | None, granularity: str = "token",
@@ -180,8 +188,12 @@ def encode_prompts(tokenizer, prompts: str | Sequence[str], chat: bool = True) -
     """Tokenize prompts with left padding; ``chat`` applies the tokenizer's chat template if it has one."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
-        raise ValueError("prompt is empty: give at least one non-empty prompt")
+    if not prompts:
+        raise ValueError("no prompt given: give at least one non-empty prompt")
+    empty = [i + 1 for i, p in enumerate(prompts) if not isinstance(p, str) or not p.strip()]
+    if empty:
+        which = "prompt is" if len(prompts) == 1 else f"prompt {', '.join(map(str, empty))} of {len(prompts)} is"
+        raise ValueError(f"{which} empty: every prompt needs text")
     if chat and getattr(tokenizer, "chat_template", None):
         prompts = [
             tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
@@ -325,6 +337,7 @@ def generate(
         for n, b, row in zip(prompt_lengths, budgets, rows):
             if error := blind_prefill_error(row, n, b):
                 raise ValueError(error)
+    rows[0].check_model(model)  # a policy bound to one model (learned) refuses another
     if policy_obj.needs_future:
         if forced_tokens is None:  # the future is the full-cache continuation of this very call
             forced_tokens = generate(

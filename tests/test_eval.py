@@ -348,7 +348,7 @@ BAD = [
     (["--budget", "0"], "budget must be >= 1"),
     (["--budget", "0.25,many"], "budget must be a token count or a fraction"),
     (["--policy", "nope"], "unknown policy 'nope'"),
-    (["--policy", "lazy:window=abc"], "policy 'lazy': parameter window must be an integer >= 1"),
+    (["--policy", "lazy:window=abc"], "policy 'lazy': parameter window must be an integer or unset (none)"),
     (["--policy", "h2o,lazy:windw=8"], "policy 'lazy' has no parameter windw; its parameters: "),
     (["--policy", "lazy:window"], "each ':' part takes NAME=VALUE, got 'window'"),
     (["--compare", "knorm"], "--compare 'knorm' is not one of the policies"),

@@ -194,17 +194,18 @@ def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw):
 
 
 @pytest.mark.parametrize("name, params, message", [
-    ("lazy", {"alpha": float("nan")}, "parameter alpha must be a finite number"),
-    ("lazy", {"window": "abc"}, "parameter window must be an integer >= 1"),
-    ("lazy", {"window": 0}, "parameter window must be an integer >= 1"),
-    ("lazy", {"window": 2.5}, "parameter window must be an integer"),
-    ("lazy", {"variant": "fast"}, "parameter variant must be one of official, paper"),
-    ("h2o", {"n_recent": 1.5}, "parameter n_recent must be an integer >= 0 \\(tokens\\) or a fraction"),
-    ("h2o", {"n_recent": -3}, "parameter n_recent must be"),
-    ("snapkv", {"kernel_size": True}, "parameter kernel_size must be an integer"),
-    ("roco", {"recent_ratio": float("inf")}, "parameter recent_ratio must be a finite number in \\[0.0, 1.0\\]"),
-    ("oracle", {"horizon": 0}, "parameter horizon must be an integer >= 1"),
-    ("paged", {"block_size": "16"}, "parameter block_size must be an integer"),
+    ("lazy", {"alpha": float("nan")}, "parameter alpha must be a finite number, got nan"),
+    ("lazy", {"window": "abc"}, "parameter window must be an integer or unset \\(none\\), got 'abc'"),
+    ("lazy", {"window": 0}, "parameter window must be >= 1, got 0"),
+    ("lazy", {"window": 2.5}, "parameter window must be an integer or unset"),
+    ("lazy", {"variant": "fast"}, "parameter variant must be one of official, paper, got 'fast'"),
+    ("h2o", {"n_recent": 1.5}, "parameter n_recent must be a token count or a fraction in \\[0, 1\\], got 1.5"),
+    ("h2o", {"n_recent": -3}, "parameter n_recent must be >= 0, got -3"),
+    ("snapkv", {"kernel_size": True}, "parameter kernel_size must be an integer, got True"),
+    ("roco", {"recent_ratio": float("inf")}, "parameter recent_ratio must be a finite number, got inf"),
+    ("roco", {"recent_ratio": 1.5}, "parameter recent_ratio must be in \\[0.0, 1.0\\], got 1.5"),
+    ("oracle", {"horizon": 0}, "parameter horizon must be >= 1, got 0"),
+    ("paged", {"block_size": "sixteen"}, "parameter block_size must be an integer, got 'sixteen'"),
 ])
 def test_bad_parameters_are_refused_when_the_policy_is_built(name, params, message):
     with pytest.raises(ValueError, match=f"policy '{name}': {message}"):
@@ -218,5 +219,6 @@ def test_every_default_passes_its_own_checks():
             policy.resolve(64)
 
 
-def test_a_float_parameter_takes_an_int():
+def test_parameters_are_coerced_to_their_declared_type():
     assert make_policy("lazy", alpha=0).alpha == 0.0 and isinstance(make_policy("lazy", alpha=0).alpha, float)
+    assert make_policy("lazy", window="16").window == 16 and make_policy("lazy", alpha="5e-4").alpha == 5e-4

@@ -145,7 +145,7 @@ def test_sharded_collectors_and_merge(small, collected, tmp_path):
     reference, _, _ = collected
     m0, _ = collect(tmp_path, CFG, shard=(0, 2), model=model, tokenizer=tok, prompts=PROMPTS, progress=False)
     m1, _ = collect(tmp_path, CFG, shard=(1, 2), model=model, tokenizer=tok, prompts=PROMPTS, progress=False)
-    assert merge(tmp_path)["complete"]
+    assert merge(tmp_path)[0]["complete"]
     assert _rows(tmp_path) == _rows(reference)
 
 

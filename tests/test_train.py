@@ -18,7 +18,13 @@ H, T, LAYERS = 2, 40, 2
 
 
 def synthetic_traces(out: Path, rows_per_split=(96, 24), seed=0) -> None:
-    """Traces whose future utility is a known function of two features (plus two useless teachers)."""
+    """Traces whose future utility is a known function of two features (plus two useless teachers), labelled with
+    the default collection config (what `config` trains with)."""
+    import dataclasses
+
+    from learnkv.traces.collect import CollectConfig
+
+    collect_cfg = CollectConfig()
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True, exist_ok=True)
     for index, (split, n) in enumerate(zip(("train", "validation"), rows_per_split)):
@@ -41,9 +47,10 @@ def synthetic_traces(out: Path, rows_per_split=(96, 24), seed=0) -> None:
             cols["reenter"].append(np.zeros(H * T, dtype=np.int8))
             cols["teacher_noise"].append(rng.normal(size=H * T).astype(np.float32))
             cols["teacher_f5"].append(f[..., 5].ravel())
-        write_shard(out, index, cols, [f"{split}{r}" for r in range(n)])
+        write_shard(out, index, cols, [f"{split}{r}" for r in range(n)], collect_cfg.digest())
     write_manifest(out, {"model": "synthetic", "n_layers": LAYERS, "n_kv_heads": H, "teachers": ["noise", "f5"],
-                         "horizon": 8, "label_budget": 0.25}, 2)
+                         "horizon": 8, "label_budget": 0.25, "config": dataclasses.asdict(collect_cfg),
+                         "config_digest": collect_cfg.digest()}, 2)
 
 
 def config(tmp: Path, *overrides):

@@ -4,11 +4,16 @@ Knows the record layout (`learnkv.eval.run.evaluate`) and nothing about models o
 shown as ``mean ± half-width`` of its 95% interval over prompts; with a baseline (``--compare``), a second table
 lists each policy's paired difference to it and marks the differences whose interval excludes zero. Plots use
 matplotlib's Agg backend (no display needed): metric vs budget, one line per policy, the interval as error bars.
+
+An output directory is checked before the first decode (`prepare_output`), and a rerun into it never overwrites an
+earlier run's results: `write_results` moves them into ``earlier-<time>/`` first.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -163,9 +168,49 @@ def paired_table(pairs: list[dict], metrics: Sequence[str] | None = None) -> str
     return "\n".join(out).rstrip() + "\n"
 
 
+
+RESULTS = ("results.json", "results.md")
+
+
+def _earlier_results(out_dir: Path) -> list[Path]:
+    """What an earlier run wrote into ``out_dir`` (the results, the table, the plots)."""
+    return [out_dir / name for name in RESULTS if (out_dir / name).is_file()] + sorted(out_dir.glob("*.png"))
+
+
+def _keep_dir(out_dir: Path) -> Path:
+    """Where an earlier run's results move: ``earlier-<its results' time>/`` (a new name, never an existing one)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(p.stat().st_mtime for p in _earlier_results(out_dir))))
+    keep, n = out_dir / f"earlier-{stamp}", 1
+    while keep.exists():
+        keep, n = out_dir / f"earlier-{stamp}-{n}", n + 1
+    return keep
+
+
+def prepare_output(out_dir: str | Path) -> str | None:
+    """Check, before any decode, that the results can be written to ``out_dir`` (created if missing); raises
+    ValueError if not. Returns a line saying what an earlier run left there and where it will be kept, or None."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"output {out_dir} is a file; give a directory (results.json, results.md and plots go in it)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create output directory {out_dir}: {e.strerror or e}") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"output directory {out_dir} is not writable")
+    blocked = [name for name in RESULTS if (out_dir / name).exists() and not (out_dir / name).is_file()]
+    if blocked:
+        raise ValueError(f"{out_dir / blocked[0]} is not a file; this run writes its results there")
+    earlier = _earlier_results(out_dir)
+    if not earlier:
+        return None
+    return (f"{out_dir} holds an earlier run's results ({len(earlier)} files); they will be kept in "
+            f"{_keep_dir(out_dir)}/ when this run writes its own")
+
+
 def write_results(records: list[dict], out_dir: str | Path, pairs: list[dict] | None = None) -> dict[str, object]:
     """Write ``results.json`` (``{"records": [...], "paired": [...]}``), ``results.md`` (the tables) and the plots
-    into ``out_dir``.
+    into ``out_dir``; an earlier run's results there are moved into ``earlier-<time>/`` first.
 
     Returns
     -------
@@ -174,10 +219,16 @@ def write_results(records: list[dict], out_dir: str | Path, pairs: list[dict] | 
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    earlier = _earlier_results(out_dir)
+    if earlier:
+        keep = _keep_dir(out_dir)
+        keep.mkdir()
+        for path in earlier:
+            os.replace(path, keep / path.name)
     json_path, md_path = out_dir / "results.json", out_dir / "results.md"
     write_json_atomic(json_path, {"records": records, "paired": pairs or []})
     md_path.write_text(markdown_table(records) + ("\n" + paired_table(pairs) if pairs else ""))
     return {"json": json_path, "table": md_path, "plots": plot(records, out_dir)}
 
 
-__all__ = ["markdown_table", "paired_table", "plot", "write_results"]
+__all__ = ["markdown_table", "paired_table", "plot", "prepare_output", "write_results"]

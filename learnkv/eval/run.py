@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from learnkv.cache import blind_prefill_error
-from learnkv.decode import GenerationResult, resolve_budget, resolve_policy, resolve_policy_rows
+from learnkv.decode import GenerationResult, parse_number, resolve_budget, resolve_policy, resolve_policy_rows
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
 from learnkv.eval.tasks.base import RunConfig, evicts
@@ -94,7 +94,7 @@ def parse_budget(value: str | int | float) -> int | float:
     """``"64"`` -> 64 tokens, ``"0.25"`` -> a fraction; raises ValueError out of range."""
     if isinstance(value, str):
         try:
-            value = int(value) if value.strip().isdigit() else float(value)
+            value = parse_number(value)
         except ValueError:
             raise ValueError(f"budget must be a token count or a fraction in (0, 1], got {value!r}") from None
     resolve_budget(value, 1)  # range checks: >= 1 token, or a fraction in (0, 1]

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from learnkv.policies.params import check_params, param
+from learnkv.fields import check_fields, setting
 
 
 @dataclass
@@ -137,8 +137,8 @@ class Policy:
     block_size : int
         Evict whole blocks of this many consecutive slots (block score = mean of the token scores).
 
-    Every field is a hyperparameter declared with its range (`learnkv.policies.params.param`) and checked when
-    the policy is built: a value of the wrong type, out of range or not finite is a ValueError naming it.
+    Every field is a hyperparameter declared with its range (`learnkv.fields.setting`) and checked when the policy
+    is built: a value of the wrong type, out of range or not finite is a ValueError naming it.
     """
 
     name: ClassVar[str] = ""
@@ -168,13 +168,19 @@ class Policy:
     #: applies them per row (protected windows, the lagged headroom); every other field must be equal
     per_row_fields: ClassVar[tuple[str, ...]] = ("n_sink", "n_recent", "interval")
 
-    n_sink: int | float = param(0, low=0)
-    n_recent: int | float = param(0, low=0)
-    interval: int = param(1, low=1)
-    block_size: int = param(1, low=1)
+    n_sink: int | float = setting(0, ge=0, fraction=True)
+    n_recent: int | float = setting(0, ge=0, fraction=True)
+    interval: int = setting(1, ge=1)
+    block_size: int = setting(1, ge=1)
 
     def __post_init__(self):
-        check_params(self)
+        try:
+            check_fields(self, declared_only=True)
+        except ValueError as e:
+            raise ValueError(f"policy {self.name or type(self).__name__!r}: parameter {e}") from None
+
+    def check_model(self, model) -> None:
+        """Refuse a model the policy is not for (a learned scorer trained for another); nothing by default."""
 
     # -- what the cache reads ------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from torch import Tensor
 
 import kernels
 from learnkv.policies.base import LayerView, Policy, exact_map
-from learnkv.policies.params import param
+from learnkv.fields import setting
 
 DEFAULT_WINDOW = 128  # `decoding_recent_size` argparse default of the official code
 VARIANTS = ("official", "paper")
@@ -51,9 +51,9 @@ class LazyEviction(Policy):
     group_reduce = "max"
     scores_prefill = False
     per_row_fields = ("n_sink", "n_recent", "interval", "window")  # the window only sets the schedule and protection
-    window: int | None = param(None, low=1)
-    alpha: float = param(1e-4, low=0.0, high=1.0)
-    variant: str = param("official", choices=VARIANTS)
+    window: int | None = setting(None, ge=1)
+    alpha: float = setting(1e-4, ge=0.0, le=1.0)
+    variant: str = setting("official", choices=VARIANTS)
 
     def resolve_defaults(self, budget: int) -> dict:
         window = self.window if self.window is not None else min(DEFAULT_WINDOW, max(1, budget // 4))

@@ -10,7 +10,7 @@ from torch import Tensor
 
 import kernels
 from learnkv.policies.base import LayerView, Policy
-from learnkv.policies.params import param
+from learnkv.fields import setting
 from learnkv.pooling import POOLING
 
 
@@ -19,8 +19,10 @@ class Learned(Policy):
     """A trained per-layer scorer (`learnkv.scorer`) applied to every cached token each time the cache evicts.
 
     The same `learnkv.features.FeatureTracker` that produced the training traces runs online here, so the scorer
-    sees exactly the features it was trained on. The scorer artifact is checked (format, feature version, weights
-    checksum, layer count) when the policy is resolved and on first use.
+    sees exactly the features it was trained on. The scorer artifact is checked as the serving runtime checks it
+    (`learnkv.scorer.artifact`): format, feature version and pooling rule when the policy is resolved; the model's
+    name, layer and KV-head counts when `generate` hands it the model (`check_model`); weights checksum, shapes and
+    finiteness, and the KV-head count and layer index of what it is shown, on first use.
 
     Parameters
     ----------
@@ -33,9 +35,9 @@ class Learned(Policy):
     name = "learned"
     group_reduce = "none"
     pooling = POOLING  # the rule its exported artifact records: logits compare within a row only, so ranks
-    scorer: str | None = param(None)
-    n_sink: int | float = param(4, low=0)
-    n_recent: int | float = param(8, low=0)
+    scorer: str | None = setting(None)
+    n_sink: int | float = setting(4, ge=0, fraction=True)
+    n_recent: int | float = setting(8, ge=0, fraction=True)
 
     @property
     def obs_window(self) -> int:
@@ -54,20 +56,30 @@ class Learned(Policy):
         read_artifact_manifest(self.scorer)  # refuses a wrong format or feature version now, not mid-decode
         return {}
 
-    def _loaded(self, n_layers_seen: int):
+    def check_model(self, model) -> None:
+        """Refuse a scorer trained for another model than ``model`` (a loaded HF causal LM): its name (the id or
+        folder it was loaded from; unnamed test models skip this), layer count and KV-head count."""
+        from learnkv.scorer.artifact import check_binding, read_artifact_manifest
+
+        cfg = model.config
+        check_binding(read_artifact_manifest(self.scorer), self.scorer, model=getattr(cfg, "name_or_path", "") or None,
+                      n_layers=cfg.num_hidden_layers,
+                      n_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    def _loaded(self, view: LayerView):
         cached = self.__dict__.get("_loaded_scorer")
         if cached is None:
             from learnkv.features import FeatureTracker
             from learnkv.scorer.artifact import load_scorer
 
-            model, manifest = load_scorer(self.scorer)
+            model, manifest = load_scorer(self.scorer, expect_kv_heads=view.keys.shape[1])
             cached = self.__dict__["_loaded_scorer"] = (model, FeatureTracker(manifest["n_layers"]))
-        if n_layers_seen >= cached[0].n_layers:
+        if view.layer >= cached[0].n_layers:
             raise ValueError(f"scorer {self.scorer!r} has {cached[0].n_layers} layers; the model has more")
         return cached
 
     def update(self, view: LayerView) -> None:
-        _, tracker = self._loaded(view.layer)
+        _, tracker = self._loaded(view)
         self.__dict__["_fused_features"] = None
         if _fused_step(view):
             # one launch updates the state and computes the features; `score`, which the cache calls right after
@@ -79,7 +91,7 @@ class Learned(Policy):
         tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
 
     def score(self, view: LayerView) -> Tensor:
-        model, tracker = self._loaded(view.layer)
+        model, tracker = self._loaded(view)
         fused, self.__dict__["_fused_features"] = self.__dict__.get("_fused_features"), None
         if fused is not None and fused[:2] == (view.layer, view.step) and fused[2] is view.positions:
             feats = fused[3]

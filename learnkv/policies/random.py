@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
-from learnkv.policies.params import param
+from learnkv.fields import setting
 
 
 @dataclass
@@ -21,7 +21,7 @@ class RandomEviction(Policy):
 
     name = "random"
     needs_attention = False
-    seed: int = param(0, low=0)
+    seed: int = setting(0, ge=0)
 
     def score(self, view: LayerView) -> Tensor:
         gen = self.__dict__.get("_generator")

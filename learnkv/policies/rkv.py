@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
-from learnkv.policies.params import param
+from learnkv.fields import setting
 
 DEFAULT_WINDOW = 8  # observation tokens α: README table, `run_math.py --window_size`, `R1KV(window_size=8)`
 DEFAULT_BUFFER = 128  # B_buffer: README table, `run_math.py --divide_length 128`
@@ -79,11 +79,11 @@ class RKV(Policy):
     group_reduce = "max"  # the source max-pools over the group's query heads
     needs_dense_slots = True  # the max pool and "the last similar key" read neighbouring slots
     per_row_fields = ("n_sink", "n_recent", "interval", "buffer")  # the buffer only sets the schedule
-    window: int | None = param(None, low=1)
-    buffer: int | None = param(None, low=1)
-    mix_lambda: float = param(0.1, low=0.0, high=1.0)
-    kernel_size: int = param(7, low=1)
-    threshold: float = param(0.5, low=0.0, high=1.0)
+    window: int | None = setting(None, ge=1)
+    buffer: int | None = setting(None, ge=1)
+    mix_lambda: float = setting(0.1, ge=0.0, le=1.0)
+    kernel_size: int = setting(7, ge=1)
+    threshold: float = setting(0.5, ge=0.0, le=1.0)
 
     @property
     def obs_window(self) -> int:

@@ -8,7 +8,7 @@ from torch import Tensor
 import kernels
 from kernels.reference import protected_slots
 from learnkv.policies.base import LayerView, Policy
-from learnkv.policies.params import param
+from learnkv.fields import setting
 
 
 @dataclass
@@ -39,8 +39,8 @@ class RoCo(Policy):
     name = "roco"
     needs_sq_sum = True
     per_row_fields = ("interval",)  # its scope excludes the protected tokens itself, so they are one for the batch
-    recent_ratio: float = param(0.3, low=0.0, high=1.0)
-    n_recent: int | float = param(10, low=0)
+    recent_ratio: float = setting(0.3, ge=0.0, le=1.0)
+    n_recent: int | float = setting(10, ge=0, fraction=True)
 
     def update(self, view: LayerView) -> None:
         st = view.state

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
-from learnkv.policies.params import param
+from learnkv.fields import setting
 
 DEFAULT_WINDOW = 64
 
@@ -34,8 +34,8 @@ class SnapKV(Policy):
     name = "snapkv"
     pooling = "mean_mass"  # the window's attention: comparable across layers and heads
     needs_dense_slots = True  # its 1-D average pool mixes neighbouring slots; a dead slot between would change it
-    window: int | None = param(None, low=1)
-    kernel_size: int = param(5, low=1)
+    window: int | None = setting(None, ge=1)
+    kernel_size: int = setting(5, ge=1)
 
     @property
     def obs_window(self) -> int:

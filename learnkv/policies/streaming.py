@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
-from learnkv.policies.params import param
+from learnkv.fields import setting
 
 
 @dataclass
@@ -23,7 +23,7 @@ class StreamingLLM(Policy):
 
     name = "streaming"
     needs_attention = False
-    n_sink: int | float = param(4, low=0)
+    n_sink: int | float = setting(4, ge=0, fraction=True)
 
     def score(self, view: LayerView) -> Tensor:
         return view.positions.float()  # newer is better; sinks are protected by the cache

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from learnkv.features import FeatureTracker
-from learnkv.pooling import POOLING, shared_keep_slots
-from learnkv.scorer.artifact import ArtifactError, load_scorer
+from learnkv.pooling import shared_keep_slots
+from learnkv.scorer.artifact import load_scorer
 
 
 @dataclass
@@ -84,12 +84,9 @@ class ServingRuntime:
                  n_kv_heads: int | None = None, device: str | torch.device = "cpu"):
         from learnkv.policies.learned import Learned
 
-        self.model, self.manifest = load_scorer(scorer, expect_model=expect_model, expect_layers=n_layers)
-        pooling = self.manifest.get("pooling", POOLING)  # artifacts predating the field only had this rule
-        if pooling != POOLING:
-            raise ArtifactError(f"{scorer}: pooling rule {pooling!r}; this learnkv pools with {POOLING!r}")
-        if n_kv_heads is not None and self.manifest.get("n_kv_heads") != n_kv_heads:
-            raise ArtifactError(f"{scorer}: scorer has {self.manifest.get('n_kv_heads')} KV heads, the model has {n_kv_heads}")
+        # the same checks as the decode loop's `learned` policy (`learnkv.scorer.artifact.check_binding`)
+        self.model, self.manifest = load_scorer(scorer, expect_model=expect_model, expect_layers=n_layers,
+                                                expect_kv_heads=n_kv_heads)
         self.model = self.model.to(device)
         self.n_layers = self.model.n_layers
         self.tracker = FeatureTracker(self.n_layers)

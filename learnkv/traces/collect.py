@@ -22,8 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from learnkv.fields import check_fields, setting
 from learnkv.traces.record import Recorder
-from learnkv.traces.store import TraceError, finished_shards, read_manifest, shard_name, write_manifest, write_shard
+from learnkv.traces.store import (MANIFEST, TraceError, finished_shards, read_manifest, remove_stale_temps, shard_name,
+                                  write_manifest, write_shard)
 
 DEFAULT_TEACHERS = ("h2o", "tova", "snapkv", "knorm", "streaming", "roco", "lazy", "paged")
 
@@ -34,26 +36,28 @@ class CollectConfig:
 
     model: str = "smollm2-135m-instruct"
     sources: tuple[str, ...] = ("gsm_symbolic",)
-    prompts: int = 8  # training prompts
-    val_prompts: int = 2  # validation prompts (test prompts are left for evaluation)
-    max_new_tokens: int = 128
-    decisions_per_prompt: int = 4
-    horizon: int = 32
-    label_budget: float = 0.25
+    prompts: int = setting(8, ge=1)  # training prompts
+    val_prompts: int = setting(2, ge=0)  # validation prompts (test prompts are left for evaluation)
+    max_new_tokens: int = setting(128, ge=1)
+    decisions_per_prompt: int = setting(4, ge=1)
+    horizon: int = setting(32, ge=1)
+    label_budget: float = setting(0.25, gt=0, le=1)
     teachers: tuple[str, ...] = DEFAULT_TEACHERS
-    prompts_per_shard: int = 4
-    seed: int = 0
+    prompts_per_shard: int = setting(4, ge=1)
+    seed: int = setting(0, ge=0)
     chat: bool = True
 
     def validate(self) -> None:
+        """Coerce and range-check every field (`learnkv.fields`), then the rules between fields; no model needed."""
         from learnkv.policies import POLICIES
+        from learnkv.prompts import SOURCES
 
-        if self.prompts < 1 or self.val_prompts < 0 or self.prompts_per_shard < 1:
-            raise ValueError("prompts and prompts_per_shard must be >= 1, val_prompts >= 0")
-        if self.horizon < 1 or self.max_new_tokens <= self.horizon + 1:
+        check_fields(self)
+        if self.max_new_tokens <= self.horizon + 1:
             raise ValueError(f"max_new_tokens ({self.max_new_tokens}) must exceed horizon + 1 ({self.horizon + 1})")
-        if not 0 < self.label_budget <= 1:
-            raise ValueError(f"label_budget must be in (0, 1], got {self.label_budget}")
+        unknown = [s for s in self.sources if s not in SOURCES]
+        if unknown or not self.sources:
+            raise ValueError(f"unknown prompt source(s) {unknown}; known: {', '.join(sorted(SOURCES))}")
         unknown = [t for t in self.teachers if t not in POLICIES or not POLICIES[t].evicts]
         if unknown:
             raise ValueError(f"unknown teacher(s) {unknown}; teachers are evicting policies: {[n for n, c in POLICIES.items() if c.evicts]}")
@@ -72,6 +76,8 @@ class CollectStats:
     dropped_decisions: int = 0
     seconds: float = 0.0
     shard_paths: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # unusable shards found on disk, recollected
+    removed_temps: list[str] = field(default_factory=list)  # a killed collector's temporary files, deleted
 
     def line(self) -> str:
         rate = self.rows / max(self.seconds, 1e-9)
@@ -145,12 +151,15 @@ def collect(out: str | Path, cfg: CollectConfig | None = None, shard: tuple[int,
     if not (n >= 1 and 0 <= i < n):
         raise ValueError(f"--shard must be i/n with 0 <= i < n, got {i}/{n}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / "manifest.json").exists():
-        existing = json.loads((out / "manifest.json").read_text()).get("config_digest")
-        if existing is not None and existing != cfg.digest():
-            raise TraceError(f"{out} holds traces of another config (digest {existing}, this one {cfg.digest()}); "
-                             "use another --out or delete it")
+    if out.exists() and not out.is_dir():
+        raise TraceError(f"trace directory {out} is a file; give a directory for the traces")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TraceError(f"cannot create trace directory {out}: {e.strerror or e}") from None
+    if (out / MANIFEST).exists():  # refuses another format, feature version or config before anything runs
+        check_same_config(read_manifest(out), cfg, str(out), "use another --out or delete it")
+    done, problems = finished_shards(out, cfg.digest())  # refuses a shard of another feature version or config
     if model is None:
         model, tokenizer = load_model(cfg.model)
     prompts = plan_prompts(cfg, tokenizer) if prompts is None else list(prompts)
@@ -168,48 +177,80 @@ def collect(out: str | Path, cfg: CollectConfig | None = None, shard: tuple[int,
         "config": dataclasses.asdict(cfg),
         "config_digest": cfg.digest(),
     }
-    done = finished_shards(out)
     mine = [j for j in range(len(shards)) if j % n == i]
-    stats = CollectStats()
+    stats = CollectStats(problems=[f"{name}: {why}, will be recollected" for name, why in problems.items()])
+    stats.removed_temps = remove_stale_temps(out, mine)
     t0 = time.perf_counter()
     bar = tqdm(mine, desc="shards", unit="shard", disable=not progress)
-    for j in bar:
-        if j in done:
-            stats.skipped_shards += 1
-            continue
-        if max_shards is not None and stats.shards >= max_shards:
-            break
-        columns: dict[str, list] = {}
-        for prompt in tqdm(shards[j], desc=f"{shard_name(j)} prompts", unit="prompt", leave=False, disable=not progress):
-            rec = Recorder(n_layers=model.config.num_hidden_layers, teachers=tuple(cfg.teachers),
-                           decision_steps=decision_steps(cfg, prompt.id), horizon=cfg.horizon,
-                           label_budget=cfg.label_budget)
-            result = generate(model, tokenizer, prompt.text, policy=rec, max_new_tokens=cfg.max_new_tokens,
-                              chat=cfg.chat, progress=progress)
-            stats.decode_tokens += int(result.tokens.numel())
-            stats.dropped_decisions += rec.unfinished()
-            for k, v in rows_to_columns(prompt, rec, tuple(cfg.teachers)).items():
-                columns.setdefault(k, []).extend(v)
-            del rec, result
-        entry = write_shard(out, j, columns, [p.id for p in shards[j]])
+    try:
+        for j in bar:
+            if j in done:
+                stats.skipped_shards += 1
+                continue
+            if max_shards is not None and stats.shards >= max_shards:
+                break
+            columns: dict[str, list] = {}
+            for prompt in tqdm(shards[j], desc=f"{shard_name(j)} prompts", unit="prompt", leave=False,
+                               disable=not progress):
+                rec = Recorder(n_layers=model.config.num_hidden_layers, teachers=tuple(cfg.teachers),
+                               decision_steps=decision_steps(cfg, prompt.id), horizon=cfg.horizon,
+                               label_budget=cfg.label_budget)
+                result = generate(model, tokenizer, prompt.text, policy=rec, max_new_tokens=cfg.max_new_tokens,
+                                  chat=cfg.chat, progress=progress)
+                stats.decode_tokens += int(result.tokens.numel())
+                stats.dropped_decisions += rec.unfinished()
+                for k, v in rows_to_columns(prompt, rec, tuple(cfg.teachers)).items():
+                    columns.setdefault(k, []).extend(v)
+                del rec, result
+            entry = write_shard(out, j, columns, [p.id for p in shards[j]], cfg.digest())
+            write_manifest(out, header, len(shards))
+            stats.rows += entry["rows"]
+            stats.shards += 1
+            stats.bytes += (out / entry["path"]).stat().st_size
+            stats.shard_paths.append(entry["path"])
+    except KeyboardInterrupt:
+        # finished shards are on disk under their final names; the one in progress was only in memory (or a
+        # temporary file, removed when a collector resumes): leave a manifest that lists exactly what is kept
         write_manifest(out, header, len(shards))
-        stats.rows += entry["rows"]
-        stats.shards += 1
-        stats.bytes += (out / entry["path"]).stat().st_size
-        stats.shard_paths.append(entry["path"])
+        raise
     stats.seconds = time.perf_counter() - t0
     manifest = write_manifest(out, header, len(shards))
     return manifest, stats
 
 
-def merge(out: str | Path) -> dict:
-    """Rebuild the manifest from every finished shard (after n collectors ran with --shard i/n)."""
+def config_differences(recorded: dict | None, cfg: CollectConfig) -> list[str]:
+    """``"key: recorded vs current"`` for every setting in which ``recorded`` (a manifest's ``config``) differs."""
+    if not isinstance(recorded, dict):
+        return ["no collection config recorded"]
+    current = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples as the manifest's lists
+    return [f"{k}: {recorded.get(k)!r} there, {current.get(k)!r} here" for k in sorted(set(recorded) | set(current))
+            if recorded.get(k) != current.get(k)]
+
+
+def check_same_config(manifest: dict, cfg: CollectConfig, where: str, hint: str) -> None:
+    """Refuse (`TraceError`) traces collected with another config than ``cfg``, saying which settings differ."""
+    if manifest.get("config_digest") == cfg.digest():
+        return
+    differences = config_differences(manifest.get("config"), cfg) or [
+        f"config digest {manifest.get('config_digest')} there, {cfg.digest()} here"]
+    raise TraceError(f"{where} holds traces of another config ({'; '.join(differences)}); {hint}")
+
+
+def merge(out: str | Path) -> tuple[dict, list[str]]:
+    """Rebuild the manifest from every finished shard (after n collectors ran with --shard i/n).
+
+    Returns the manifest and one line per shard that is not usable and will be recollected by the next collector
+    run (``"shard-00002.arrow: checksum differs from its sidecar"``). Traces of another format or feature version,
+    and shards of another feature version or config, are refused, never relabelled.
+    """
     out = Path(out)
-    path = out / "manifest.json"
-    if not path.exists():
-        raise TraceError(f"no manifest.json in {out}: run a collector first")
-    manifest = json.loads(path.read_text())
+    manifest = read_manifest(out)
     header = {k: v for k, v in manifest.items() if k not in ("format", "format_version", "feature_version", "features",
                                                           "n_shards_planned", "complete", "shards")}
-    manifest = write_manifest(out, header, manifest["n_shards_planned"])
-    return read_manifest(out) if manifest["complete"] else manifest
+    done, problems = finished_shards(out, manifest.get("config_digest"))
+    kept = {entry["path"] for entry in done.values()}
+    for entry in manifest["shards"]:  # listed before, now gone along with its sidecar
+        if entry["path"] not in kept and entry["path"] not in problems:
+            problems[entry["path"]] = "listed in the manifest but gone, with its sidecar"
+    manifest = write_manifest(out, header, manifest["n_shards_planned"], done)
+    return manifest, [f"{name}: {why}, will be recollected" for name, why in sorted(problems.items())]
