@@ -230,8 +230,8 @@ def test_evaluate_rerun_keeps_the_earlier_results(tmp_path):
     from learnkv.eval.report import prepare_output, write_results
 
     def records(kl):
-        return [{"policy": "full", "budget": 0.5, "task": "fidelity", "metrics": {"kl": kl},
-                 "config": {"n_prompts": 1, "model": "tiny"}}]
+        return [{"policy": "full", "budget": 0.5, "task": "fidelity", "metrics": {"kl": kl, "kl_ci95": [kl, kl]},
+                 "per_prompt": {"kl": [kl]}, "config": {"n_prompts": 1, "model": "tiny"}}]
 
     out = tmp_path / "eval"
     assert prepare_output(out) is None and out.is_dir()
@@ -240,8 +240,8 @@ def test_evaluate_rerun_keeps_the_earlier_results(tmp_path):
     assert "holds an earlier run's results" in note and "earlier-" in note
     write_results(records(0.2), out)
     (kept,) = out.glob("earlier-*")
-    assert json.loads((kept / "results.json").read_text())[0]["metrics"]["kl"] == 0.1
-    assert json.loads((out / "results.json").read_text())[0]["metrics"]["kl"] == 0.2
+    assert json.loads((kept / "results.json").read_text())["records"][0]["metrics"]["kl"] == 0.1
+    assert json.loads((out / "results.json").read_text())["records"][0]["metrics"]["kl"] == 0.2
     assert (kept / "fidelity_kl.png").is_file() and (out / "fidelity_kl.png").is_file()
 
 
