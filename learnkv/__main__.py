@@ -17,29 +17,6 @@ import json
 import sys
 
 
-def _parse_value(text: str):
-    """'16' -> 16, '0.5' -> 0.5, 'true' -> True, else the string."""
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _parse_params(pairs: list[str]) -> dict:
-    params = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"--param takes NAME=VALUE, got {pair!r}")
-        key, value = pair.split("=", 1)
-        params[key.strip()] = _parse_value(value.strip())
-    return params
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m learnkv", description="learned KV-cache eviction")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     gen.add_argument("--model", default=None, help="bundled alias, local folder or hub id (default: SmolLM2-135M)")
     gen.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="policy hyperparameter")
+    gen.add_argument("--prefill-policy", default=None, metavar="ITEM",
+                     help="compresses a prompt over the budget at the prefill (e.g. snapkv or snapkv:window=16); "
+                          "needed by lazy, which observes nothing there")
     gen.add_argument("--scorer", default=None, help="exported scorer for --policy learned (train.py prints its path)")
     gen.add_argument("--granularity", choices=("token", "block"), default="token",
                      help="block: whole blocks, one decision for all layers and KV heads (as a paged serving engine)")
@@ -150,15 +130,23 @@ def cmd_generate(args) -> None:
     from learnkv.decode import generate, parse_number, resolve_budget, resolve_policy
     from learnkv.model import DEFAULT_MODEL, load_model
     from learnkv.policies import make_policy
+    from learnkv.cache import prefill_policy_error
+    from learnkv.policies.params import parse_params, parse_policy
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     # ---------------------------------------------- everything that needs no model is checked before it loads
-    params = _parse_params(args.param)
+    params = parse_params(args.param)
     if args.scorer is not None:
         params["scorer"] = args.scorer
     policy = make_policy(args.policy, **params)
+    prefill = None
+    if args.prefill_policy:
+        name, prefill_params = parse_policy(args.prefill_policy)
+        prefill = make_policy(name, **prefill_params)
+        if error := prefill_policy_error(prefill):
+            raise ValueError(f"--prefill-policy: {error}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.slack < 0:
@@ -171,8 +159,10 @@ def cmd_generate(args) -> None:
         tokens = resolve_budget(args.budget, 1)
         # a token count is checked against the policy's windows (and its scorer) now; a fraction's count depends on
         # the prompt's length, so only what does not depend on the budget is checked now: at the largest budget
-        resolve_policy(policy, tokens if isinstance(parse_number(args.budget), int) else 1 << 30, args.granularity,
-                       args.block_size)
+        largest = tokens if isinstance(parse_number(args.budget), int) else 1 << 30
+        resolve_policy(policy, largest, args.granularity, args.block_size)
+        if prefill is not None:
+            resolve_policy(prefill, largest, args.granularity, args.block_size)
     if args.scorer is not None:  # the model it was trained for, by name (its shape is checked once it loads)
         from learnkv.scorer.artifact import check_binding, read_artifact_manifest
 
@@ -194,6 +184,7 @@ def cmd_generate(args) -> None:
         granularity=args.granularity,
         slack=args.slack,
         block_size=args.block_size,
+        prefill_policy=prefill,
         progress=sys.stderr.isatty(),
     )
     for text in result.texts:

@@ -48,6 +48,15 @@ def blind_prefill_error(policy: Policy, prompt_tokens: int, budget: int) -> str 
             "--prefill-policy snapkv) or a budget that holds the prompt")
 
 
+def prefill_policy_error(policy: Policy) -> str | None:
+    """Why a policy cannot compress a prompt at the prefill (None if it can): it must evict, decide on what it
+    observes there, and need no future."""
+    if policy.evicts and policy.scores_prefill and not policy.needs_future:
+        return None
+    return (f"policy {policy.name!r} cannot be a prefill policy: it must evict and decide on what it observes at the "
+            "prefill (e.g. snapkv, h2o, tova, streaming; not full, lazy or oracle)")
+
+
 def _one_or_rows(values: list[int]) -> int | list[int]:
     """One int when every row has the same value (the kernels' fast path), else the per-row list."""
     return values[0] if len(set(values)) == 1 else values
@@ -244,9 +253,8 @@ class BudgetCache(Cache):
             raise ValueError(f"capacity must be >= 1 slot, got {capacity}")
         if prefill_policy is not None:
             first = prefill_policy[0] if isinstance(prefill_policy, Sequence) else prefill_policy
-            if not first.evicts or not first.scores_prefill or first.needs_future:
-                raise ValueError(f"policy {first.name!r} cannot be a prefill policy: it must evict and decide on what "
-                                 "it observes at the prefill (not full, lazy or oracle)")
+            if error := prefill_policy_error(first):
+                raise ValueError(error)
         super().__init__(layers=[BudgetLayer(i, self) for i in range(num_layers)])
         self._row_args = (rows or policy, budget, prefill_policy)  # expanded to rows at the first step
         self.row_policies: list[Policy] = []

@@ -352,7 +352,7 @@ BAD = [
     (["--policy", "h2o,lazy:windw=8"], "policy 'lazy' has no parameter windw; its parameters: "),
     (["--policy", "lazy:window"], "each ':' part takes NAME=VALUE, got 'window'"),
     (["--compare", "knorm"], "--compare 'knorm' is not one of the policies"),
-    (["--prefill-policy", "lazy"], "--prefill-policy 'lazy' cannot compress a prompt"),
+    (["--prefill-policy", "lazy"], "--prefill-policy: policy 'lazy' cannot be a prefill policy"),
     (["--batch-size", "0"], "--batch-size must be a number of prompts >= 1"),
     (["--config", "no/such.yaml"], "--config 'no/such.yaml' does not exist"),
     (["--policy", "full,learned"], "policy 'learned' needs a scorer artifact: --scorer PATH"),

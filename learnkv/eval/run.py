@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from learnkv.cache import blind_prefill_error
+from learnkv.cache import blind_prefill_error, prefill_policy_error
 from learnkv.decode import GenerationResult, parse_number, resolve_budget, resolve_policy, resolve_policy_rows
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
@@ -131,10 +131,8 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
     if prefill_policy:
         name, params = parse_policy(prefill_policy)
         prefill = _policy_run(prefill_policy, name, params, scorer, seed)
-        cls = POLICIES[name]
-        if not cls.evicts or not cls.scores_prefill or cls.needs_future:
-            raise ValueError(f"--prefill-policy {name!r} cannot compress a prompt: it must evict and decide on what it "
-                             "observes at the prefill (e.g. snapkv, h2o, tova, streaming)")
+        if error := prefill_policy_error(make_policy(name, **prefill.params)):
+            raise ValueError(f"--prefill-policy: {error}")
     if compare is not None and compare not in [r.label for r in runs]:
         raise ValueError(f"--compare {compare!r} is not one of the policies: {', '.join(r.label for r in runs)}")
     for run in runs:  # a token budget too small for the policy's windows fails now, not mid-run
