@@ -273,10 +273,8 @@ class BudgetCache(Cache):
         self.step = -1
         self.step_positions: Tensor | None = None
         self.step_valid: list[int] = []  # per row: valid (non-padding) tokens of the current step
-        # accounting, per row: live tokens each layer held after each step, and the peak attended to
+        # accounting: live tokens each layer held for each row after each step (what the budget bounds)
         self.kept_rows: list[list[list[int]]] = []  # [step][layer][row]
-        self.peak_rows: list[int] = []  # per row: max over steps of the live tokens attended, summed over layers
-        self.peak_slots = 0  # max over steps of the physical slots attended, summed over layers (dead ones included)
         self.eviction_s = 0.0
 
     @property
@@ -312,7 +310,6 @@ class BudgetCache(Cache):
                                                                                           self.prefill_rows)):
             if rows is not None and len(rows) != B:
                 raise ValueError(f"BudgetCache: {len(rows)} {what} for a batch of {B} rows")
-        self.peak_rows = [0] * B
 
     # -- driven by the decode loop ---------------------------------------------------------------------------
 
@@ -342,17 +339,6 @@ class BudgetCache(Cache):
     def layer_positions(self, layer_idx: int) -> Tensor:
         return self.layers[layer_idx].positions
 
-    def _attended(self, layer: BudgetLayer) -> None:
-        """Peak accounting at the moment a layer attends: every slot it holds, before eviction."""
-        if layer.layer_idx == 0:
-            self._step_live = [0] * len(layer.live)
-            self._step_slots = 0
-        self._step_live = [a + b for a, b in zip(self._step_live, layer.live)]
-        self._step_slots += layer.n_slots
-        if layer.layer_idx == len(self.layers) - 1:
-            self.peak_rows = [max(p, s) for p, s in zip(self.peak_rows, self._step_live)]
-            self.peak_slots = max(self.peak_slots, self._step_slots)
-
     def _row_decision(self, layer: BudgetLayer) -> tuple[list[int], bool]:
         """Per row, what to keep now (its keep target if it is over its budget, else every live token), and
         whether any row is over."""
@@ -369,7 +355,6 @@ class BudgetCache(Cache):
         """Hand the step's attention statistics to the policy, then evict if a row is over its budget. Called once
         per layer per step."""
         layer: BudgetLayer = self.layers[layer_idx]
-        self._attended(layer)
         policy = self.policy
         if not (policy.evicts or policy.needs_attention):
             return

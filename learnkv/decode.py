@@ -128,6 +128,14 @@ class GenerationResult:
         }
 
 
+def peak_attended(kept_rows: list, row: int, prompt_len: int, n_new: int) -> int:
+    """The most live slots a row's attention read in one forward pass, summed over layers, up to its own end: the
+    prompt at the prefill, then what each layer kept after pass ``s - 1`` plus the token appended in pass ``s``."""
+    n_layers = len(kept_rows[0])
+    decode = (sum(layer[row] for layer in kept_rows[s - 1]) + n_layers for s in range(1, min(n_new, len(kept_rows))))
+    return max([n_layers * prompt_len, *decode])
+
+
 #: how eviction decisions are shared: per layer and KV head, or whole blocks shared by every layer and head
 GRANULARITIES = ("token", "block")
 
@@ -419,7 +427,8 @@ def generate(
         prompt_lengths=prompt_lengths,
         new_tokens=new_tokens,
         kept_rows=cache.kept_rows,
-        peak_kv_bytes_rows=[p * per_token for p in cache.peak_rows],
+        peak_kv_bytes_rows=[peak_attended(cache.kept_rows, b, n, k) * per_token
+                            for b, (n, k) in enumerate(zip(prompt_lengths, new_tokens))],
         full_kv_bytes_rows=[n_layers * (n + k - 1) * per_token for n, k in zip(prompt_lengths, new_tokens)],
         prefill_s=t1 - t0,
         decode_s=t2 - t1,

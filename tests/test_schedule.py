@@ -222,3 +222,19 @@ def test_every_default_passes_its_own_checks():
 def test_parameters_are_coerced_to_their_declared_type():
     assert make_policy("lazy", alpha=0).alpha == 0.0 and isinstance(make_policy("lazy", alpha=0).alpha, float)
     assert make_policy("lazy", window="16").window == 16 and make_policy("lazy", alpha="5e-4").alpha == 5e-4
+
+
+def test_a_row_that_stops_early_is_accounted_up_to_its_own_end(tiny):
+    """Per-row cost: a row that hits EOS while the batch decodes on reports its own peak and full-cache bytes."""
+    ids = random_ids(12, batch=2, seed=8)
+    free = generate(tiny, input_ids=ids, max_new_tokens=20, stop_at_eos=False)
+    eos = int(free.tokens[1, 3])  # row 1 emits this token at step 3
+    tiny.generation_config.eos_token_id = eos
+    try:
+        full = generate(tiny, input_ids=ids, max_new_tokens=20)
+    finally:
+        tiny.generation_config.eos_token_id = None
+    stop = free.tokens[1].tolist().index(eos) + 1
+    assert full.new_tokens[1] == stop and full.new_tokens[0] > stop
+    assert full.peak_kv_bytes_rows == full.full_kv_bytes_rows  # the full cache peaks at its own final length
+    assert full.kept_share(1) == 1.0

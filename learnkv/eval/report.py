@@ -44,7 +44,7 @@ def _fmt(metric: str, value) -> str:
         return "—"
     if metric == "peak_kv_bytes":
         return f"{value / 2**20:.2f}"
-    if metric in ("tokens_per_s", "agreement_length", "budget_tokens"):
+    if metric in ("tokens_per_s", "agreement_length", "budget_tokens", "generated_tokens"):
         return f"{value:.1f}"
     if metric == "kl":
         return f"{value:.4f}"
