@@ -35,6 +35,7 @@ class TrainConfig:
     membership_weight: float = setting(0.5, ge=0)
     membership_budget: float = setting(0.25, gt=0, le=1)
     distill: dict[str, float] = setting({}, ge=0)  # teacher name -> weight
+    content: bool = False  # also score each token's value vector (needs traces with collect.record_values)
     accelerator: str = "auto"
     devices: int | str = 1
     strategy: str = "auto"  # Lightning strategy, e.g. "ddp" to scale out

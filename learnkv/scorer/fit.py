@@ -77,11 +77,12 @@ def run_identity(cfg: PipelineConfig, trace_dirs: list[str] | None = None) -> di
 
     dirs = trace_dirs or [cfg.trace_dir]
     digests = [cfg.collect.digest() if d == cfg.trace_dir else read_manifest(d).get("config_digest") for d in dirs]
+    identity = {"hidden": cfg.train.hidden, "label": cfg.train.label}
+    if cfg.train.content:
+        identity["content"] = True
     if len(dirs) == 1:
-        return {"hidden": cfg.train.hidden, "label": cfg.train.label, "trace_dir": str(Path(dirs[0]).resolve()),
-                "collect": digests[0]}
-    return {"hidden": cfg.train.hidden, "label": cfg.train.label,
-            "trace_dir": [str(Path(d).resolve()) for d in dirs], "collect": digests}
+        return {**identity, "trace_dir": str(Path(dirs[0]).resolve()), "collect": digests[0]}
+    return {**identity, "trace_dir": [str(Path(d).resolve()) for d in dirs], "collect": digests}
 
 
 class RunIdentity(Callback):
@@ -215,11 +216,14 @@ def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = Tru
     save_config(cfg, out / "config.yaml")
 
     t = cfg.train
-    dm = TraceDataModule(trace_dirs, label=t.label, teachers=tuple(teachers), batch_size=t.batch_size, seed=cfg.seed)
+    dm = TraceDataModule(trace_dirs, label=t.label, teachers=tuple(teachers), batch_size=t.batch_size, seed=cfg.seed,
+                         values=t.content)
     dm.setup()
+    content_dim = int(dm.train_rows.ds[0]["head_dim"]) if t.content else 0
     module = ScorerModule(manifest["n_layers"], hidden=t.hidden, lr=t.lr, weight_decay=t.weight_decay,
                           temperature=t.temperature, membership_weight=t.membership_weight,
-                          membership_budget=t.membership_budget, distill=dict(t.distill), teachers=tuple(teachers))
+                          membership_budget=t.membership_budget, distill=dict(t.distill), teachers=tuple(teachers),
+                          content_dim=content_dim, n_heads=manifest["n_kv_heads"] if t.content else 0)
     module.scorer.set_normalization(*feature_stats(dm.train_rows, seed=cfg.seed))
     n_params = module.scorer.n_params()
     print(f"scorer: {n_params} parameters ({n_params // manifest['n_layers']} per layer), "

@@ -62,6 +62,7 @@ class CollectConfig:
     policy_params: dict[str, str | int | float | bool] = setting({})  # e.g. {scorer: runs/train/scorer}
     budgets: tuple[int | float, ...] = (0.25, 0.5)  # on-policy: each prompt decodes at one of these (seeded)
     batch_size: int = setting(4, ge=1)  # prompts decoded together (speed only)
+    record_values: bool = False  # also record each token's value vector (float16), for content features
 
     def validate(self) -> None:
         """Coerce and range-check every field (`learnkv.fields`), then the rules between fields; no model needed."""
@@ -185,6 +186,9 @@ def rows_to_columns(prompt, decisions: list[Decision], teachers: tuple[str, ...]
         cols["reenter"].append(d.labels["reenter"].numpy().astype(np.int8).ravel())
         for name in teachers:
             cols[f"teacher_{name}"].append(d.teachers[name].numpy().astype(np.float32).ravel())
+        if d.values is not None:
+            cols.setdefault("head_dim", []).append(d.values.shape[-1])
+            cols.setdefault("values", []).append(d.values.float().numpy().astype(np.float16).ravel())
     return cols
 
 
@@ -230,11 +234,11 @@ def record_batch(model, tokenizer, cfg: CollectConfig, prompts: list, progress: 
             got, result = onpolicy.record(model, tokenizer, texts, make_policy(cfg.policy, **cfg.policy_params),
                                           [budgets[i] for i in group], [steps[i] for i in group], cfg.teachers,
                                           cfg.horizon, cfg.label_budget, cfg.max_new_tokens, chat=cfg.chat,
-                                          progress=progress)
+                                          progress=progress, record_values=cfg.record_values)
         else:
             rec = Recorder(n_layers=model.config.num_hidden_layers, teachers=tuple(cfg.teachers),
                            decision_steps=tuple(steps[i] for i in group), horizon=cfg.horizon,
-                           label_budget=cfg.label_budget)
+                           label_budget=cfg.label_budget, record_values=cfg.record_values)
             result = generate(model, tokenizer, texts, policy=rec, max_new_tokens=cfg.max_new_tokens, chat=cfg.chat,
                               progress=progress)
             got = [rec.decisions(b, n) for b, n in enumerate(result.new_tokens)]

@@ -228,9 +228,10 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
 
 def record(model, tokenizer, texts: list[str], acting: Policy, budgets: list[int], decision_steps: list[frozenset],
            teachers: tuple[str, ...], horizon: int, label_budget: float, max_new_tokens: int, chat: bool = True,
-           branch_batch: int = 16, progress: bool = False):
+           branch_batch: int = 16, progress: bool = False, record_values: bool = False):
     """Decode ``texts`` (one batch) under ``acting`` at per-row ``budgets`` (tokens), snapshot the decision steps and
-    branch them. Returns (per row: its `Decision` list in (step, layer) order, the `GenerationResult`)."""
+    branch them. Returns (per row: its `Decision` list in (step, layer) order, the `GenerationResult`).
+    ``record_values``: also record each resident token's value vector (`Decision.values`)."""
     from learnkv.decode import generate
 
     rec = OnPolicyRecorder(acting=acting, n_layers=model.config.num_hidden_layers, teachers=tuple(teachers),
@@ -256,7 +257,8 @@ def record(model, tokenizer, texts: list[str], acting: Policy, budgets: list[int
                 decisions[it.row].append(Decision(
                     snap.step, snap.layer, resident(snap.positions[it.row], ok), resident(snap.features[it.row], ok),
                     {t: resident(v[it.row], ok) for t, v in snap.teachers.items()}, lab,
-                    evicts=snap.evicts[it.row], budget=budgets[it.row]))
+                    evicts=snap.evicts[it.row], budget=budgets[it.row],
+                    values=resident(snap.values[it.row], ok) if record_values else None))
     for d in decisions:
         d.sort(key=lambda x: (x.step, x.layer))
     return decisions, result

@@ -150,7 +150,8 @@ class Decision:
     """One recorded decision of one prompt in one layer: the resident tokens (padding dropped), per KV head.
 
     ``positions [H, n]``, ``features [H, n, F]``, ``teachers`` and ``labels``: name -> ``[H, n]``; ``evicts``:
-    whether the acting policy evicted at this step; ``budget``: the row's budget (None: full cache).
+    whether the acting policy evicted at this step; ``budget``: the row's budget (None: full cache); ``values``:
+    the tokens' value vectors ``[H, n, D]`` (their content at creation, TRIM-KV's signal), if recorded.
     """
 
     step: int
@@ -161,6 +162,7 @@ class Decision:
     labels: dict[str, Tensor]
     evicts: bool = False
     budget: int | None = None
+    values: Tensor | None = None
 
 
 def resident(x: Tensor, valid: Tensor) -> Tensor:
@@ -196,6 +198,7 @@ class Pending:
     features: Tensor  # [B, H, T, F]
     teachers: dict[str, Tensor]  # name -> [B, H, T]
     labels: dict[str, Tensor] = field(default_factory=dict)  # name -> [B, H, T]
+    values: Tensor | None = None  # [B, H, T, D], if recorded
     seen: int = 0
 
 
@@ -215,6 +218,8 @@ class Recorder(Policy):
         H, the label horizon in decode steps.
     label_budget : float
         Share of the cached tokens that defines ``reenter`` and the teachers' ``keep``.
+    record_values : bool
+        Also record each token's value vector (`Decision.values`).
     """
 
     name = "recorder"
@@ -227,6 +232,7 @@ class Recorder(Policy):
     decision_steps: frozenset | tuple = frozenset()
     horizon: int = 32
     label_budget: float = 0.25
+    record_values: bool = False
 
     def __post_init__(self):
         self.riders = Riders(self.n_layers, self.teachers, self.label_budget)
@@ -253,7 +259,8 @@ class Recorder(Policy):
         if rows:
             feats, scores = self.riders.snapshot(view)
             self._pending.append(Pending(view.step, view.layer, rows, view.positions.clone(), feats, scores,
-                                         new_labels(view.positions.shape, view.keys.device)))
+                                         new_labels(view.positions.shape, view.keys.device),
+                                         view.values.clone() if self.record_values else None))
 
     def _accumulate_labels(self, view: LayerView) -> None:
         mine = [p for p in self._pending if p.layer == view.layer and p.step < view.step]
@@ -278,5 +285,6 @@ class Recorder(Policy):
             valid = p.positions[row] >= 0
             out.append(Decision(p.step, p.layer, resident(p.positions[row], valid), resident(p.features[row], valid),
                                 {k: resident(v[row], valid) for k, v in p.teachers.items()},
-                                {k: resident(v[row], valid) for k, v in p.labels.items()}))
+                                {k: resident(v[row], valid) for k, v in p.labels.items()},
+                                values=None if p.values is None else resident(p.values[row], valid)))
         return out
