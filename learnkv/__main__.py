@@ -2,7 +2,8 @@
 
     python -m learnkv policies
     python -m learnkv generate --policy lazy --budget 64 --max-new-tokens 64 --prompt "What is 12 times 7?"
-    python -m learnkv collect --out traces/ --prompts 16 [--shard i/n]
+    python -m learnkv collect --out traces/ --prompts 16 [--shard i/n] [--batch-size 4]
+    python -m learnkv collect --out traces-rkv/ --policy rkv --budget 0.25,0.5     # under eviction (on-policy)
     python -m learnkv merge traces/
     python -m learnkv recurrence traces/
 
@@ -57,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--decisions", type=int, default=4, help="decision steps sampled per prompt")
     col.add_argument("--horizon", type=int, default=32, help="label horizon H in decode steps")
     col.add_argument("--prompts-per-shard", type=int, default=4)
+    col.add_argument("--batch-size", type=int, default=4, help="prompts decoded together (each row as alone)")
+    col.add_argument("--policy", default="full",
+                     help="acting policy: full (full-cache traces) or an evicting policy (traces under eviction)")
+    col.add_argument("--budget", default="0.25,0.5",
+                     help="with an evicting --policy: B[,B...] tokens or fractions; each prompt takes one (seeded)")
+    col.add_argument("--scorer", default=None, help="exported scorer for --policy learned")
+    col.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="acting policy hyperparameter")
     col.add_argument("--seed", type=int, default=0)
     col.add_argument("--threads", type=int, default=None)
 
@@ -96,6 +104,9 @@ def cmd_collect(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    params = _parse_params(args.param)
+    if args.scorer is not None:
+        params["scorer"] = args.scorer
     cfg = CollectConfig(
         model=args.model or DEFAULT_MODEL,
         sources=tuple(args.source or ("gsm_symbolic",)),
@@ -106,6 +117,10 @@ def cmd_collect(args) -> int:
         horizon=args.horizon,
         prompts_per_shard=args.prompts_per_shard,
         seed=args.seed,
+        batch_size=args.batch_size,
+        policy=args.policy,
+        policy_params=params,
+        budgets=tuple(x.strip() for x in args.budget.split(",")) if args.policy != "full" else (0.25, 0.5),
     )
     try:
         manifest, stats = collect(args.out, cfg, shard=_parse_shard(args.shard), progress=True)

@@ -30,14 +30,27 @@ class TrainConfig:
     batch_size: int = setting(8, ge=1)
     max_epochs: int = setting(15, ge=1)
     patience: int = setting(4, ge=0)  # early stopping on val/recall@25
-    label: str = setting("future_sum", choices=("future_sum", "future_max"))
+    label: str = setting("future_sum", choices=("future_sum", "future_max", "future_out", "future_attnv"))
     temperature: float = setting(1.0, gt=0)
     membership_weight: float = setting(0.5, ge=0)
     membership_budget: float = setting(0.25, gt=0, le=1)
     distill: dict[str, float] = setting({}, ge=0)  # teacher name -> weight
+    content: bool = False  # also score each token's value vector (needs traces with collect.record_values)
     accelerator: str = "auto"
     devices: int | str = 1
     strategy: str = "auto"  # Lightning strategy, e.g. "ddp" to scale out
+
+
+@dataclass
+class ReportConfig:
+    """The decode-time comparison `train.py` prints after training: the exported scorer against teachers on the
+    validation prompts, teacher-forced along the full cache's continuation (`learnkv.eval`, task fidelity)."""
+
+    prompts: int = setting(4, ge=0)  # validation prompts (0: no decode-time comparison)
+    max_new_tokens: int = setting(64, ge=2)
+    budgets: tuple[float, ...] = (0.25, 0.5)  # fractions of each prompt's final length
+    policies: tuple[str, ...] = ("h2o", "tova", "roco", "rkv")
+    batch_size: int = setting(4, ge=1)
 
 
 @dataclass
@@ -52,8 +65,12 @@ class PipelineConfig:
     seed: int = setting(0, ge=0)
     trace_dir: str = "runs/traces"
     out_dir: str = "runs/train"
+    # rounds of collection: round 1 collects under collect.policy; each later round collects under the previous
+    # round's learned scorer (at collect.budgets) and trains on the union of every round's traces
+    rounds: int = setting(1, ge=1)
     collect: CollectConfig = field(default_factory=CollectConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -115,7 +132,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pi
     if unknown:
         raise ValueError(f"train.distill names {', '.join(unknown)}, not among collect.teachers "
                          f"({', '.join(cfg.collect.teachers)})")
+    check_report(cfg.report)
     return cfg
+
+
+def check_report(report: ReportConfig) -> None:
+    """The decode-time comparison's policies and budgets, checked before anything runs."""
+    from learnkv.decode import resolve_budget
+    from learnkv.policies import POLICIES
+
+    unknown = [p for p in report.policies if p not in POLICIES or p in ("learned", "full")]
+    if unknown:
+        raise ValueError(f"report.policies: {unknown} cannot be compared (registered heuristics: "
+                         f"{', '.join(n for n, c in POLICIES.items() if c.evicts and n != 'learned')})")
+    for b in report.budgets:
+        if not 0 < b <= 1:
+            raise ValueError(f"report.budgets are fractions of the final length in (0, 1], got {b}")
+        resolve_budget(b, 1)
 
 
 def to_dict(cfg) -> dict:

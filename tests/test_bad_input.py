@@ -92,7 +92,7 @@ def traces(out: Path, cfg: CollectConfig | None = None, rows=(16, 8), seed=0) ->
 
 def train_args(tmp: Path, *overrides) -> list[str]:
     return ["--threads", "1", f"trace_dir={tmp / 'traces'}", f"out_dir={tmp / 'out'}", "wandb.mode=disabled",
-            "train.max_epochs=2", "train.batch_size=8", "collect.teachers=[h2o]", *overrides]
+            "train.max_epochs=2", "train.batch_size=8", "collect.teachers=[h2o]", "report.prompts=0", *overrides]
 
 
 def collect_config(tmp: Path) -> CollectConfig:

@@ -24,12 +24,20 @@ class Learned(Policy):
     name, layer and KV-head counts when `generate` hands it the model (`check_model`); weights checksum, shapes and
     finiteness, and the KV-head count and layer index of what it is shown, on first use.
 
+    Decode-time cost: the feature tracker folds every step's attention into its state (in place, a few tensor ops
+    per layer); the features, the scorer and the eviction run only every ``interval`` steps (a lagged schedule, as
+    LazyEviction's and R-KV's: the cache evicts down to ``budget - interval + 1`` so it never exceeds the budget in
+    between). On the CPU torch path, scoring and evicting at every step costs about 1.5x the full cache's decode
+    step; every 4-8 steps, 1.1-1.2x (docs/learned-notes.md).
+
     Parameters
     ----------
     scorer : str
         Path of an exported scorer directory (`python train.py` prints it as ``artifact: PATH``).
     n_sink, n_recent : int or float
         Protected sinks and recent window, as for every policy.
+    interval : int or None
+        Score and evict every ``interval`` steps. None: a sixteenth of the budget, between 1 and 8.
     """
 
     name = "learned"
@@ -38,13 +46,14 @@ class Learned(Policy):
     scorer: str | None = setting(None)
     n_sink: int | float = setting(4, ge=0, fraction=True)
     n_recent: int | float = setting(8, ge=0, fraction=True)
+    interval: int | None = setting(None, ge=1)
 
     @property
     def obs_window(self) -> int:
         return 1 << 30  # the tracker seeds its statistics from every prefill query row
 
     def params(self) -> dict:
-        return {"scorer": self.scorer, "n_sink": self.n_sink, "n_recent": self.n_recent}
+        return {"scorer": self.scorer, "n_sink": self.n_sink, "n_recent": self.n_recent, "interval": self.interval}
 
     def resolve_defaults(self, budget: int) -> dict:
         if not self.scorer:
@@ -54,7 +63,7 @@ class Learned(Policy):
         from learnkv.scorer.artifact import read_artifact_manifest
 
         read_artifact_manifest(self.scorer)  # refuses a wrong format or feature version now, not mid-decode
-        return {}
+        return {"interval": self.interval if self.interval is not None else min(8, max(1, budget // 16))}
 
     def check_model(self, model) -> None:
         """Refuse a scorer trained for another model than ``model`` (a loaded HF causal LM): its name (the id or
@@ -99,7 +108,7 @@ class Learned(Policy):
             feats = tracker.features(view.attn, view.keys, view.values, view.positions, view.layer, view.step,
                                      view.state)  # fmt: skip
         model = model.to(feats.device)
-        return model(feats, view.layer)
+        return model(feats, view.layer, view.values if model.content_dim else None)
 
 
 def _fused_step(view: LayerView) -> bool:

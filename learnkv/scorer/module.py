@@ -69,17 +69,18 @@ class ScorerModule(L.LightningModule):
 
     def __init__(self, n_layers: int, hidden: int = 32, lr: float = 3e-3, weight_decay: float = 1e-4,
                  temperature: float = 1.0, membership_weight: float = 0.5, membership_budget: float = 0.25,
-                 distill: dict[str, float] | None = None, teachers: tuple[str, ...] = ()):
+                 distill: dict[str, float] | None = None, teachers: tuple[str, ...] = (), content_dim: int = 0,
+                 n_heads: int = 0):
         super().__init__()
         self.save_hyperparameters()
-        self.scorer = Scorer(n_layers, hidden=hidden)
+        self.scorer = Scorer(n_layers, hidden=hidden, content_dim=content_dim, n_heads=n_heads)
         self.teachers = tuple(teachers)
         unknown = set(distill or {}) - set(self.teachers)
         if unknown:
             raise ValueError(f"distillation weights for teachers not in the traces: {sorted(unknown)}")
 
     def forward(self, batch: dict) -> Tensor:
-        return self.scorer(batch["features"], batch["layer"][:, None, None])  # [N, H, T]
+        return self.scorer(batch["features"], batch["layer"][:, None, None], batch.get("values"))  # [N, H, T]
 
     def _step(self, batch: dict, stage: str) -> Tensor:
         hp = self.hparams

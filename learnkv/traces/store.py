@@ -3,7 +3,8 @@
 Layout of a trace directory::
 
     manifest.json            header (model, features + version, horizon, split, seed, config) and `shards`
-    shard-00000.arrow        one row per (prompt, decision step, layer); list columns hold [H, T(, F)] tensors
+    shard-00000.arrow        one row per (prompt, decision step, layer); list columns hold [H, n(, F)] tensors of
+                             the n resident tokens (positions included: on-policy, KV heads hold different tokens)
     shard-00000.json         the shard's sidecar: {"path", "rows", "sha256", "prompts", "feature_version",
                              "config_digest"}
 
@@ -24,7 +25,7 @@ from learnkv.atomic import sha256_file, write_json_atomic
 from learnkv.features import FEATURE_VERSION, FEATURES
 
 FORMAT = "learnkv-traces"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: positions per KV head [H, n] (on-policy caches differ by head), future_out, policy/budget
 MANIFEST = "manifest.json"
 
 
