@@ -50,6 +50,7 @@ class DecodeBatch:
         self._stepping: list[str] = []
         self._chunks: list[list] = [[] for _ in range(n_layers)]  # per layer: (ids, attn, k_norm, v_norm, lens)
         self._single: list[dict] = [{} for _ in range(n_layers)]  # per layer: id -> (attn, k_norm, v_norm)
+        self._all = None  # every layer at once: (ids, attn [L, R, H, G, Tb], k_norm, v_norm, lens)
 
     # -- membership --------------------------------------------------------------------------------------------
 
@@ -138,6 +139,12 @@ class DecodeBatch:
         """
         self._chunks[layer].append((tuple(req_ids), attn, k_norm, v_norm, lens))
 
+    def observe_all(self, req_ids: list[str], attn: Tensor, k_norm: Tensor, v_norm: Tensor,
+                    lens: Tensor | None = None) -> None:
+        """Every layer's view of several decoding requests: `observe` with a leading layer axis on ``attn``
+        (``[L, R', H, G, Tb]``) and the norms (``[L, R', H]``)."""
+        self._all = (tuple(req_ids), attn, k_norm, v_norm, lens)
+
     def observe_one(self, layer: int, req_id: str, attn: Tensor, k_norm: Tensor, v_norm: Tensor) -> None:
         """One layer's view of one decoding request: ``attn [H, G, T]``, ``k_norm, v_norm [H]``."""
         self._single[layer][req_id] = (attn, k_norm, v_norm)
@@ -192,12 +199,18 @@ class DecodeBatch:
         self._stepping = []
         self._chunks = [[] for _ in range(self.n_layers)]
         self._single = [{} for _ in range(self.n_layers)]
+        self._all = None
         if self.clock > _REBASE:
             self._rebase()
 
     def _assemble(self, ids: list[str]):
         """The step's observations as ``[L, S, H, G, Tb]`` attention and ``[L, S, H]`` norms, plus their order."""
         chunks = self._chunks
+        if self._all is not None:
+            if any(chunks) or any(self._single) or set(self._all[0]) != set(ids) or len(self._all[0]) != len(ids):
+                raise RuntimeError("a step's decoding requests must be shown either all layers at once or per layer")
+            all_ids, attn, k_norm, v_norm, lens = self._all
+            return attn, k_norm, v_norm, list(all_ids), lens
         first = chunks[0][0][0] if len(chunks[0]) == 1 else None
         if first is not None and set(first) == set(ids) and len(first) == len(ids) and \
                 all(len(c) == 1 and c[0][0] == first for c in chunks) and not any(self._single):

@@ -230,6 +230,11 @@ class ServingRuntime:
         """
         self.batch.observe(layer, req_ids, attn, k_norm, v_norm, lens)
 
+    def observe_step(self, req_ids: list[str], attn: Tensor, k_norm: Tensor, v_norm: Tensor,
+                     lens: Tensor | None = None) -> None:
+        """`observe_batch` for every layer at once: ``attn [L, R, H, G, Tb]``, ``k_norm, v_norm [L, R, H]``."""
+        self.batch.observe_all(req_ids, attn, k_norm, v_norm, lens)
+
     # -- the decision ----------------------------------------------------------------------------------------
 
     def decide(self, req_ids: list[str] | None = None) -> list[Decision]:
