@@ -80,6 +80,7 @@ class Decision:
     blocks: list[int]  # logical blocks to free now, ascending
     resident_tokens: int  # tokens left after freeing them
     budget: int
+    n_tokens: int = 0  # tokens the request has written (its logical length)
 
 
 class ServingRuntime:
@@ -254,7 +255,7 @@ class ServingRuntime:
                 blocks = self._decide_decoding(rid, req)
             else:
                 blocks = self._decide_prefill(rid, req)
-            decisions.append(Decision(rid, blocks, self._n_resident(rid, req), req.budget))
+            decisions.append(Decision(rid, blocks, self._n_resident(rid, req), req.budget, req.n_tokens))
         self.decide_s += time.perf_counter() - t0
         return decisions
 

@@ -56,9 +56,10 @@ class LearnKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class LearnKVWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one per step: (request, logical blocks, resident tokens, budget, cacheable blocks)."""
+    """Worker -> scheduler, one per step: (request, logical blocks, resident tokens, budget, cacheable blocks,
+    tokens written)."""
 
-    decisions: list[tuple[str, list[int], int, int, int]] = field(default_factory=list)
+    decisions: list[tuple[str, list[int], int, int, int, int]] = field(default_factory=list)
     overhead_s: float = 0.0
 
     def aggregate(self, other):
@@ -145,7 +146,7 @@ class LearnKVConnector(KVConnectorBase_V1):
             return
         manager = self._kv_cache_manager.coordinator.single_type_managers[0] if self.evict else None
         pool = self._kv_cache_manager.block_pool
-        for rid, blocks, resident, budget, cacheable in meta.decisions:
+        for rid, blocks, resident, budget, cacheable, n_tokens in meta.decisions:
             free_before = pool.get_num_free_blocks()
             freed = manager.evict_blocks(rid, blocks, cacheable) if manager is not None and blocks else 0
             if blocks or self.log is not None:
@@ -153,7 +154,8 @@ class LearnKVConnector(KVConnectorBase_V1):
                     if manager is not None else None
                 self._log({"request": rid, "mode": self.config.mode, "blocks": blocks, "freed": freed,
                            "free_before": free_before, "free_after": pool.get_num_free_blocks(), "held_blocks": held,
-                           "resident_tokens": resident, "budget": budget, "overhead_s": meta.overhead_s})
+                           "resident_tokens": resident, "budget": budget, "tokens": n_tokens,
+                           "overhead_s": meta.overhead_s})
 
     def _log(self, record: dict) -> None:
         if self.log is not None:
@@ -198,7 +200,7 @@ class LearnKVConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         for d in self.worker.end():
             self.decisions.append((d.req_id, d.blocks, d.resident_tokens, d.budget,
-                                   self.runtime.cacheable_blocks(d.req_id)))
+                                   self.runtime.cacheable_blocks(d.req_id), d.n_tokens))
 
     def build_connector_worker_meta(self):
         if not self.decisions:

@@ -38,6 +38,7 @@ class StepPlan:
     """Where each tracked request sits in this step's batch (built at the step's first layer)."""
 
     ids: list[str]  # decoding requests, in row order
+    rows: Tensor  # [R] each one's row in the batch
     tok: Tensor  # [R] index of each one's query token in the batch
     blocks: Tensor  # [R, NB] resident physical blocks, ascending logical order
     valid: Tensor  # [R, NB * bs] columns holding resident tokens
@@ -230,5 +231,5 @@ class WorkerHalf:
         self._k = key.new_empty((L, R, *key.shape[1:]))
         self._v = key.new_empty((L, R, *key.shape[1:]))
         self._caches = [None] * L
-        return StepPlan(ids, qsl.index_select(0, row_t).long(), blocks, valid, lens, replace, prefill,
+        return StepPlan(ids, row_t, qsl.index_select(0, row_t).long(), blocks, valid, lens, replace, prefill,
                         set(rows.values()))
