@@ -60,6 +60,7 @@ def test_readers_gather_whole_blocks(name):
     keys, values = layout.gather(cache, blocks)  # [R, NB, H, D, bs], [R, NB, H, bs, D]
     assert torch.equal(keys, k[blocks].permute(0, 1, 3, 4, 2))
     assert torch.equal(values, v[blocks].transpose(2, 3))
+    assert torch.equal(layout.gather_keys(cache, blocks), keys)
     stacked = stack_layers([cache, cache.clone()])
     assert stacked is None  # two allocations: gathered layer by layer
     pool = torch.stack([cache, cache + 1])

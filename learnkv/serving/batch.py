@@ -109,7 +109,7 @@ class DecodeBatch:
         C = self.width
         if needed <= C or not self.rows:
             return
-        new = max(needed, 2 * C)
+        new = needed + max(32, needed // 8)  # little slack: every step copies the whole width
         self.state = {name: _right(t, new) for name, t in self.state.items()}
         self.positions = _right(self.positions, new, fill=-1)
         self.last_attn = None if self.last_attn is None else _right(self.last_attn, new)

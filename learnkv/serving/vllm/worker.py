@@ -141,9 +141,9 @@ class WorkerHalf:
         if self._stacked is None or self._stacked_key != self._caches[0].data_ptr():
             self._stacked, self._stacked_key = stack_layers(self._caches), self._caches[0].data_ptr()
         if self._stacked is not None:
-            keys = self.layout.gather(self._stacked, plan.blocks)[0]  # [L, R, NB, H, D, bs]
+            keys = self.layout.gather_keys(self._stacked, plan.blocks)  # [L, R, NB, H, D, bs]
         else:  # layers in separate allocations: one gather each
-            keys = torch.stack([self.layout.gather(c, plan.blocks)[0] for c in self._caches])
+            keys = torch.stack([self.layout.gather_keys(c, plan.blocks) for c in self._caches])
         probs = block_attention(self._q, keys, plan.valid, self._scale)  # [L, R, H, G, T]
         self.runtime.observe_step(plan.ids, probs, self._k.float().norm(dim=-1), self._v.float().norm(dim=-1),
                                   plan.lens)
