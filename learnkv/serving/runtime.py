@@ -3,7 +3,7 @@
 An engine (the paged simulator, the vLLM adapter) shows the runtime what the decode loop's `learned` policy sees:
 for every request and layer, the attention of the step's new queries over the request's resident tokens, and the
 new tokens' keys and values. The runtime keeps the `learnkv.features.FeatureTracker` state of the resident tokens,
-scores them with the exported `learnkv.scorer.model.Scorer` (batched over requests, one call per layer), pools the
+scores them with the exported `learnkv.scorer.model.Scorer` (one call per layer, as the decode loop does), pools the
 scores of every layer and KV head into one per token (`learnkv.pooling`, the rule the artifact declares) and picks
 whole blocks to free with `learnkv.pooling.shared_keep_slots`, the function the decode loop's block mode calls.
 So, fed the same attention, it frees exactly the blocks that ``generate(..., policy="learned", granularity="block")``
@@ -17,8 +17,8 @@ decision at most ``budget`` of them remain. A finished or aborted request frees 
 Two phases per request. While its prompt is written (one or more prefill chunks) its state is its own, as in the
 decode loop. After the step that completes the prompt it joins a `learnkv.serving.batch.DecodeBatch`: from then on
 one batched `FeatureTracker` update per engine step covers every decoding request and every layer, and an engine
-can show a layer's attention for all of them at once (`observe_batch`). Only a decision (a request over its
-budget, about once per block of new tokens) reads a request on its own.
+can show a layer's attention for all of them at once (`observe_batch`), or every layer's (`observe_step`). Only a
+decision (a request over its budget, about once per block of new tokens) reads a request on its own.
 
 Shapes: H KV heads, G query heads per KV head, q new tokens this step, T resident tokens, D head dim, F features,
 L layers, R requests.
@@ -140,7 +140,8 @@ class ServingRuntime:
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already tracked")
         budget = self.budget if budget is None else int(budget)
-        self.requests[req_id] = _Request(req_id, policy=self._policy(budget), budget=budget, state=[{} for _ in range(self.n_layers)],
+        self.requests[req_id] = _Request(req_id, policy=self._policy(budget), budget=budget,
+                                         state=[{} for _ in range(self.n_layers)],
                                          last_row=[None] * self.n_layers)
 
     def finish(self, req_id: str) -> None:

@@ -78,8 +78,8 @@ class LearnKVConnector(KVConnectorBase_V1):
         compat.refuse(vllm_config, self.config.mode, device_type)
         block_size = vllm_config.cache_config.block_size
         if block_size != self.config.block_size:
-            raise RuntimeError(f"learnkv block_size {self.config.block_size} differs from vLLM's --block-size {block_size}"
-                               " (set LEARNKV_BLOCK_SIZE or kv_connector_extra_config.block_size)")
+            raise RuntimeError(f"learnkv block_size {self.config.block_size} differs from vLLM's --block-size "
+                               f"{block_size} (set LEARNKV_BLOCK_SIZE or kv_connector_extra_config.block_size)")
         _check_backend_registered(device_type)
         hf = vllm_config.model_config.hf_config
         device = torch.device("cpu" if role == KVConnectorRole.SCHEDULER else device_type)
@@ -177,7 +177,8 @@ class LearnKVConnector(KVConnectorBase_V1):
         layers = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
         isas = {getattr(layer, "isa", None) for layer in layers.values()}
         if len(isas) != 1 or None in isas:
-            raise RuntimeError(f"learnkv: cannot tell which CPU attention kernels vLLM uses (ISA {sorted(map(str, isas))})")
+            raise RuntimeError("learnkv: cannot tell which CPU attention kernels vLLM uses "
+                               f"(ISA {sorted(map(str, isas))})")
         cache = next(iter(kv_caches.values()))
         _, n_heads, block_size, _ = cache.shape
         self.worker.layout = layouts.probe_cpu_layout(ops.cpu_attn_reshape_and_cache, isas.pop(), cache.dtype,

@@ -1,8 +1,11 @@
 """Pure-torch pieces of the adapter that need no vLLM, tested on CPU: attention over one request's paged KV with
-evicted blocks masked out (positions untouched), and mapping the engine's batch rows to request ids.
+evicted blocks masked out (positions untouched; `masked_paged_attention`, the reference), the same for every
+decoding request and layer at once over gathered resident blocks (`resident_blocks`, `block_attention`,
+`block_output`, what the plugin runs), and mapping the engine's batch rows to request ids.
 
-Layout as vLLM's Triton backend sees it: ``key_cache`` / ``value_cache`` ``[num_blocks, bs, H, D]``; a request's
-``block_row`` lists its physical blocks in logical order; its tokens ``[0, seq_len)`` sit at logical slots.
+The reference's layout is token-major, as vLLM's Triton backend sees it: ``key_cache`` / ``value_cache``
+``[num_blocks, bs, H, D]``; a request's ``block_row`` lists its physical blocks in logical order; its tokens
+``[0, seq_len)`` sit at logical slots.
 """
 
 from __future__ import annotations
@@ -135,7 +138,8 @@ def block_attention(query: Tensor, keys: Tensor, valid: Tensor, scale: float) ->
 
 
 def block_output(probs: Tensor, values: Tensor) -> Tensor:
-    """Attention output ``[..., R, Hq, D]`` of ``probs [..., R, H, G, NB * bs]`` over ``values [..., R, NB, H, bs, D]``."""
+    """Attention output ``[..., R, Hq, D]`` of ``probs [..., R, H, G, NB * bs]`` over the resident blocks'
+    ``values [..., R, NB, H, bs, D]``."""
     *lead, R, NB, H, bs, D = values.shape
     G = probs.shape[-2]
     p = probs.reshape(*lead, R, H, G, NB, bs).movedim(-2, -4)  # [..., R, NB, H, G, bs]

@@ -159,7 +159,8 @@ class WorkerHalf:
         q, Hq = query.shape[0], query.shape[1]
         qh = query.view(q, H, Hq // H, D).permute(1, 2, 0, 3).float()  # [H, G, q, D]
         scores = torch.matmul(qh, keys_t[:, None].float()) * scale  # [H, G, q, seq]
-        future = torch.arange(seq, device=query.device)[None, :] > torch.arange(seq - q, seq, device=query.device)[:, None]
+        pos = torch.arange(seq, device=query.device)
+        future = pos[None, :] > pos[seq - q:, None]  # [q, seq]: causal within the chunk
         probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
         self.runtime.observe(rid, layer, probs, key.transpose(0, 1), value.transpose(0, 1))
 
