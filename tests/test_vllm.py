@@ -214,8 +214,8 @@ def test_bad_artifacts_refuse_to_start(scorer, model_dir, tmp_path):
     r = run_engine("refuse", scorer, model_dir, tmp_path)
     assert "version 99, this learnkv reads" in r["format_version"]
     assert "feature version 99" in r["feature_version"]
-    assert "trained for model 'llama-3-8b', not 'smollm2-135m-instruct'" in r["model"]
-    assert "trained for model 'llama-3-8b'" in r["engine"]  # a real engine start fails with the same message
+    assert f"trained for model 'llama-3-8b', not '{model_dir}'" in r["model"]
+    assert f"trained for model 'llama-3-8b', not '{model_dir}'" in r["engine"]  # a real engine start fails alike
 
 
 # -- the script side: one engine per process -----------------------------------------------------------------
@@ -392,6 +392,12 @@ def _refuse(scorer: str, model: str, out: Path) -> dict:
             return f"{type(e).__name__}: {e}"
         return "started"
 
+    from learnkv.serving.vllm.plugin import register
+
+    # the plugin registers its backend from the environment, as in every vLLM process; the connectors below are
+    # given the bad artifacts through kv_connector_extra_config, which overrides it
+    os.environ.update(LEARNKV_SCORER=scorer, LEARNKV_BUDGET=str(BUDGET), LEARNKV_BLOCK_SIZE=str(BLOCK))
+    assert register()
     result = {"format_version": message(bad("format", format_version=99)),
               "feature_version": message(bad("feature", feature_version=99)),
               "model": message(bad("model", model="llama-3-8b"))}
