@@ -115,14 +115,19 @@ def probe_cpu_layout(reshape_and_cache, isa: str, dtype: torch.dtype, block_size
     pos = torch.arange(n_tokens)
     slots = physical[pos // block_size] * block_size + pos % block_size
     key_cache, value_cache = cache.view(n_blocks, n_heads, 2 * block_size, head_size).chunk(2, dim=2)
-    reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    try:
+        reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+        written = None
+    except RuntimeError as e:  # a kernel family vLLM cannot run here either: refuse below, naming it
+        written = e
     k, v = layout.gather(cache, physical[None])  # [1, NB, H, D, bs], [1, NB, H, bs, D]
     k = k[0].permute(1, 2, 0, 3).reshape(n_heads, head_size, -1)[..., :n_tokens]  # [H, D, T]
     v = v[0].transpose(0, 1).reshape(n_heads, -1, head_size)[:, :n_tokens]  # [H, T, D]
-    if not (torch.equal(k, key.permute(1, 2, 0)) and torch.equal(v, value.transpose(0, 1))):
+    if written is not None or not (torch.equal(k, key.permute(1, 2, 0)) and torch.equal(v, value.transpose(0, 1))):
         raise RuntimeError(
             f"learnkv vLLM plugin: vLLM's CPU attention kernels for ISA {isa!r} ({dtype}, block size {block_size}, "
             f"head size {head_size}) store the paged KV cache in a layout learnkv cannot read (verified: 'vec' "
-            "with float32/bfloat16/float16); run with float32 (or without AMX) or unset LEARNKV_SCORER"
-        )
+            "and 'vec16' with float32/bfloat16/float16); run with float32 (or without AMX) or unset LEARNKV_SCORER"
+            + (f" (writing the probe failed: {written})" if written is not None else "")
+        ) from written
     return layout
