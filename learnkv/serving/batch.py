@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learnkv.features import WINDOW, FeatureTracker
+from learnkv.features import FeatureTracker
 
 _REBASE = 1 << 20  # f.last_high is float32: rebase the clock long before 2**24 loses whole steps
 
@@ -119,9 +119,6 @@ class DecodeBatch:
     def begin(self, req_id: str) -> None:
         """``req_id`` writes one token in the coming forward pass."""
         self._stepping.append(req_id)
-
-    def stepping(self) -> list[str]:
-        return list(self._stepping)
 
     def observe(self, layer: int, req_ids: list[str], attn: Tensor, k_norm: Tensor, v_norm: Tensor,
                 lens: Tensor | None = None) -> None:
@@ -304,5 +301,3 @@ def _shift(t: Tensor, new: Tensor | None = None) -> Tensor:
         new = t.new_zeros((*t.shape[:-1], 1))
     return torch.cat([t[..., 1:], new.to(t.dtype).expand(*t.shape[:-1], 1)], dim=-1)
 
-
-__all__ = ["DecodeBatch", "WINDOW"]
