@@ -100,11 +100,12 @@ def cmd_collect(args) -> int:
     import torch
 
     from learnkv.model import DEFAULT_MODEL
+    from learnkv.policies.params import parse_params
     from learnkv.traces.collect import CollectConfig, collect
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    params = _parse_params(args.param)
+    params = parse_params(args.param)
     if args.scorer is not None:
         params["scorer"] = args.scorer
     cfg = CollectConfig(

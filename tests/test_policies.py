@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import params_for, random_ids
+from conftest import params_for, prefill_for, random_ids
 from learnkv import POLICIES, generate, make_policy
 from learnkv.policies.base import LayerView, Policy
 
@@ -48,7 +48,8 @@ def run_checked(model, policy, budget, prompt_len, new_tokens, seed=0, slack=0, 
 
     params = {**params_for(policy, model.config.num_hidden_layers), **params}
     return generate(model, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new_tokens,
-                    policy_params=params, observer=observe, slack=slack)
+                    policy_params=params, observer=observe, slack=slack,
+                    **(prefill_for(policy) if prompt_len > budget else {}))
 
 
 @pytest.mark.parametrize("budget", [32, 48])

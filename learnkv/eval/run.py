@@ -268,6 +268,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         first_params = {}
         n_runs = len(prompts) * (1 + len({(r.label, b) if evicts(r.name) else r.label for r, b in keys}))
         bar = tqdm(total=n_runs, desc=task.name, unit="run", disable=None if progress is None else not progress)
+        decoded, t_start = 0, time.perf_counter()  # generated tokens of every decode so far, for the bar's rate
         for batch in _batches(prompts, spec.batch_size):
             refs = task.reference_batch(model, tokenizer, batch)
             bar.update(len(batch))
@@ -286,6 +287,9 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                         m, result = task.run_batch(model, tokenizer, [batch[i] for i in group],
                                                    [refs[i] for i in group], cfg)
                         share = (time.perf_counter() - t0) / len(group)
+                        decoded += sum(result.new_tokens)
+                        bar.set_postfix(tokens=decoded, tok_s=f"{decoded / (time.perf_counter() - t_start):.1f}",
+                                        refresh=False)
                         for j, i in enumerate(group):
                             metrics[i], row_costs[i] = m[j], _cost_row(result, j, share)
                         first_params.setdefault((run, b), result.params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,20 @@ class Learned(Policy):
         from learnkv.scorer.artifact import read_artifact_manifest
 
         read_artifact_manifest(self.scorer)  # refuses a wrong format or feature version now, not mid-decode
-        return {"interval": self.interval if self.interval is not None else min(8, max(1, budget // 16))}
+        return {}
+
+    def resolve(self, budget: int) -> Policy:
+        """As `Policy.resolve`; the default interval is the longest up to a sixteenth of the budget (at most 8)
+        whose headroom still leaves the sink and recent windows room, so a budget that fits the windows at every
+        step also fits them by default."""
+        if self.interval is not None:
+            return super().resolve(budget)
+        for interval in range(min(8, max(1, budget // 16)), 1, -1):
+            try:
+                return super(Learned, dataclasses.replace(self, interval=interval)).resolve(budget)
+            except ValueError:
+                continue
+        return super(Learned, dataclasses.replace(self, interval=1)).resolve(budget)
 
     def check_model(self, model) -> None:
         """Refuse a scorer trained for another model than ``model`` (a loaded HF causal LM): its name (the id or

@@ -266,7 +266,7 @@ class ServingRuntime:
         if any(row is None for row in req.last_row):
             raise RuntimeError(f"request {rid!r}: every layer must be observed before deciding")
         blocks = []
-        if req.final and req.positions.shape[-1] > self._keep(req):
+        if req.final and req.positions.shape[-1] > req.budget:
             scores = []
             for layer in range(self.n_layers):
                 state = req.state[layer]
@@ -291,8 +291,9 @@ class ServingRuntime:
         return blocks
 
     def _decide_decoding(self, rid: str, req: _Request) -> list[int]:
-        """A decoding request: score its resident tokens in every layer if it is over budget."""
-        if self.batch.n_resident(rid) <= self._keep(req):
+        """A decoding request over its budget: score its resident tokens in every layer and keep `_keep` of them
+        (for a lagged scorer, ``budget - interval + 1``: the decode loop's overflow rule, `Policy.keep_target`)."""
+        if self.batch.n_resident(rid) <= req.budget:
             return []
         positions, state, attn, step = self.batch.extract(rid)  # layers on the batch axis
         norms = state.pop("norm.k")[..., None], state.pop("norm.v")[..., None]
