@@ -24,4 +24,6 @@ def test_decode_benchmark_batch_sizes_and_json(smollm2, tmp_path):
         ("full", 1), ("full", 2), ("h2o", 1), ("h2o", 2), ("lazy", 1), ("lazy", 2)]
     assert all(r["tokens_per_s"] > 0 for r in records)
     assert all(r["ratio_to_batch_1"] == 1.0 for r in records if r["batch_size"] == 1)
-    assert "| h2o |" in res.stdout and "batch 2 / batch 1" in res.stdout
+    assert all(r["time_vs_full"] == 1.0 for r in records if r["policy"] == "full")
+    assert all(r["time_vs_full"] > 0 for r in records)
+    assert "| h2o |" in res.stdout and "batch 2 / batch 1" in res.stdout and "step time relative" in res.stdout
