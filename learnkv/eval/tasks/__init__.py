@@ -5,6 +5,10 @@ to `TASKS`; `python evaluate.py --task NAME` then runs it against every policy a
   length against the full cache, teacher-forced along its continuation (model-agnostic).
 * ``reasoning`` (`reasoning.py`): GSM8K accuracy and agreement with the full cache's answer.
 * ``needle`` (`needle.py`): needle-in-a-haystack retrieval over context lengths and depths.
+* ``chain`` (`chain.py`): chains of word problems whose late answers need early tokens (1,000+ generated tokens):
+  per-problem and final accuracy, agreement with the full cache, and the fidelity metrics.
+* ``gsm8k``, ``math500``, ``aime24``, ``champ`` (`math.py`): the math benchmarks, loaded by hub id (or
+  ``data_file``; ``champ`` from its PyPI package), answers in ``\\boxed{}`` graded by math-verify.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from learnkv.eval.tasks.base import Sample, Task
+from learnkv.eval.tasks.chain import Chain
 from learnkv.eval.tasks.fidelity import Fidelity
+from learnkv.eval.tasks.math import AIME24, GSM8K, MATH500, Champ
 from learnkv.eval.tasks.needle import Needle
 from learnkv.eval.tasks.reasoning import Reasoning
 
@@ -20,6 +26,11 @@ TASKS: dict[str, type[Task]] = {
     "fidelity": Fidelity,
     "reasoning": Reasoning,
     "needle": Needle,
+    "chain": Chain,
+    "gsm8k": GSM8K,
+    "math500": MATH500,
+    "aime24": AIME24,
+    "champ": Champ,
 }
 
 

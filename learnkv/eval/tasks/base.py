@@ -121,6 +121,17 @@ class Task:
         """
         raise NotImplementedError
 
+    def pool(self, rows: list[dict]) -> dict[str, float | None]:
+        """Per-prompt metric dicts -> this task's figures: by default each metric's mean over the prompts that
+        have it (None if none has). A task that also reports another statistic (``chain``: the median generated
+        length) overrides this."""
+        keys = list(dict.fromkeys(k for row in rows for k in row))
+        pooled = {}
+        for k in keys:
+            values = [row[k] for row in rows if row.get(k) is not None]
+            pooled[k] = float(sum(values) / len(values)) if values else None
+        return pooled
+
     def metric_names(self) -> tuple[str, ...]:
         """The metrics this task reports, in table and plot order."""
         return self.metrics
