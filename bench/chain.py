@@ -54,6 +54,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--n", type=int, default=8, help="held-out prompts")
+    p.add_argument("--start", type=int, default=0, help="skip this many held-out prompts (to split a run over processes)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=2048)
     p.add_argument("--n-problems", type=int, default=None)
@@ -66,11 +67,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     kw = {k: v for k, v in (("n_problems", args.n_problems), ("n_facts", args.n_facts)) if v is not None}
-    prompts = load_prompts("chain", args.n, seed=args.seed, split=args.split, **kw)
+    prompts = load_prompts("chain", args.start + args.n, seed=args.seed, split=args.split, **kw)[args.start:]
     rows, t0 = [], time.perf_counter()
     for i in range(0, len(prompts), args.batch):
         batch = prompts[i: i + args.batch]
-        r = generate(model, tok, [q.text for q in batch], max_new_tokens=args.max_new_tokens, stop_at_eos=True)
+        r = generate(model, tok, [q.text for q in batch], max_new_tokens=args.max_new_tokens, stop_at_eos=True,
+                     progress=True)
         eos = model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         for q, toks, text in zip(batch, r.tokens, r.texts):

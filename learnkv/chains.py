@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 
 #: problems per prompt and facts stated at its top, by default (chosen by measurement: docs/tasks-notes.md)
-N_PROBLEMS = 12
+N_PROBLEMS = 14
 N_FACTS = 4
 MAX_ANSWER = 400
 
@@ -44,16 +44,20 @@ FACTS = (
 )
 FACT_LETTERS = "ABCDEFGH"
 
-INSTRUCTION = (
-    "Solve the {n} problems below in order. Some problems use a fact from the list, and some use the answer to an "
-    "earlier problem. For each problem, first restate what it asks and which numbers it needs, then compute step "
-    "by step. End each problem with a line of the form \"Answer k: N\", where k is the problem number and N the "
-    "number. After Problem {n}, write a last line \"#### N\" with the answer to Problem {n}."
-)
+INSTRUCTION = """Solve the {n} problems below in order. Some problems use a fact from the list, and some use the \
+answer to an earlier problem: look it up in your own earlier work. Write each problem's solution in this format \
+(an example, not one of the problems):
 
-_ANSWER_LINE = re.compile(
-    r"answer\s*(?:to\s*)?(?:problem\s*)?#?\s*(\d+)\s*\**\s*[:=]\s*\**\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)", re.I
-)
+Problem 0
+Question: How many apples does Lena have after she buys 2 boxes of apples?
+Needed: the answer to Problem 9 was 12 apples. Fact X says each box holds 5 apples.
+Work: 2 boxes hold 2 * 5 = 10 apples. She has 12 + 10 = 22 apples.
+Answer 0: 22
+
+After Problem {n}, write a last line "#### N" with the answer to Problem {n}."""
+
+_ANSWER_LINE = re.compile(r"answer\s*(?:to\s*)?(?:problem\s*)?#?\s*(\d+)\s*\**\s*[:=]([^\n]*)", re.I)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 @dataclass(frozen=True)
@@ -176,18 +180,20 @@ def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: 
 
 
 def parse_answers(text: str, n_problems: int) -> list[str | None]:
-    """Per-problem answers from a completion: the last ``Answer k: N`` line for each k (None where missing).
+    """Per-problem answers from a completion: the last ``Answer k: ...`` line for each k (None where missing).
 
-    The last problem also accepts ``#### N`` (the last one wins when both are present and differ only if the
-    ``####`` line comes after). Numbers are normalised as `learnkv.prompts.extract_answer` does.
+    On an answer line the answer is the number after the last ``=`` if there is one (``Answer 1: 4 * 5 = 20``),
+    else the line's first number (``Answer 2: 15 (from Problem 1)``). The last problem's ``#### N`` overrides its
+    answer line. Numbers are normalised as `learnkv.prompts.extract_answer` does.
     """
     from learnkv.prompts import _normalise_number
 
     out: list[str | None] = [None] * n_problems
     for m in _ANSWER_LINE.finditer(text):
-        k = int(m.group(1))
-        if 1 <= k <= n_problems:
-            out[k - 1] = _normalise_number(m.group(2))
+        k, rest = int(m.group(1)), m.group(2)
+        found = _NUMBER.search(rest.rpartition("=")[2]) or _NUMBER.search(rest)
+        if 1 <= k <= n_problems and found:
+            out[k - 1] = _normalise_number(found.group())
     final = final_answer(text)
     if final is not None:
         out[-1] = final

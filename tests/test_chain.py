@@ -55,9 +55,11 @@ def test_bad_chain_sizes():
 
 
 def test_parse_answers_and_grading():
-    text = ("Problem 1 ... Answer 1: 12\n**Answer 2:** 1,024\nAnswer 3 = 7.0\nanswer to problem 3: 8\n"
-            "Answer 5: 3\n#### 40")
-    assert parse_answers(text, 5) == ["12", "1024", "8", None, "40"]  # the last line for a problem wins
+    text = ("Problem 1 ... Answer 1: 12\n**Answer 2:** 1,024\nAnswer 3 = 7.0\nanswer to problem 3: 4 * 2 = 8\n"
+            "Answer 4: none\nAnswer 5: 3 (from Problem 2)\n#### 40")
+    # the last line for a problem wins; after "=" the result, else the first number
+    assert parse_answers(text, 5) == ["12", "1024", "8", None, "40"]
+    assert parse_answers(text.replace("#### 40", ""), 5)[-1] == "3"
     assert final_answer(text) == "40" and final_answer("Answer 1: 3") is None
     g = grade_chain(text, ["12", "1024", "7", "5", "40"], reference=["12", "1024", "8", "6", "41"])
     assert g["correct"] == 3 and g["answered"] == 4 and g["final_correct"] and g["agreement"] == 3 / 5
