@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learnkv import generate, load_model  # noqa: E402
-from learnkv.eval.tasks.chain import generated_tokens, grade_chain  # noqa: E402
+from learnkv.eval.tasks.chain import encode_chain, generated_tokens, grade_chain  # noqa: E402
 from learnkv.prompts import load_prompts  # noqa: E402
 
 
@@ -71,7 +71,8 @@ def main() -> None:
     rows, t0 = [], time.perf_counter()
     for i in range(0, len(prompts), args.batch):
         batch = prompts[i: i + args.batch]
-        r = generate(model, tok, [q.text for q in batch], max_new_tokens=args.max_new_tokens, stop_at_eos=True,
+        ids, mask = encode_chain(tok, [q.text for q in batch])
+        r = generate(model, tok, input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, stop_at_eos=True,
                      progress=True)
         eos = model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]

@@ -4,8 +4,9 @@ What LazyEviction targets: in a long chain of thought, a token written hundreds 
 condition stated at the start) becomes important again much later. Here that is built in. A prompt opens with a
 few *facts* (``Fact A: each box holds 6 pens.``), then states ``n_problems`` one- or two-step word problems. Problem
 k may use "the answer to Problem j" for some j well before k, and a fact from the top of the prompt, so a correct
-answer late in the output needs tokens written (or read) long before. The model is told to solve them in order and
-end each with ``Answer k: N``, the last also with ``#### N``.
+answer late in the output needs tokens written (or read) long before. The model is told to solve them in order,
+writing for each a ``Problem k`` line, then Question, Needed, Work and ``Answer k: N`` lines (one worked example
+shows the format), and a last ``#### N`` line; its reply is started with ``Problem 1`` (`RESPONSE_PREFIX`).
 
 Everything is seeded (`random.Random` of a hash of the seed and index) and integer-valued; the generator computes
 every gold answer. Numbers stay small (answers 2-400) so a 0.5B model can do the arithmetic: what is measured is
@@ -24,7 +25,7 @@ import re
 from dataclasses import dataclass
 
 #: problems per prompt and facts stated at its top, by default (chosen by measurement: docs/tasks-notes.md)
-N_PROBLEMS = 14
+N_PROBLEMS = 16
 N_FACTS = 4
 MAX_ANSWER = 400
 
@@ -44,19 +45,27 @@ FACTS = (
 )
 FACT_LETTERS = "ABCDEFGH"
 
-INSTRUCTION = """Solve the {n} problems below in order. Some problems use a fact from the list, and some use the \
-answer to an earlier problem: look it up in your own earlier work. Write each problem's solution in this format \
-(an example, not one of the problems):
+INSTRUCTION = """Solve all {n} problems above in order, from Problem 1 to Problem {n}. Some use a fact from the \
+list and some use the answer to an earlier problem: look it up in your own earlier work. For every problem write \
+its number, then four lines: Question (copy the problem's text), Needed (each number it needs and where it comes \
+from), Work (the calculation) and Answer. For example, for "Lena gets as many boxes of pears as the answer to Problem 9. Using \
+Fact X, how many pears is that?" you would write:
 
 Problem 0
-Question: How many apples does Lena have after she buys 2 boxes of apples?
-Needed: the answer to Problem 9 was 12 apples. Fact X says each box holds 5 apples.
-Work: 2 boxes hold 2 * 5 = 10 apples. She has 12 + 10 = 22 apples.
-Answer 0: 22
+Question: Lena gets as many boxes of pears as the answer to Problem 9. Using Fact X, how many pears is that?
+Needed: the answer to Problem 9 was 12. Fact X says each box holds 5 pears.
+Work: 12 * 5 = 60.
+Answer 0: 60
 
-After Problem {n}, write a last line "#### N" with the answer to Problem {n}."""
+After the last problem, write one more line "#### " followed by the answer to Problem {n}. Start with Problem 1."""
 
-_ANSWER_LINE = re.compile(r"answer\s*(?:to\s*)?(?:problem\s*)?#?\s*(\d+)\s*\**\s*[:=]([^\n]*)", re.I)
+#: the start of the model's reply, fed after the chat template's assistant header: small models otherwise copy the
+#: problem list or jump to the last line; with it, both bundled models write the format above problem by problem
+RESPONSE_PREFIX = "Problem 1\nQuestion:"
+
+# "Answer 3: ...", "**Answer:** ...", not "the answer to Problem 3: ..." (a later problem citing it)
+_ANSWER_LINE = re.compile(r"\banswer\s*(\d+)?\s*\**\s*[:=]([^\n]*)", re.I)
+_HEADER = re.compile(r"^\W*problem\s*(\d+)\b", re.I)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -175,22 +184,31 @@ def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: 
         depends.append(dep)
         used.append(fact_i)
     fact_lines = [f"Fact {FACT_LETTERS[i]}: {text}" for i, (text, *_) in enumerate(facts)]
-    body = "\n".join([INSTRUCTION.format(n=n_problems), "", "Facts:", *fact_lines, "", *lines])
+    body = "\n".join(["Facts:", *fact_lines, "", "Problems:", *lines, "", INSTRUCTION.format(n=n_problems)])
     return ChainProblem(body, tuple(str(a) for a in answers), tuple(depends), tuple(used))
 
 
 def parse_answers(text: str, n_problems: int) -> list[str | None]:
-    """Per-problem answers from a completion: the last ``Answer k: ...`` line for each k (None where missing).
+    """Per-problem answers from a completion: the last answer line of each problem (None where missing).
 
-    On an answer line the answer is the number after the last ``=`` if there is one (``Answer 1: 4 * 5 = 20``),
-    else the line's first number (``Answer 2: 15 (from Problem 1)``). The last problem's ``#### N`` overrides its
-    answer line. Numbers are normalised as `learnkv.prompts.extract_answer` does.
+    An answer line is ``Answer k: ...``, or ``Answer: ...`` inside the block that a ``Problem k`` line opens (the
+    reply starts inside Problem 1's block, `RESPONSE_PREFIX`). The answer is the number after the line's last ``=``
+    if there is one (``Answer 1: 4 * 5 = 20``), else its first number (``Answer 2: 15 (from Problem 1)``). The last
+    problem's ``#### N`` overrides its answer line. Numbers are normalised as `learnkv.prompts.extract_answer` does.
     """
     from learnkv.prompts import _normalise_number
 
     out: list[str | None] = [None] * n_problems
-    for m in _ANSWER_LINE.finditer(text):
-        k, rest = int(m.group(1)), m.group(2)
+    current = 1
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = int(header.group(1))
+            continue
+        m = _ANSWER_LINE.search(line)
+        if m is None:
+            continue
+        k, rest = int(m.group(1) or current), m.group(2)
         found = _NUMBER.search(rest.rpartition("=")[2]) or _NUMBER.search(rest)
         if 1 <= k <= n_problems and found:
             out[k - 1] = _normalise_number(found.group())
@@ -201,9 +219,12 @@ def parse_answers(text: str, n_problems: int) -> list[str | None]:
 
 
 def final_answer(text: str) -> str | None:
-    """The number after the last ``####`` (None if there is none)."""
-    from learnkv.prompts import _NUMBER, _normalise_number
+    """The number on the line of the last ``####`` that has one (None if there is none)."""
+    from learnkv.prompts import _normalise_number
 
-    _, sep, tail = text.rpartition("####")
-    found = _NUMBER.search(tail) if sep else None
-    return _normalise_number(found.group()) if found else None
+    for line in reversed(text.splitlines()):
+        _, sep, tail = line.rpartition("####")
+        found = _NUMBER.search(tail) if sep else None
+        if found:
+            return _normalise_number(found.group())
+    return None

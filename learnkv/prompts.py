@@ -367,7 +367,7 @@ def _iter_chain(
             continue
         c = chains.chain_problem(seed, i, n_problems, n_facts)
         meta = {"answers": list(c.answers), "depends": list(c.depends), "facts": list(c.facts),
-                "n_problems": n_problems}
+                "n_problems": n_problems, "response_prefix": chains.RESPONSE_PREFIX}
         yield Prompt(pid, "chain", c.text, c.answers[-1], s, meta)
 
 

@@ -9,7 +9,7 @@ import torch
 from conftest import random_ids
 from learnkv.chains import N_PROBLEMS, chain_problem, final_answer, parse_answers
 from learnkv.eval import Sample, build_spec, evaluate, make_task
-from learnkv.eval.tasks.chain import generated_tokens, grade_chain
+from learnkv.eval.tasks.chain import encode_chain, generated_tokens, grade_chain
 from learnkv.eval.tasks.fidelity import FullRun, RecallMeter, capture_attention, recall_of_run
 from learnkv.prompts import load_prompts, split_of
 
@@ -55,15 +55,32 @@ def test_bad_chain_sizes():
 
 
 def test_parse_answers_and_grading():
-    text = ("Problem 1 ... Answer 1: 12\n**Answer 2:** 1,024\nAnswer 3 = 7.0\nanswer to problem 3: 4 * 2 = 8\n"
-            "Answer 4: none\nAnswer 5: 3 (from Problem 2)\n#### 40")
-    # the last line for a problem wins; after "=" the result, else the first number
-    assert parse_answers(text, 5) == ["12", "1024", "8", None, "40"]
+    text = ("Dan has 14 and buys 4.\nWork: 14 + 4 = 18. Answer: 18\n\nProblem 2\n**Answer 2:** 1,024\n"
+            "**Problem 3:**\nAnswer 3 = 7.0\nanswer to problem 3: 4 * 2 = 8\nProblem 4\nAnswer: none\n"
+            "Answer 5: 3 (from Problem 2)\n####\n#### 40\n")
+    # the reply starts inside Problem 1; "Answer:" belongs to the open block; the last line for a problem wins;
+    # after "=" the result, else the first number; the last "####" line with a number is the final answer
+    assert parse_answers(text, 5) == ["18", "1024", "7", None, "40"]  # "answer to problem 3:" cites, not answers
     assert parse_answers(text.replace("#### 40", ""), 5)[-1] == "3"
-    assert final_answer(text) == "40" and final_answer("Answer 1: 3") is None
-    g = grade_chain(text, ["12", "1024", "7", "5", "40"], reference=["12", "1024", "8", "6", "41"])
+    assert final_answer(text) == "40" and final_answer("Answer 1: 3\n####\nProblem 2") is None
+    g = grade_chain(text, ["18", "1024", "8", "5", "40"], reference=["18", "1024", "7", "6", "41"])
     assert g["correct"] == 3 and g["answered"] == 4 and g["final_correct"] and g["agreement"] == 3 / 5
     assert grade_chain("", ["1", "2"], reference=[None, None])["agreement"] == 1.0
+
+
+def test_the_reply_starts_in_the_asked_format():
+    from transformers import AutoTokenizer
+
+    from learnkv.chains import RESPONSE_PREFIX
+    from learnkv.model import prepare_smollm2
+
+    tok = AutoTokenizer.from_pretrained(prepare_smollm2())
+    prompt = load_prompts("chain", 1, split="test")[0]
+    ids, mask = encode_chain(tok, [prompt.text, "short"])
+    text = tok.decode(ids[0])
+    assert text.endswith("<|im_start|>assistant\n" + RESPONSE_PREFIX) and prompt.text in text
+    assert mask[1].sum() < mask[0].sum() and mask[1, 0] == 0  # left padded
+    assert prompt.meta["response_prefix"] == RESPONSE_PREFIX
 
 
 def test_generated_tokens_stop_at_the_first_eos():

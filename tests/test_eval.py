@@ -317,7 +317,8 @@ def test_bad_input_subprocess_exit_code_and_no_traceback():
     out = subprocess.run([sys.executable, "evaluate.py", "--task", "fidelity,nope"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr == "error: unknown task 'nope'; known tasks: fidelity, reasoning, needle\n"
+    assert out.stderr == ("error: unknown task 'nope'; known tasks: fidelity, reasoning, needle, chain, gsm8k, math500, "
+                          "aime24, champ\n")
 
 
 # -- the real model -----------------------------------------------------------------------------------------------

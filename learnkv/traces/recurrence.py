@@ -76,16 +76,17 @@ class RecurrenceObserver(Policy):
         return {"mri": mri.round(), "span": np.broadcast_to(span, mri.shape), "output": (pos >= prompt_len).numpy()}
 
 
-def observe_recurrence(model, tokenizer, texts, max_new_tokens: int, progress: bool = False) -> list[dict]:
-    """Decode each prompt greedily with the full cache under `RecurrenceObserver`; one `tokens` dict per prompt
-    (plus ``generated``, its output length)."""
+def observe_recurrence(model, tokenizer, inputs: list[torch.Tensor], max_new_tokens: int,
+                       progress: bool = False) -> list[dict]:
+    """Decode each prompt (``[1, L]`` token ids) greedily with the full cache under `RecurrenceObserver`; one
+    `tokens` dict per prompt (plus ``generated``, its output length)."""
     from learnkv.decode import generate
 
     runs = []
-    for text in texts:
+    for ids in inputs:
         obs = RecurrenceObserver(n_layers=model.config.num_hidden_layers)
-        result = generate(model, tokenizer, text, policy=obs, max_new_tokens=max_new_tokens, stop_at_eos=True,
-                          progress=progress)
+        result = generate(model, tokenizer, input_ids=ids, policy=obs, max_new_tokens=max_new_tokens,
+                          stop_at_eos=True, progress=progress)
         run = obs.tokens(result.prompt_tokens)
         run["generated"] = int(result.tokens.shape[1])
         runs.append(run)

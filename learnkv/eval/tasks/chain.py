@@ -67,6 +67,21 @@ def grade_chain(text: str, gold: list[str], reference: list[str | None] | None =
             "final_correct": right[-1], "agreement": agreement}
 
 
+def encode_chain(tokenizer, texts: list[str], response_prefix: str = chains.RESPONSE_PREFIX):
+    """Left-padded ``(input_ids, attention_mask)`` of chain prompts: the chat template with its assistant header,
+    then the start of the reply (``response_prefix``), so the model continues in the asked format."""
+    if getattr(tokenizer, "chat_template", None):
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                               tokenize=False) + response_prefix for t in texts]
+    else:
+        texts = [f"{t}\n\n{response_prefix}" for t in texts]
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"], enc["attention_mask"]
+
+
 def generated_tokens(tokens: torch.Tensor, eos_ids) -> int:
     """Tokens one row ``[N]`` of `GenerationResult.tokens` generated: up to and including its first EOS (a batch
     pads the rows that stopped early), else all of them."""
@@ -114,7 +129,7 @@ class Chain(Fidelity):
             raise ValueError("the chain task needs a tokenizer")
         prompts = load_prompts("chain", n=limit, seed=seed, split="test", n_problems=self.n_problems,
                                n_facts=self.n_facts)
-        return [Sample.from_prompt(p, tokenizer) for p in prompts]
+        return [Sample(p.id, encode_chain(tokenizer, [p.text])[0], p.answer, dict(p.meta)) for p in prompts]
 
     def reference(self, model, tokenizer, sample: Sample) -> ChainReference:
         full, result = self.full_run(model, tokenizer, sample, decode_rows_only=True, dtype=torch.float16)
