@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 
 #: problems per prompt and facts stated at its top, by default (chosen by measurement: docs/tasks-notes.md)
-N_PROBLEMS = 16
+N_PROBLEMS = 24
 N_FACTS = 4
 MAX_ANSWER = 400
 
@@ -152,9 +152,12 @@ def _linked_problem(rng: random.Random, name: str, item: str, j: int, prev: int,
 def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: int = N_FACTS) -> ChainProblem:
     """Chain prompt number ``index`` of data seed ``seed`` (deterministic).
 
-    Problems 1 and 2 stand alone; each later one uses, with probability 0.8, the answer to a problem at least two
-    before it (drawn from the first half of those, so the distance grows with the chain), and about half of the
-    linked ones also a fact. Every fact is used at least once when there are enough linked problems.
+    Problems 1 and 2 stand alone; each later one is, with probability 0.35 each, linked (it uses the answer to a
+    problem at least two before it, drawn from the first half of those, so the distance grows with the chain; about
+    half of the linked ones also use a fact) or a fact problem (a count of units times the value a fact at the top
+    of the prompt gives, by then hundreds of tokens back), else it stands alone. Facts not yet used go first.
+    The mix is set by measurement (docs/tasks-notes.md): Qwen2.5-Coder-0.5B looks facts up in the prompt well but
+    rarely resolves "the answer to Problem j", so an all-linked chain would leave nothing to measure under eviction.
     """
     if n_problems < 2 or n_facts < 1 or n_facts > len(FACTS):
         raise ValueError(f"a chain needs n_problems >= 2 and 1 <= n_facts <= {len(FACTS)}, got "
@@ -167,9 +170,17 @@ def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: 
     lines, answers, depends, used = [], [], [], []
     for k in range(1, n_problems + 1):
         name, item = names[(k - 1) % len(names)], rng.choice(ITEMS)
-        if k <= 2 or rng.random() >= 0.8:
+        draw = rng.random()
+        if k <= 2 or draw >= 0.7:
             text, value = _base_problem(rng, name, item)
             dep = fact_i = None
+        elif draw >= 0.35:
+            dep = None
+            fact_i = unused_facts.pop() if unused_facts else rng.randrange(n_facts)
+            _, unit, qty, v = facts[fact_i]
+            c = rng.randint(2, 9)
+            text = f"{name} gets {c} {unit}. Using Fact {FACT_LETTERS[fact_i]}, how many {qty} is that?"
+            value = c * v
         else:
             dep = rng.randint(1, max(1, (k - 1) // 2))
             fact_i = None
