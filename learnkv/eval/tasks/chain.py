@@ -1,6 +1,6 @@
 """Chain: long chains of thought whose late answers need tokens written long before (LazyEviction's pattern).
 
-Each held-out prompt (`learnkv.prompts`, source ``chain``; `learnkv.chains`) states a few facts and a dozen small
+Each held-out prompt (`learnkv.prompts`, source ``chain``; `learnkv.chains`) states four facts and 24 small
 word problems, later ones using earlier answers and the facts; the model solves them in order, ending each with
 ``Answer k: N`` and the last with ``#### N``. With the full cache the bundled models write over 1,000 tokens
 (docs/tasks-notes.md has the measurement). Per prompt, two decodes under each policy:
