@@ -8,11 +8,19 @@ r"""Evaluate eviction policies against the full cache: fidelity, reasoning, need
     python evaluate.py --policy full,snapkv --budget 0.25 --task needle --context-tokens 1024,2048 --limit 4
     python evaluate.py --policy h2o,learned --scorer runs/train/scorer --granularity block --block-size 16
                                            # what a paged serving engine can keep: whole blocks, shared by all layers
+    python evaluate.py --policy full,h2o,lazy,lazy:variant=paper,lazy:window=16 --budget 192 --max-new-tokens 256 \
+        --limit 32 --batch-size 8 --compare lazy
+                                           # variants as rows; paired differences to lazy with 95% intervals
+    python evaluate.py --policy full,lazy,h2o --budget 0.25 --prefill-policy snapkv --task needle
+                                           # prompts over the budget: snapkv compresses them, then each policy decodes
+    python evaluate.py --config configs/eval-r1-distill-qwen-7b-math500.yaml     # every option from a YAML file
 
-Writes DIR/results.json (one record per policy x budget x task: {"policy", "budget", "task", "metrics",
-"config"}), DIR/results.md (the table printed at the end) and DIR/<task>_<metric>.png (metric vs budget, one line
-per policy). A budget is a token count (64) or a fraction of each prompt's full length (0.25). Bad input exits
-with code 2 and one line on stderr, before the model is loaded.
+A policy item is NAME[:key=value]...: its own row, labelled by the item as written. Writes DIR/results.json
+({"records": one per policy x budget x task: {"policy", "budget", "task", "metrics" (means, "<metric>_ci95",
+n_prompts, cost), "per_prompt", "config"}, "paired": differences to --compare}), DIR/results.md (the tables printed
+at the end) and DIR/<task>_<metric>.png (metric vs budget, one line per policy, 95% intervals as error bars). A
+budget is a token count (64) or a fraction of each prompt's final length (0.25: a quarter of the prompt plus the
+full cache's continuation). Bad input exits with code 2 and one line on stderr, before the model is loaded.
 """
 
 from __future__ import annotations
@@ -41,7 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     from learnkv.eval.run import DEFAULT_BUDGETS, DEFAULT_POLICIES
 
     p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policy", default=",".join(DEFAULT_POLICIES), help="NAME[,NAME...] registered policies")
+    p.add_argument("--config", default=None, help="YAML file of these options (long names, e.g. max_new_tokens: "
+                   "256); options given on the command line win")
+    p.add_argument("--policy", default=",".join(DEFAULT_POLICIES),
+                   help="ITEM[,ITEM...], each NAME[:key=value]... (e.g. lazy:window=16:variant=paper)")
+    p.add_argument("--prefill-policy", default=None, metavar="ITEM",
+                   help="compresses prompts over the budget at the prefill, then each policy decodes (e.g. snapkv)")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (each row as alone)")
+    p.add_argument("--compare", default=None, metavar="ITEM",
+                   help="paired differences of every other policy to this one, with 95%% intervals")
     p.add_argument("--budget", default=",".join(map(str, DEFAULT_BUDGETS)),
                    help="B[,B...] tokens (64) or fractions of the full length (0.25)")
     p.add_argument("--task", default="fidelity", help="TASK[,TASK...]: fidelity, reasoning, needle")
@@ -54,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="per run (default: fidelity 24, reasoning 256, needle 16)")
     p.add_argument("--split", default=None, choices=["test", "all"], help="reasoning: held-out GSM8K items or all 100")
+    p.add_argument("--source", default=None, help="fidelity: prompt source (gsm_symbolic, gsm8k, needle, ...)")
     p.add_argument("--context-tokens", type=_numbers(int), default=None,
                    help="needle: prompt lengths L[,L...] (default 1024,2048,4096)")
     p.add_argument("--depths", type=_numbers(float), default=None,
@@ -67,14 +84,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line over an optional ``--config`` YAML file (whose keys are the long option names)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config is None:
+        return args
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(args.config)
+    if not path.is_file():
+        parser.error(f"--config {args.config!r} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        parser.error(f"--config {args.config}: not valid YAML ({str(e).splitlines()[0]})")
+    if not isinstance(values, dict):
+        parser.error(f"--config {args.config}: expected a mapping of option names to values")
+    known = {a.dest for a in parser._actions} - {"help", "config"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        parser.error(f"--config {args.config}: unknown option(s) {', '.join(unknown)}; options: {', '.join(sorted(known))}")
+    lists = ("policy", "budget", "task")  # comma-separated on the command line, YAML lists in a file
+    parser.set_defaults(**{k: ",".join(map(str, v)) if k in lists and isinstance(v, list) else v
+                           for k, v in values.items()})
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         from learnkv.eval import build_spec, evaluate, markdown_table, write_results
+        from learnkv.eval.report import paired_table
+        from learnkv.eval.run import paired
 
         spec = build_spec(args.policy, args.budget, args.task, scorer=args.scorer, limit=args.limit, seed=args.seed,
+                          prefill_policy=args.prefill_policy, batch_size=args.batch_size, compare=args.compare,
                           max_new_tokens=args.max_new_tokens, split=args.split, context_tokens=args.context_tokens,
-                          depths=args.depths, granularity=args.granularity, block_size=args.block_size)
+                          depths=args.depths, granularity=args.granularity, block_size=args.block_size,
+                          source=args.source)
+        from learnkv.eval.report import prepare_output
+
+        note = prepare_output(args.output)  # before any decode: a bad --output must not cost a finished run
+        if note:
+            print(f"note: {note}", file=sys.stderr)
         # ------------------------------------------------------------------ everything valid: load and run
         import torch
 
@@ -87,11 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_model(args.model or DEFAULT_MODEL, device=device)
         records = evaluate(model, tokenizer, spec, progress=False if args.no_progress else None,
                            model_name=args.model or DEFAULT_MODEL)
-        paths = write_results(records, args.output)
+        pairs = paired(records, spec.compare, seed=args.seed) if spec.compare else []
+        paths = write_results(records, args.output, pairs)
     except ValueError as e:  # bad input, bad scorer, bad model: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(markdown_table(records))
+    if pairs:
+        print(paired_table(pairs))
     print(f"results: {paths['json']}\ntable: {paths['table']}\nplots: {len(paths['plots'])} PNGs in {args.output}")
     return 0
 

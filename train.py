@@ -1,12 +1,14 @@
 """Train a learned eviction scorer: collect traces (if the trace directory lacks them), train, evaluate budget
-recall against every teacher, export.
+recall against every teacher, export, then compare its decode-time fidelity with the best teachers'.
 
-    python train.py                                   # the bundled default (configs/default.yaml), ~15 min on 2 CPU cores
+    python train.py                                   # the bundled default (configs/default.yaml), under 20 min on 2 CPU cores
     python train.py --config configs/smoke.yaml       # the same pipeline in a few minutes (CI)
     python train.py train.lr=0.01 collect.prompts=32  # any setting, overridden on the command line
+    python train.py rounds=2                          # then collect under the learned scorer, retrain on the union
+    python train.py collect.policy=rkv                # traces under eviction by R-KV instead of the full cache
 
-Resumable: traces resume shard by shard, training from the last checkpoint. The last line printed is
-`artifact: PATH`, the exported scorer that `--policy learned --scorer PATH` loads.
+Resumable: traces resume shard by shard, training from the last checkpoint, rounds one by one. The last line
+printed is `artifact: PATH`, the exported scorer that `--policy learned --scorer PATH` loads.
 """
 
 from __future__ import annotations
@@ -33,13 +35,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         from learnkv.scorer.fit import train
+        from learnkv.scorer.report import decode_report
 
-        artifact, metrics, table = train(cfg, progress=sys.stderr.isatty())
+        artifact, metrics, table = train(cfg, progress=True)
+        report = decode_report(cfg, artifact, progress=sys.stderr.isatty()) if cfg.report.prompts else None
     except ValueError as e:  # bad config, bad traces, bad model: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # during collection (Lightning handles it during fit)
+        print("\ninterrupted: finished trace shards and the last epoch's checkpoint are kept; rerun the same command "
+              "to resume", file=sys.stderr)
+        return 130
     print("budget recall on the validation prompts (share of the oracle's top-b tokens kept):")
     print(table)
+    if report:
+        print("\ndecode-time fidelity on the validation prompts (teacher-forced along the full cache's continuation):")
+        print(report)
     print(f"artifact: {artifact}")
     return 0
 

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learnkv import generate, load_model  # noqa: E402
-from learnkv.eval.tasks.chain import encode_chain, generated_tokens, grade_chain  # noqa: E402
+from learnkv.eval.tasks.chain import encode_chain, grade_chain  # noqa: E402
 from learnkv.prompts import load_prompts  # noqa: E402
 
 
@@ -54,7 +54,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--n", type=int, default=8, help="held-out prompts")
-    p.add_argument("--start", type=int, default=0, help="skip this many held-out prompts (to split a run over processes)")
+    p.add_argument("--start", type=int, default=0,
+                   help="skip this many held-out prompts (to split a run over processes)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=2048)
     p.add_argument("--n-problems", type=int, default=None)
@@ -72,12 +73,9 @@ def main() -> None:
     for i in range(0, len(prompts), args.batch):
         batch = prompts[i: i + args.batch]
         ids, mask = encode_chain(tok, [q.text for q in batch])
-        r = generate(model, tok, input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, stop_at_eos=True,
-                     progress=True)
-        eos = model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos]
-        for q, toks, text in zip(batch, r.tokens, r.texts):
-            n = generated_tokens(toks, eos)
+        r = generate(model, tok, input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                     stop_at_eos=True, progress=True)
+        for q, n, text in zip(batch, r.new_tokens, r.texts):
             g = grade_chain(text, q.meta["answers"])
             row = {"id": q.id, "generated_tokens": n, "capped": n >= args.max_new_tokens,
                    "correct": g["correct"], "n_problems": len(q.meta["answers"]), "final": g["final_correct"],

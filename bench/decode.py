@@ -1,16 +1,23 @@
-"""Decode benchmark on CPU or GPU: every policy at one budget against the full cache, in one run.
+"""Decode benchmark on CPU or GPU: every policy at one budget against the full cache, and batched throughput.
 
-    python bench/decode.py                       # bundled SmolLM2, budget 64, 128 new tokens
-    python bench/decode.py --budget 0.25 --new-tokens 256 --threads 2
+    python bench/decode.py                                   # bundled SmolLM2, budget 96, 128 new tokens, batch 1
+    python bench/decode.py --batch-sizes 1,4,16 --json runs/bench-decode.json
+    python bench/decode.py --policies full,h2o,learned --scorer runs/train/scorer --batch-sizes 1,16
 
-Reports, per policy: peak KV bytes as a share of the full cache, decode tokens/s relative to the full cache
-measured in the same run, the share of wall time spent in eviction (update + score + select + compact), and
-how many greedy tokens match the full-cache output before the first difference.
+Table 1 (batch 1, one prompt): per policy, peak KV bytes as a share of the full cache, decode tokens/s relative to
+the full cache measured in the same run, the share of wall time spent in eviction (update + score + select +
+compact), and how many greedy tokens match the full-cache output before the first difference.
+
+Table 2 (``--batch-sizes``): per policy and batch size, aggregate generated tokens per second of wall time (prefill
+included) over a batch of distinct held-out prompts (left-padded; every row decodes as it would alone) and the
+ratio to batch 1 of the same policy, all measured in one run. ``--json PATH`` writes those records
+(``{"policy", "batch_size", "tokens_per_s", ...}``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -29,27 +36,34 @@ PROMPT = (
 )
 
 
-def main() -> None:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--budget", default="64")
+    parser.add_argument("--budget", default="96", help="tokens (holds the 74-token prompt: decode-time eviction)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--policies", default=None, help="comma-separated (default: every policy; learned needs --scorer)")
     parser.add_argument("--scorer", default=None, help="exported scorer for the learned policy")
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tok = load_model(args.model, device=device)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch-sizes", default=None, help="B[,B...]: the throughput table (e.g. 1,4,16)")
+    parser.add_argument("--json", default=None, help="write the throughput records here")
+    parser.add_argument("--repeats", type=int, default=1, help="best of N timings per cell")
+    return parser.parse_args(argv)
+
+
+def batch_prompts(tokenizer, n: int) -> list[str]:
+    """``n`` distinct held-out GSM8K-style prompts (the first is the README's)."""
+    from learnkv.prompts import load_prompts
+
+    return [PROMPT] + [p.text for p in load_prompts("gsm_symbolic", n=max(n - 1, 0), split="test")]
+
+
+def single_table(model, tok, names, args) -> None:
     run = dict(max_new_tokens=args.new_tokens, stop_at_eos=False)
-    generate(model, tok, PROMPT, policy="full", max_new_tokens=4)  # warm-up
     full = generate(model, tok, PROMPT, policy="full", **run)
     ref = full.tokens[0].tolist()
-    print(f"device: {device}, threads: {args.threads}, model: {args.model}, prompt tokens: {full.prompt_tokens}, "
-          f"new tokens: {args.new_tokens}, budget: {args.budget}, {time.strftime('%Y-%m-%d')}\n")
+    print(f"prompt tokens: {full.prompt_tokens}, new tokens: {args.new_tokens}, budget: {args.budget}, batch 1\n")
     print("| policy | budget (tokens) | peak KV / full | tokens/s / full | eviction share of time | tokens equal to full |")
     print("|---|---|---|---|---|---|")
-    names = args.policies.split(",") if args.policies else [n for n in POLICIES if n != "learned" or args.scorer]
     for name in names:
         params = {"scorer": args.scorer} if name == "learned" else {}
         r = full if name == "full" else generate(model, tok, PROMPT, policy=name, budget=args.budget,
@@ -58,6 +72,57 @@ def main() -> None:
         agree = "replayed" if POLICIES[name].needs_future else f"{agreement_length(r.tokens[0].tolist(), ref)}/{len(ref)}"
         print(f"| {name} | {r.budget or '-'} | {r.peak_kv_bytes / full.full_kv_bytes:.2f} | "
               f"{r.tokens_per_s / full.tokens_per_s:.2f} | {r.eviction_share:.1%} | {agree} |")
+
+
+def throughput_table(model, tok, names, args) -> list[dict]:
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    prompts = batch_prompts(tok, max(sizes))
+    records = []
+    print(f"\nthroughput: {args.new_tokens} new tokens per row, budget {args.budget}, best of {args.repeats}\n")
+    print("| policy | " + " | ".join(f"batch {b} tok/s" for b in sizes) + " | " +
+          " | ".join(f"batch {b} / batch 1" for b in sizes if b != 1) + " |")
+    print("|---|" + "---|" * (2 * len(sizes) - (1 in sizes)))
+    for name in names:
+        params = {"scorer": args.scorer} if name == "learned" else {}
+        rates = {}
+        for b in sizes:
+            best = 0.0
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                r = generate(model, tok, prompts[:b], policy=name, budget=args.budget if POLICIES[name].evicts else None,
+                             policy_params=params, max_new_tokens=args.new_tokens, stop_at_eos=False)
+                best = max(best, sum(r.new_tokens) / (time.perf_counter() - t0))
+            rates[b] = best
+            records.append({"policy": name, "batch_size": b, "tokens_per_s": best, "new_tokens": args.new_tokens,
+                            "budget": args.budget, "prompt_tokens": r.prompt_lengths, "threads": args.threads})
+        base = rates.get(1)
+        ratios = [f"{rates[b] / base:.2f}x" if base else "—" for b in sizes if b != 1]
+        print(f"| {name} | " + " | ".join(f"{rates[b]:.1f}" for b in sizes) + " | " + " | ".join(ratios) + " |")
+    for rec in records:
+        rec["ratio_to_batch_1"] = rec["tokens_per_s"] / next(
+            (r["tokens_per_s"] for r in records if r["policy"] == rec["policy"] and r["batch_size"] == 1), float("nan"))
+    return records
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tok = load_model(args.model, device=device)
+    generate(model, tok, PROMPT, policy="full", max_new_tokens=4)  # warm-up
+    names = args.policies.split(",") if args.policies else [n for n in POLICIES if n != "learned" or args.scorer]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise SystemExit(f"error: unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    print(f"device: {device}, threads: {args.threads}, model: {args.model}, {time.strftime('%Y-%m-%d')}\n")
+    if args.batch_sizes is None or "1" in args.batch_sizes.split(","):
+        single_table(model, tok, names, args)
+    if args.batch_sizes:
+        records = throughput_table(model, tok, names, args)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(records, indent=1))
+            print(f"\nrecords: {args.json}")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,26 @@ import torch
 from torch import Tensor
 
 
-def protected_slots(positions: Tensor, n_sink: int, n_recent: int) -> Tensor:
+def per_row(value, B: int, device=None) -> Tensor:
+    """``value`` (an int, or one int per row) as an int64 ``[B, 1, 1]`` tensor, to broadcast over ``[B, H, T]``."""
+    t = torch.as_tensor(value, dtype=torch.int64, device=device)
+    if t.dim() == 0:
+        t = t.expand(B)
+    if t.shape != (B,):
+        raise ValueError(f"expected one value or one per row ({B} rows), got shape {tuple(t.shape)}")
+    return t.view(B, 1, 1)
+
+
+def protected_slots(positions: Tensor, n_sink, n_recent) -> Tensor:
     """``[B, H, T]`` bool: attention sinks (position < n_sink) and the n_recent newest positions.
 
     Protection is defined on original positions, not slot indices, so it is right with left padding
-    (padding slots have position -1 and are never protected).
+    (padding and dead slots have position -1 and are never protected). ``n_sink`` and ``n_recent`` are ints, or
+    one int per row (rows of a batch may have different budgets, hence different windows).
     """
+    B = positions.shape[0]
+    n_sink = per_row(n_sink, B, positions.device)
+    n_recent = per_row(n_recent, B, positions.device)
     newest = positions.max(dim=-1, keepdim=True).values
     sink = (positions >= 0) & (positions < n_sink)
     recent = (positions >= 0) & (positions > newest - n_recent)
@@ -34,8 +48,37 @@ def _rank_prefer_recent(priority: Tensor) -> Tensor:
     return T - 1 - order
 
 
+def block_layout(positions: Tensor, keep: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Where each ``(b, h)`` row's blocks start, how many full blocks it has, and how many it keeps.
+
+    Blocks are counted from the row's first live slot, so a row of a batch, behind its left padding or dead slots,
+    is cut into the same blocks as it is alone (with ``block_size`` 1 every row starts at slot 0: a slot is a unit).
+    The trailing partial block always stays; the fewest whole blocks are dropped that bring the row to at most
+    ``keep [B]`` slots (counted from its first live slot).
+
+    Returns
+    -------
+    first, n_full, n_kept : Tensor
+        ``[B, H]`` int64 each: the first slot of block 0, the full blocks, the full blocks (or slots) kept.
+    """
+    B, H, T = positions.shape
+    keep = keep.view(B, 1).expand(B, H)
+    if block_size <= 1:
+        first = torch.zeros(B, H, dtype=torch.int64, device=positions.device)
+        return first, torch.full_like(first, T), keep.clamp(max=T)
+    valid = positions >= 0
+    first = torch.where(valid.any(-1), valid.int().argmax(-1), T).long()
+    span = T - first
+    n_full = span // block_size
+    n_drop = (span - keep).clamp(min=0).add(block_size - 1).div(block_size, rounding_mode="floor")  # ceil
+    if bool((n_drop > n_full).any()):
+        raise ValueError(f"cannot drop {int(n_drop.max())} blocks of {block_size} from {int(span.max())} slots "
+                         f"(only {int(n_full.min())} full blocks)")
+    return first, n_full, n_full - n_drop
+
+
 def select_keep_reference(
-    scores: Tensor, positions: Tensor, keep: int, n_sink: int, n_recent: int, block_size: int = 1
+    scores: Tensor, positions: Tensor, keep, n_sink, n_recent, block_size: int = 1
 ) -> Tensor:
     """Which slots to keep.
 
@@ -44,49 +87,62 @@ def select_keep_reference(
     scores : Tensor
         ``[B, H, T]`` importance, higher means keep.
     positions : Tensor
-        ``[B, H, T]`` int64 original positions, -1 for padding (padding is evicted first).
-    keep : int
-        Token mode: keep exactly ``min(keep, T)`` slots. Block mode: drop the fewest whole blocks that bring
-        the cache to at most ``keep`` slots.
-    n_sink, n_recent : int
-        Protected sink positions and recent window (see `protected_slots`).
+        ``[B, H, T]`` int64 original positions, -1 for padding or a dead slot (those are evicted first).
+    keep : int or sequence of int
+        Slots to keep, one for every row or one per row. Token mode: exactly ``min(keep, T)`` slots. Block mode:
+        the fewest whole blocks are dropped that bring the row to at most ``keep`` slots.
+    n_sink, n_recent : int or sequence of int
+        Protected sink positions and recent window (see `protected_slots`), for every row or per row.
     block_size : int
-        1 for token granularity. Otherwise slots ``[j*bs, (j+1)*bs)`` form block j; the trailing partial block
-        is always kept and a block's score is the mean score of its non-padding slots.
+        1 for token granularity. Otherwise block j of a row is its slots ``[f + j*bs, f + (j+1)*bs)``, ``f`` its
+        first live slot (`block_layout`); the trailing partial block is always kept and a block's score is the
+        mean score of its non-padding slots.
 
     Returns
     -------
     Tensor
-        ``[B, H, K]`` int64 slot indices in ascending order (so kept tokens stay in original order).
+        ``[B, H, K]`` int64 slot indices, ``K`` the most any row keeps: each row's kept slots in ascending order
+        (so kept tokens stay in original order), after ``K - k_b`` entries of -1 for a row that keeps fewer
+        (``k_b``) than the widest row. A -1 entry is no slot: the caller leaves a dead slot there, at the left,
+        where a left-padded row has its padding. With one ``keep`` for every row there is no -1 entry.
     """
     B, H, T = scores.shape
     device = scores.device
-    if T <= keep:
+    if isinstance(keep, int) and T <= keep:
         return torch.arange(T, device=device).expand(B, H, T).clone()
+    keep_b = per_row(keep, B, device).view(B)
     valid = positions >= 0
     protected = protected_slots(positions, n_sink, n_recent)
-    prio = scores.float().masked_fill(~valid, float("-inf")).masked_fill(protected, float("inf"))
+    first, n_full, n_kept = block_layout(positions, keep_b, block_size)
+    slots = torch.arange(T, device=device).expand(B, H, T)
 
     if block_size <= 1:
-        kept = _rank_prefer_recent(prio)[..., :keep]
-        return kept.sort(dim=-1).values
-
-    bs = block_size
-    n_full = T // bs
-    n_drop = -(-(T - keep) // bs)  # ceil
-    if n_drop > n_full:
-        raise ValueError(f"cannot drop {n_drop} blocks of {bs} from {T} slots (only {n_full} full blocks)")
-    blocks = scores.float()[..., : n_full * bs].reshape(B, H, n_full, bs)
-    bvalid = valid[..., : n_full * bs].reshape(B, H, n_full, bs)
-    n_valid = bvalid.sum(-1)
-    bscore = (blocks * bvalid).sum(-1) / n_valid.clamp(min=1)
-    bscore = bscore.masked_fill(n_valid == 0, float("-inf"))
-    bprot = protected[..., : n_full * bs].reshape(B, H, n_full, bs).any(-1)
-    bprio = bscore.masked_fill(bprot, float("inf"))
-    kept_blocks = _rank_prefer_recent(bprio)[..., : n_full - n_drop].sort(dim=-1).values
-    slots = (kept_blocks[..., None] * bs + torch.arange(bs, device=device)).flatten(-2)
-    tail = torch.arange(n_full * bs, T, device=device).expand(B, H, T - n_full * bs)
-    return torch.cat([slots, tail], dim=-1)
+        prio = scores.float().masked_fill(~valid, float("-inf")).masked_fill(protected, float("inf"))
+        rank = torch.empty_like(positions).scatter_(-1, _rank_prefer_recent(prio), slots.contiguous())
+        kept = rank < n_kept[..., None]
+    else:
+        bs = block_size
+        NB = T // bs + 1
+        rel = slots - first[..., None]
+        block = torch.where(rel >= 0, rel.div(bs, rounding_mode="floor"), NB)
+        in_full = block < n_full[..., None]
+        unit = torch.where(in_full, block, NB)  # slots of no full block go to the extra column NB
+        zeros = torch.zeros(B, H, NB + 1, device=device)
+        total = zeros.scatter_add(-1, unit, (scores.float() * valid).masked_fill(~in_full, 0.0))[..., :NB]
+        n_valid = zeros.scatter_add(-1, unit, (valid & in_full).float())[..., :NB]
+        bprot = zeros.scatter_add(-1, unit, (protected & in_full).float())[..., :NB] > 0
+        bprio = (total / n_valid.clamp(min=1)).masked_fill(n_valid == 0, float("-inf")).masked_fill(bprot, float("inf"))
+        order = _rank_prefer_recent(bprio)
+        exists = torch.arange(NB, device=device) < n_full[..., None]  # [B, H, NB]
+        order = order.gather(-1, torch.argsort(~exists.gather(-1, order), dim=-1, stable=True))  # real blocks first
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(NB, device=device).expand_as(order).contiguous())
+        kept_block = rank < n_kept[..., None]
+        kept = (in_full & kept_block.gather(-1, unit.clamp(max=NB - 1))) | ((rel >= 0) & ~in_full)  # + the tail
+        n_kept = n_kept * bs + (T - first - n_full * bs)
+    K = int(n_kept.max()) if B * H else 0
+    # kept slots sort after the rest (key T + slot), so a row's last K keys are its filler then its kept slots
+    key = torch.where(kept, T + slots, slots).sort(dim=-1).values[..., T - K :]
+    return torch.where(key >= T, key - T, torch.full_like(key, -1))
 
 
 def gather_tokens_reference(x: Tensor, index: Tensor, dim: int, out: Tensor | None = None) -> Tensor:

@@ -2,13 +2,17 @@
 
 Two kernels, one program per ``(b, h)`` row, each streaming over the row in chunks (no limit on T):
 
+Blocks are counted from each row's first live slot (`kernels.reference.block_layout`, computed by the launcher), so
+a row behind left padding is cut into the blocks it has alone.
+
 1. `_priority_kernel` turns every unit (a slot, or a full block of ``block_size`` slots) into a unique int64 key
    ``(order-preserving bits of the fp32 priority) << IDX_BITS | unit index``. Priority is the reference's: the
    (block-mean) score, -inf for padding, +inf for protected units. Putting the index in the low bits is the
    reference's tie-break (ties prefer the more recent unit).
 2. `_select_kernel` finds the ``n_keep``-th largest key by a radix select over the key's bits (RADIX_BITS per pass,
    each pass one sweep counting keys above 2**RADIX_BITS candidate thresholds), then writes the kept units' slots
-   in ascending order with a cumsum compaction, followed by the trailing partial block.
+   in ascending order with a cumsum compaction, followed by the trailing partial block. A row that keeps fewer
+   slots than the widest row (rows may have their own ``keep``, ``n_sink`` and ``n_recent``) starts with -1 entries.
 
 Every key is distinct, so exactly ``n_keep`` keys are >= the threshold and the result equals the reference's sort.
 Block means divide with `div_rn` (IEEE) so that equal block sums give equal means; block sums are added in a
@@ -27,8 +31,8 @@ RADIX_BITS = 4
 
 @triton.jit
 def _priority_kernel(
-    scores_ptr, pos_ptr, key_ptr,
-    H, T, N, n_sink, n_recent, block_size,
+    scores_ptr, pos_ptr, key_ptr, sink_ptr, recent_ptr, first_ptr, nfull_ptr,
+    H, T, N, block_size,
     ss_b, ss_h, ss_t, sp_b, sp_h, sp_t,
     IDX_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
@@ -37,6 +41,10 @@ def _priority_kernel(
     h = (row % H).to(tl.int64)
     s_base = scores_ptr + b * ss_b + h * ss_h
     p_base = pos_ptr + b * sp_b + h * sp_h
+    n_sink = tl.load(sink_ptr + b)
+    n_recent = tl.load(recent_ptr + b)
+    first = tl.load(first_ptr + row)  # block 0 starts at the row's first live slot (`block_layout`)
+    n_full = tl.load(nfull_ptr + row)
 
     newest = tl.full([BLOCK_T], -1, tl.int64)
     for start in range(0, T, BLOCK_T):
@@ -47,8 +55,8 @@ def _priority_kernel(
     j = tl.arange(0, BLOCK_S)
     for start in range(0, N, BLOCK_N):
         unit = start + tl.arange(0, BLOCK_N)
-        slot = unit[:, None] * block_size + j[None, :]
-        m = (unit[:, None] < N) & (j[None, :] < block_size)
+        slot = first + unit[:, None] * block_size + j[None, :]
+        m = (unit[:, None] < n_full) & (j[None, :] < block_size)
         s = tl.load(s_base + slot * ss_t, mask=m, other=0.0).to(tl.float32)
         pos = tl.load(p_base + slot * sp_t, mask=m, other=-1)
         valid = pos >= 0
@@ -64,18 +72,30 @@ def _priority_kernel(
         bits = tl.where(p != p, 0x7FC00000, bits)  # one NaN, above +inf as in torch's sort
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648
         key = (ordered << IDX_BITS) | unit.to(tl.int64)
+        key = tl.where(unit < n_full, key, 0)  # a unit past the row's full blocks: below every real key (> 0)
         tl.store(key_ptr + row.to(tl.int64) * N + unit, key, mask=unit < N)
 
 
 @triton.jit
 def _select_kernel(
-    key_ptr, out_ptr,
-    T, N, n_keep, out_len, block_size,
+    key_ptr, out_ptr, keep_ptr, first_ptr, nfull_ptr,
+    T, N, out_len, block_size,
     N_PASSES: tl.constexpr, RADIX_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
+    n_keep = tl.load(keep_ptr + row).to(tl.int32)  # units this row keeps
+    first = tl.load(first_ptr + row)
+    n_full = tl.load(nfull_ptr + row)
     k_base = key_ptr + row.to(tl.int64) * N
-    o_base = out_ptr + row.to(tl.int64) * out_len
+    j = tl.arange(0, BLOCK_S)
+    n_tail = T - first - n_full * block_size
+    # a row keeping fewer slots than the widest one starts with -1 (no slot), where left padding would be
+    n_fill = out_len - n_keep * block_size - n_tail
+    jn = tl.arange(0, BLOCK_N)
+    for start in range(0, n_fill, BLOCK_N):
+        tl.store(out_ptr + row.to(tl.int64) * out_len + start + jn, tl.full([BLOCK_N], -1, tl.int64),
+                 mask=start + jn < n_fill)
+    o_base = out_ptr + row.to(tl.int64) * out_len + n_fill
     digits = tl.arange(0, 1 << RADIX_BITS).to(tl.int64)
 
     # radix select: thr ends as the n_keep-th largest key (count(key >= thr) >= n_keep is kept invariant)
@@ -89,24 +109,24 @@ def _select_kernel(
             count += tl.sum((key[:, None] >= cand[None, :]).to(tl.int32), axis=0)
         best = tl.max(tl.where(count >= n_keep, digits, 0), axis=0)
         thr = thr + (best << ((N_PASSES - 1 - p) * RADIX_BITS))
+    thr = tl.where(n_keep > 0, thr, 1 << 62)  # above every key: keep no unit
 
-    j = tl.arange(0, BLOCK_S)
     done = tl.zeros([1], dtype=tl.int32)
     for start in range(0, N, BLOCK_N):
         unit = start + tl.arange(0, BLOCK_N)
         key = tl.load(k_base + unit, mask=unit < N, other=-1)
         kept = (key >= thr).to(tl.int32)
         rank = done + tl.cumsum(kept, axis=0) - 1
-        slot = unit[:, None].to(tl.int64) * block_size + j[None, :]
+        slot = first + unit[:, None].to(tl.int64) * block_size + j[None, :]
         m = (kept[:, None] > 0) & (j[None, :] < block_size)
         tl.store(o_base + rank[:, None] * block_size + j[None, :], slot, mask=m)
         done += tl.sum(kept, axis=0)
     # the trailing partial block is always kept, after the kept blocks (empty in token mode)
-    tail = N * block_size
-    tl.store(o_base + n_keep * block_size + j, (tail + j).to(tl.int64), mask=j < T - tail)
+    tail = first + n_full * block_size
+    tl.store(o_base + n_keep * block_size + j, (tail + j).to(tl.int64), mask=j < n_tail)
 
 
-def select_keep(scores, positions, keep: int, n_sink: int, n_recent: int, block_size: int = 1, *, block_n=None):
+def select_keep(scores, positions, keep, n_sink, n_recent, block_size: int = 1, *, block_n=None):
     """Triton launcher of `kernels.reference.select_keep_reference` (same arguments, same result).
 
     Parameters
@@ -115,7 +135,9 @@ def select_keep(scores, positions, keep: int, n_sink: int, n_recent: int, block_
         ``[B, H, T]`` importance (any float dtype, any strides), higher means keep.
     positions : Tensor
         ``[B, H, T]`` int64 positions, -1 for padding.
-    keep, n_sink, n_recent, block_size : int
+    keep, n_sink, n_recent : int or sequence of int
+        As in the reference: one for every row, or one per row.
+    block_size : int
         As in the reference.
     block_n : int, optional
         Tuning (and tests): units (slots or blocks) per chunk, a power of two.
@@ -123,26 +145,24 @@ def select_keep(scores, positions, keep: int, n_sink: int, n_recent: int, block_
     Returns
     -------
     Tensor
-        ``[B, H, K]`` int64 kept slot indices, ascending.
+        ``[B, H, K]`` int64 kept slot indices, ascending, after -1 entries in rows that keep fewer than the widest.
     """
+    from kernels.reference import block_layout, per_row
+
     B, H, T = scores.shape
     device = scores.device
     if positions.shape != scores.shape:
         raise ValueError(f"positions {tuple(positions.shape)} must match scores {tuple(scores.shape)}")
-    if keep < 0:
+    keep_b = per_row(keep, B, device).view(B)
+    if bool((keep_b < 0).any()):
         raise ValueError(f"keep must be >= 0, got {keep}")
-    if T <= keep:
+    if isinstance(keep, int) and T <= keep:
         return torch.arange(T, device=device).expand(B, H, T).clone()
     bs = max(1, int(block_size))
     N = T // bs
-    if bs == 1:
-        n_keep = keep
-    else:
-        n_drop = -(-(T - keep) // bs)
-        if n_drop > N:
-            raise ValueError(f"cannot drop {n_drop} blocks of {bs} from {T} slots (only {N} full blocks)")
-        n_keep = N - n_drop
-    out_len = n_keep * bs + (T - N * bs)
+    positions = positions.long()
+    first, n_full, n_kept = (t.reshape(B * H).contiguous() for t in block_layout(positions, keep_b, bs))
+    out_len = int((n_kept * bs + T - first - n_full * bs).max()) if B * H else 0
     out = torch.empty(B, H, out_len, dtype=torch.int64, device=device)
     if out_len == 0 or B * H == 0:
         return out
@@ -151,21 +171,22 @@ def select_keep(scores, positions, keep: int, n_sink: int, n_recent: int, block_
     if device.type == "cuda":
         default_n, warps = max(1, 1024 // block_s), 8
     else:  # the interpreter: one chunk per row is fastest
-        default_n, warps = triton.next_power_of_2(N), 1
+        default_n, warps = triton.next_power_of_2(max(N, 1)), 1
     block_n = block_n or default_n
     block_t = block_n * block_s  # slots per chunk of the newest-position sweep
     idx_bits = max(N - 1, 0).bit_length()
-    keys = torch.empty(B * H, N, dtype=torch.int64, device=device)
-    positions = positions.long()
+    keys = torch.empty(B * H, max(N, 1), dtype=torch.int64, device=device)
+    sinks = per_row(n_sink, B, device).view(B).contiguous()
+    recents = per_row(n_recent, B, device).view(B).contiguous()
     _priority_kernel[(B * H,)](
-        scores, positions, keys,
-        H, T, N, int(n_sink), int(n_recent), bs,
+        scores, positions, keys, sinks, recents, first, n_full,
+        H, T, N, bs,
         *scores.stride(), *positions.stride(),
         IDX_BITS=idx_bits, BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_T=block_t, num_warps=warps,
     )  # fmt: skip
     _select_kernel[(B * H,)](
-        keys, out,
-        T, N, n_keep, out_len, bs,
+        keys, out, n_kept, first, n_full,
+        T, N, out_len, bs,
         N_PASSES=-(-(32 + idx_bits) // RADIX_BITS), RADIX_BITS=RADIX_BITS, BLOCK_N=block_n, BLOCK_S=block_s,
         num_warps=warps,
     )  # fmt: skip

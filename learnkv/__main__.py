@@ -2,7 +2,8 @@
 
     python -m learnkv policies
     python -m learnkv generate --policy lazy --budget 64 --max-new-tokens 64 --prompt "What is 12 times 7?"
-    python -m learnkv collect --out traces/ --prompts 16 [--shard i/n]
+    python -m learnkv collect --out traces/ --prompts 16 [--shard i/n] [--batch-size 4]
+    python -m learnkv collect --out traces-rkv/ --policy rkv --budget 0.25,0.5     # under eviction (on-policy)
     python -m learnkv merge traces/
     python -m learnkv recurrence traces/
     python -m learnkv recurrence --source chain --prompts 4 --max-new-tokens 2048 --out docs/
@@ -18,29 +19,6 @@ import json
 import sys
 
 
-def _parse_value(text: str):
-    """'16' -> 16, '0.5' -> 0.5, 'true' -> True, else the string."""
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _parse_params(pairs: list[str]) -> dict:
-    params = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"--param takes NAME=VALUE, got {pair!r}")
-        key, value = pair.split("=", 1)
-        params[key.strip()] = _parse_value(value.strip())
-    return params
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m learnkv", description="learned KV-cache eviction")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     gen.add_argument("--model", default=None, help="bundled alias, local folder or hub id (default: SmolLM2-135M)")
     gen.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="policy hyperparameter")
+    gen.add_argument("--prefill-policy", default=None, metavar="ITEM",
+                     help="compresses a prompt over the budget at the prefill (e.g. snapkv or snapkv:window=16); "
+                          "needed by lazy, which observes nothing there")
     gen.add_argument("--scorer", default=None, help="exported scorer for --policy learned (train.py prints its path)")
     gen.add_argument("--granularity", choices=("token", "block"), default="token",
                      help="block: whole blocks, one decision for all layers and KV heads (as a paged serving engine)")
@@ -78,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--decisions", type=int, default=4, help="decision steps sampled per prompt")
     col.add_argument("--horizon", type=int, default=32, help="label horizon H in decode steps")
     col.add_argument("--prompts-per-shard", type=int, default=4)
+    col.add_argument("--batch-size", type=int, default=4, help="prompts decoded together (each row as alone)")
+    col.add_argument("--policy", default="full",
+                     help="acting policy: full (full-cache traces) or an evicting policy (traces under eviction)")
+    col.add_argument("--budget", default="0.25,0.5",
+                     help="with an evicting --policy: B[,B...] tokens or fractions; each prompt takes one (seeded)")
+    col.add_argument("--scorer", default=None, help="exported scorer for --policy learned")
+    col.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="acting policy hyperparameter")
     col.add_argument("--seed", type=int, default=0)
     col.add_argument("--threads", type=int, default=None)
 
@@ -107,7 +95,18 @@ def _parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def cmd_collect(args) -> None:
+def _kept(out: str) -> str:
+    """What a trace directory holds now, for the interrupt message."""
+    from pathlib import Path
+
+    path = Path(out) / "manifest.json"
+    if not path.is_file():
+        return f"no shard was finished, nothing kept in {out}"
+    manifest = json.loads(path.read_text())
+    return f"{len(manifest['shards'])}/{manifest['n_shards_planned']} shards are finished and kept in {out}"
+
+
+def cmd_collect(args) -> int:
     import torch
 
     from learnkv.model import DEFAULT_MODEL
@@ -115,6 +114,9 @@ def cmd_collect(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    params = _parse_params(args.param)
+    if args.scorer is not None:
+        params["scorer"] = args.scorer
     cfg = CollectConfig(
         model=args.model or DEFAULT_MODEL,
         sources=tuple(args.source or ("gsm_symbolic",)),
@@ -125,33 +127,71 @@ def cmd_collect(args) -> None:
         horizon=args.horizon,
         prompts_per_shard=args.prompts_per_shard,
         seed=args.seed,
+        batch_size=args.batch_size,
+        policy=args.policy,
+        policy_params=params,
+        budgets=tuple(x.strip() for x in args.budget.split(",")) if args.policy != "full" else (0.25, 0.5),
     )
-    manifest, stats = collect(args.out, cfg, shard=_parse_shard(args.shard), progress=True)
+    try:
+        manifest, stats = collect(args.out, cfg, shard=_parse_shard(args.shard), progress=True)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {_kept(args.out)}; the shard in progress was discarded. Rerun the same command to "
+              "resume.", file=sys.stderr)
+        return 130
+    for line in stats.problems:
+        print(f"note: {line}", file=sys.stderr)
+    if stats.removed_temps:
+        print(f"note: removed {len(stats.removed_temps)} temporary file(s) an interrupted collector left: "
+              f"{', '.join(stats.removed_temps)}", file=sys.stderr)
     print(stats.line())
     state = "complete" if manifest["complete"] else f"{len(manifest['shards'])}/{manifest['n_shards_planned']} shards"
     print(f"manifest: {args.out}/manifest.json ({state})")
+    return 0
 
 
 def cmd_generate(args) -> None:
     import torch
 
-    from learnkv.decode import generate, resolve_budget
+    from learnkv.decode import generate, parse_number, resolve_budget, resolve_policy
     from learnkv.model import DEFAULT_MODEL, load_model
     from learnkv.policies import make_policy
+    from learnkv.cache import prefill_policy_error
+    from learnkv.policies.params import parse_params, parse_policy
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    params = _parse_params(args.param)
+    # ---------------------------------------------- everything that needs no model is checked before it loads
+    params = parse_params(args.param)
     if args.scorer is not None:
         params["scorer"] = args.scorer
-    policy = make_policy(args.policy, **params)  # fail on bad input before loading a model
+    policy = make_policy(args.policy, **params)
+    prefill = None
+    if args.prefill_policy:
+        name, prefill_params = parse_policy(args.prefill_policy)
+        prefill = make_policy(name, **prefill_params)
+        if error := prefill_policy_error(prefill):
+            raise ValueError(f"--prefill-policy: {error}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.slack < 0:
         raise ValueError(f"--slack must be >= 0 dead slots, got {args.slack}")
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     if policy.evicts:
         if args.budget is None:
             raise ValueError(f"policy {policy.name!r} needs --budget (tokens, e.g. 64, or a fraction, e.g. 0.25)")
-        resolve_budget(args.budget, 1)
+        tokens = resolve_budget(args.budget, 1)
+        # a token count is checked against the policy's windows (and its scorer) now; a fraction's count depends on
+        # the prompt's length, so only what does not depend on the budget is checked now: at the largest budget
+        largest = tokens if isinstance(parse_number(args.budget), int) else 1 << 30
+        resolve_policy(policy, largest, args.granularity, args.block_size)
+        if prefill is not None:
+            resolve_policy(prefill, largest, args.granularity, args.block_size)
+    if args.scorer is not None:  # the model it was trained for, by name (its shape is checked once it loads)
+        from learnkv.scorer.artifact import check_binding, read_artifact_manifest
+
+        check_binding(read_artifact_manifest(args.scorer), args.scorer, model=args.model or DEFAULT_MODEL)
     model, tokenizer = load_model(args.model or DEFAULT_MODEL)
     result = generate(
         model,
@@ -169,6 +209,7 @@ def cmd_generate(args) -> None:
         granularity=args.granularity,
         slack=args.slack,
         block_size=args.block_size,
+        prefill_policy=prefill,
         progress=sys.stderr.isatty(),
     )
     for text in result.texts:
@@ -226,11 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "generate":
             cmd_generate(args)
         elif args.command == "collect":
-            cmd_collect(args)
+            return cmd_collect(args)
         elif args.command == "merge":
             from learnkv.traces.collect import merge
 
-            manifest = merge(args.dir)
+            manifest, problems = merge(args.dir)
+            for line in problems:
+                print(f"warning: {line}", file=sys.stderr)
             rows = sum(s["rows"] for s in manifest["shards"])
             print(f"{args.dir}/manifest.json: {len(manifest['shards'])}/{manifest['n_shards_planned']} shards, {rows} rows"
                   + ("" if manifest["complete"] else " (incomplete: run the missing collectors)"))

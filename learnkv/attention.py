@@ -8,6 +8,10 @@ without `output_attentions` and without returning the per-head probability matri
 - ``attn_sum``   [B, H, T]     summed over all the step's query rows;
 - ``attn_sq_sum``[B, H, T]     sum of squares (only for policies that need it).
 
+The cache is anything with ``policy`` (the policy deciding in this step: its ``needs_attention``, ``group_reduce``,
+``obs_window`` and ``needs_sq_sum`` say what to hand over), ``layer_positions``, ``step_positions`` and ``observe``
+(`learnkv.cache.BudgetCache`, the serving simulator's request cache, test doubles).
+
 The mask comes from the cache's slot positions (key position <= query position, padding excluded), so
 transformers builds no mask for this implementation. Without a BudgetCache (`learnkv_cache` kwarg) it
 falls back to plain causal attention by index.
@@ -40,7 +44,8 @@ def learnkv_attention(
     G = Hq // H
     if scaling is None:
         scaling = D**-0.5
-    if learnkv_cache is not None and q == 1 and _fused_decode_ok(learnkv_cache.policy) and kernels.use_triton(query, key):
+    fused = learnkv_cache is not None and q == 1 and _fused_decode_ok(learnkv_cache.policy)
+    if fused and kernels.use_triton(query, key):
         return _fused_decode(module, query, key, value, scaling, learnkv_cache)
     # query heads j*G .. j*G+G-1 share KV head j (the order repeat_kv uses), so a reshape groups them
     scores = torch.matmul(query.reshape(B, H, G * q, D), key.transpose(-1, -2)) * scaling

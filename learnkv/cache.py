@@ -6,18 +6,29 @@ per-token state stays aligned with the keys and values. Policies only score; sel
 done here, once, through `kernels.select_keep` and `kernels.gather_tokens`.
 
 Order within a step (for every layer): append the step's keys/values -> attention over the whole cache,
-statistics handed to the policy (`learnkv.attention`) -> policy state update -> evict if due. So a step's
-attention always sees the full pre-eviction cache, as in LazyEviction, EasyKV and kvpress.
+statistics handed to the policy (`learnkv.attention`) -> policy state update -> evict if the cache is over the
+budget. So a step's attention always sees the full pre-eviction cache, as in LazyEviction, EasyKV and kvpress.
 
-Each slot carries its token's original position ([B, H, T], -1 for left padding). The attention mask is
-built from these positions, never from slot indices, so eviction and padding need no 2D mask. That is also
-what lets an evicted slot stay in place, dead (position -1), until a later compaction (``slack``): on a GPU,
-compacting the cache at every step would move more bytes than the step's attention reads.
+When it evicts: only at a step where a row would otherwise end over its budget, and then down to the policy's
+keep target (`Policy.keep_target`: the budget, or ``budget - interval + 1`` for a lagged policy, which thus evicts
+every ``interval`` steps once full and observes the steps in between). A prompt within the budget is never
+compressed at the prefill. A prompt over it is compressed by the prefill policy if one is given (kvpress's
+PrefillDecodingPress: the prefill policy decides at the prefill, then its state is dropped and the decode policy
+starts its own at the first decode step), else by the decode policy, unless that policy has nothing to score at
+the prefill (`Policy.scores_prefill`), which is an error rather than a blind decision.
+
+Rows of a batch decode exactly as each would alone: each row has its own budget and live-token count, evicts when
+it overflows and keeps its own target; a row that keeps fewer slots than the widest row of its layer holds dead
+slots at the left, where left padding is. Each slot carries its token's original position ([B, H, T], -1 for
+padding and dead slots); the attention mask is built from these positions, never from slot indices, so eviction
+and padding need no 2D mask. That is also what lets an evicted slot stay in place, dead, until a later compaction
+(``slack``): on a GPU, compacting the cache at every step would move more bytes than the step's attention reads.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -26,6 +37,29 @@ from transformers.cache_utils import Cache, DynamicLayer
 import kernels
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import shared_keep_slots
+
+
+def blind_prefill_error(policy: Policy, prompt_tokens: int, budget: int) -> str | None:
+    """The error for a policy that would have to decide at the prefill on nothing (None if it need not)."""
+    if not policy.evicts or policy.scores_prefill or prompt_tokens <= budget:
+        return None
+    return (f"policy {policy.name!r} observes nothing at the prefill, and a prompt of {prompt_tokens} tokens is over "
+            f"the budget of {budget}: give a prefill policy to compress the prompt (prefill_policy='snapkv', CLI "
+            "--prefill-policy snapkv) or a budget that holds the prompt")
+
+
+def prefill_policy_error(policy: Policy) -> str | None:
+    """Why a policy cannot compress a prompt at the prefill (None if it can): it must evict, decide on what it
+    observes there, and need no future."""
+    if policy.evicts and policy.scores_prefill and not policy.needs_future:
+        return None
+    return (f"policy {policy.name!r} cannot be a prefill policy: it must evict and decide on what it observes at the "
+            "prefill (e.g. snapkv, h2o, tova, streaming; not full, lazy or oracle)")
+
+
+def _one_or_rows(values: list[int]) -> int | list[int]:
+    """One int when every row has the same value (the kernels' fast path), else the per-row list."""
+    return values[0] if len(set(values)) == 1 else values
 
 
 class BudgetLayer(DynamicLayer):
@@ -38,10 +72,10 @@ class BudgetLayer(DynamicLayer):
     tensor (the torch path) has it copied into a fresh buffer at the next append, which costs what a concatenation
     did.
 
-    Evicted slots are compacted away at once, or, with the cache's ``slack``, marked dead (position -1, masked
-    exactly like padding) and compacted only once more than ``slack`` have accumulated. Either way the live
-    slots keep their original order; with slack, a policy that evicts one token per step moves the cache once
-    every ``slack + 1`` steps instead of every step.
+    ``live`` counts each row's live tokens (position >= 0), on the host, so deciding whether a row is over its
+    budget needs no device synchronisation. Evicted slots are compacted away at once, or, with the cache's
+    ``slack``, marked dead (position -1, masked exactly like padding) and compacted only once more than ``slack``
+    slots are dead in every row. Either way the live slots keep their original order.
     """
 
     def __init__(self, layer_idx: int, owner: "BudgetCache"):
@@ -51,13 +85,18 @@ class BudgetLayer(DynamicLayer):
         self.positions: Tensor | None = None  # [B, H, T] int64, -1 = padding or a dead slot
         self.state: dict[str, Tensor] = {}
         self.n_new = 0
-        self.n_dead = 0  # dead slots awaiting compaction, the same count in every (b, h) row
+        self.live: list[int] = []  # per row: live tokens, the same in every KV head of the row
         self._buffers: tuple[Tensor, Tensor, Tensor] | None = None  # keys, values [B, H, C, D]; positions [B, H, C]
         self._state_buffers: dict[str, Tensor] = {}  # [B, H, ..., C] behind each state entry
 
     @property
     def n_slots(self) -> int:
         return 0 if self.positions is None else self.positions.shape[-1]
+
+    @property
+    def n_dead(self) -> int:
+        """Slots no row uses (dead in every row: what a compaction would free)."""
+        return self.n_slots - max(self.live, default=0)
 
     @property
     def capacity(self) -> int:
@@ -80,7 +119,7 @@ class BudgetLayer(DynamicLayer):
         self._view(n + q)
         self._append_state(n, q)
         self.n_new = q
-        self.owner._attended(self.layer_idx, n + q)
+        self.live = [live + new for live, new in zip(self.live or [0] * B, self.owner.step_valid)]
         return self.keys, self.values
 
     def _allocate(self, capacity: int, like: Tensor, n_copy: int) -> None:
@@ -120,20 +159,34 @@ class BudgetLayer(DynamicLayer):
         kb, vb, pb = self._buffers
         self.keys, self.values, self.positions = kb[:, :, :n], vb[:, :, :n], pb[:, :, :n]
 
-    def evict(self, index: Tensor, slack: int) -> None:
-        """Keep the slots ``index [B, H, K]`` (ascending): mark the rest dead, or compact if over ``slack`` dead."""
-        dead = self.n_slots - index.shape[-1]
-        if dead > slack:
+    def drop_state(self) -> None:
+        """Forget the policy state (the prefill policy's, once the decode policy takes over)."""
+        self.state, self._state_buffers = {}, {}
+
+    def evict(self, index: Tensor, slack: int, live: list[int] | None = None) -> None:
+        """Keep the slots ``index [B, H, K]`` (ascending, -1 = none, see `kernels.select_keep`): mark the rest dead,
+        or compact if more than ``slack`` slots would be freed. ``live``: each row's live tokens afterwards, if the
+        caller knows them (token eviction: what it asked to keep); else they are counted."""
+        if self.n_slots - index.shape[-1] > slack:
             self.keep_slots(index)
-            return
-        kept = torch.zeros(self.positions.shape, dtype=torch.bool, device=index.device).scatter_(-1, index, True)
-        self.positions.masked_fill_(~kept, -1)  # writes through to the buffer
-        self.n_dead = dead
+        else:
+            T = self.n_slots
+            slot = torch.where(index >= 0, index, T)  # -1 entries mark the extra column, dropped below
+            kept = torch.zeros((*index.shape[:2], T + 1), dtype=torch.bool, device=index.device)
+            self.positions.masked_fill_(~kept.scatter_(-1, slot, True)[..., :T], -1)  # writes through to the buffer
+        self.live = list(live) if live is not None else self.count_live()
+
+    def count_live(self) -> list[int]:
+        """Live tokens per row, counted on the device (a synchronisation; block evictions only)."""
+        return (self.positions >= 0).sum(-1).amax(-1).tolist()
 
     def keep_slots(self, index: Tensor) -> None:
-        """Compact keys, values, positions and state to the slots ``index [B, H, K]`` (ascending)."""
+        """Compact keys, values, positions and state to the slots ``index [B, H, K]`` (ascending; a -1 entry becomes a
+        dead slot with zero state, like left padding)."""
         K = index.shape[-1]
         old = self._buffers
+        filler = index < 0
+        index = index.clamp(min=0)
         # into fresh buffers (in place, one program's writes would overwrite slots another still reads); sized for
         # the steady state, so a long prompt compressed to the budget gives its memory back. Each kept slot is read
         # once and written once; the old buffers are freed (on CUDA, to the caching allocator's pool)
@@ -141,96 +194,156 @@ class BudgetLayer(DynamicLayer):
         for src, dst, dim in zip(old, self._buffers, (-2, -2, -1)):
             kernels.gather_tokens(src, index, dim, out=dst)  # from the whole buffers: index < n_slots <= capacity
         self._view(K)
+        has_filler = bool(filler.any())  # a synchronisation, only when compacting
+        if has_filler:
+            self.positions.masked_fill_(filler, -1)
         buffers = {}
         for name, t in self.state.items():
             src = self._state_buffer(name, t)
             src = t if src is None else src  # the whole buffer, which is contiguous
             buffers[name] = t.new_empty(*t.shape[:-1], self.capacity)
             self.state[name] = kernels.gather_tokens(src, index, -1, out=buffers[name])
+            if has_filler:  # zero, as the state of a padding slot that was never attended
+                mask = filler.view(*filler.shape[:2], *([1] * (t.dim() - 3)), K)
+                self.state[name].masked_fill_(mask, 0)
         self._state_buffers = buffers
-        self.n_dead = 0
 
 
 class BudgetCache(Cache):
-    """A cache whose every layer and KV head holds at most ``budget`` tokens after each step.
+    """A cache whose every layer and KV head holds at most its row's ``budget`` tokens after each step.
 
     Parameters
     ----------
     num_layers : int
         Number of decoder layers.
-    policy : Policy
-        A policy already resolved for this budget (`Policy.resolve`).
-    budget : int or None
-        Token budget per layer and KV head; None only for policies that never evict (``full``).
+    policy : Policy or sequence of Policy
+        The decode policy, already resolved for the budget (`Policy.resolve`), or one resolved policy per row of
+        the batch (`learnkv.policies.base.resolve_rows`: rows may differ only in ``per_row_fields``).
+    budget : int, sequence of int, or None
+        Token budget per layer and KV head, for every row or one per row; None only for policies that never
+        evict (``full``).
     last_step : int, optional
         Index of the last forward pass (prefill = 0), if known.
     shared_block : int, optional
         Block size of the layer-shared block mode (one decision for every layer and KV head, whole blocks).
     slack : int
-        Dead slots a layer may hold before it compacts (see `BudgetLayer`). 0 compacts at every eviction. The
-        kept tokens are the same for any slack; memory grows by ``slack`` slots per layer and the compaction
-        runs once per ``slack + 1`` evicted tokens instead of at every eviction. Ignored (0) wherever neighbouring
-        slots are grouped: block eviction (the block mode, PagedEviction) and SnapKV's average pool
+        Slots a layer may leave dead in every row before it compacts (see `BudgetLayer`). 0 compacts at every
+        eviction. The kept tokens are the same for any slack; memory grows by ``slack`` slots per layer and the
+        compaction runs once per ``slack + 1`` evicted tokens instead of at every eviction. Ignored (0) wherever
+        neighbouring slots are grouped: block eviction (the block mode, PagedEviction) and SnapKV's average pool
         (``needs_dense_slots``).
     capacity : int, optional
         Slots to preallocate per layer; by default what the budget needs (`slots_to_allocate`).
+    prefill_policy : Policy or sequence of Policy, optional
+        Decides at the prefill instead of ``policy`` (resolved like it), for rows whose prompt is over the budget.
+        It compresses the prompt to the decode policy's keep target; its state is dropped after the prefill, and
+        the decode policy starts its own at the first decode step (it does not observe the prefill).
     """
 
-    def __init__(self, num_layers: int, policy: Policy, budget: int | None, last_step: int | None = None,
-                 shared_block: int | None = None, slack: int = 0, capacity: int | None = None):
-        if policy.evicts and budget is None:
-            raise ValueError(f"policy {policy.name!r} needs a budget")
+    def __init__(self, num_layers: int, policy: Policy | Sequence[Policy], budget: int | Sequence[int] | None,
+                 last_step: int | None = None, shared_block: int | None = None, slack: int = 0,
+                 capacity: int | None = None, prefill_policy: Policy | Sequence[Policy] | None = None):
+        rows = list(policy) if isinstance(policy, Sequence) else None
+        self.decode_policy = rows[0] if rows else policy  # it scores every row (rows differ only in per-row fields)
+        if self.decode_policy.evicts and budget is None:
+            raise ValueError(f"policy {self.decode_policy.name!r} needs a budget")
         if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
             raise ValueError(f"slack must be an integer >= 0 (dead slots before a compaction), got {slack!r}")
         if capacity is not None and capacity < 1:
             raise ValueError(f"capacity must be >= 1 slot, got {capacity}")
+        if prefill_policy is not None:
+            first = prefill_policy[0] if isinstance(prefill_policy, Sequence) else prefill_policy
+            if error := prefill_policy_error(first):
+                raise ValueError(error)
         super().__init__(layers=[BudgetLayer(i, self) for i in range(num_layers)])
-        self.policy = policy
-        self.budget = budget
+        self._row_args = (rows or policy, budget, prefill_policy)  # expanded to rows at the first step
+        self.row_policies: list[Policy] = []
+        self.prefill_rows: list[Policy] | None = None
+        self.budgets: list[int] | None = None
         # layer-shared block mode: one decision for every layer and KV head, in whole blocks (as a paged engine)
         self.shared_block = shared_block
         self._shared_scores: dict[int, Tensor] = {}
+        self._shared_keep: list[int] | None = None
         self.last_step = last_step  # index of the last forward pass, if known (lets lagged policies keep more)
         # dead slots tolerated before a compaction; only where no block or pooling groups neighbouring slots
-        dense = shared_block is not None or policy.block_size > 1 or policy.needs_dense_slots
+        dense = shared_block is not None or self.decode_policy.block_size > 1 or self.decode_policy.needs_dense_slots
         self.slack = 0 if dense else slack
         self.capacity = capacity  # slots preallocated per layer (None: the steady-state need, see slots_to_allocate)
-        self.keep = None  # slots kept if the cache evicts in the current step
+        self.keep: list[int] | None = None  # per row: slots kept if the row evicts in the current step
         self.step = -1
         self.step_positions: Tensor | None = None
-        # accounting
-        self._attended_slots = [0] * num_layers
-        self.peak_slots = 0  # max over steps of the sum over layers of slots each layer attended to
-        self.max_kept = 0  # max over steps and layers of tokens held after the step (live slots, padding included)
-        self.kept_per_step: list[list[int]] = []
+        self.step_valid: list[int] = []  # per row: valid (non-padding) tokens of the current step
+        # accounting: live tokens each layer held for each row after each step (what the budget bounds)
+        self.kept_rows: list[list[list[int]]] = []  # [step][layer][row]
         self.eviction_s = 0.0
+
+    @property
+    def budget(self) -> int | None:
+        """The budget, when every row has the same one (else the largest)."""
+        if self.budgets is None:
+            arg = self._row_args[1]
+            return max(arg) if isinstance(arg, Sequence) else arg
+        return max(self.budgets)
+
+    @property
+    def policy(self) -> Policy:
+        """The policy deciding in the current step (what the attention function hands statistics to): the prefill
+        policy at the prefill, if there is one, else the decode policy."""
+        return self.prefill_rows[0] if self.step == 0 and self.prefill_rows else self.decode_policy
+
+    @property
+    def kept_per_step(self) -> list[list[int]]:
+        """Per step and layer, the most live tokens any row held."""
+        return [[max(rows) for rows in step] for step in self.kept_rows]
+
+    @property
+    def max_kept(self) -> int:
+        return max((max(k) for k in self.kept_per_step), default=0)
+
+    def _expand_rows(self, B: int) -> None:
+        policy, budget, prefill = self._row_args
+        as_rows = lambda x: list(x) if isinstance(x, Sequence) else [x] * B  # noqa: E731
+        self.row_policies = as_rows(policy)
+        self.budgets = as_rows(budget) if budget is not None else None
+        self.prefill_rows = as_rows(prefill) if prefill is not None else None
+        for what, rows in (("policies", self.row_policies), ("budgets", self.budgets), ("prefill policies",
+                                                                                          self.prefill_rows)):
+            if rows is not None and len(rows) != B:
+                raise ValueError(f"BudgetCache: {len(rows)} {what} for a batch of {B} rows")
 
     # -- driven by the decode loop ---------------------------------------------------------------------------
 
-    def begin_step(self, positions: Tensor) -> None:
-        """Announce the next forward pass: ``positions [B, q]`` of its tokens (-1 for padding)."""
+    def begin_step(self, positions: Tensor, valid: Sequence[int] | None = None) -> None:
+        """Announce the next forward pass: ``positions [B, q]`` of its tokens (-1 for padding). ``valid``: each
+        row's non-padding tokens in it, if the caller knows them (else counted: a synchronisation)."""
         self.step += 1
         self.step_positions = positions.long()
-        if self.policy.evicts:
+        self.step_valid = list(valid) if valid is not None else (positions >= 0).sum(-1).tolist()
+        if not self.row_policies:
+            self._expand_rows(positions.shape[0])
+        if self.decode_policy.evicts:
             steps_left = None if self.last_step is None else self.last_step - self.step
-            self.keep = self.policy.keep_target(self.budget, steps_left)
+            self.keep = [p.keep_target(b, steps_left) for p, b in zip(self.row_policies, self.budgets)]
 
     def end_step(self) -> None:
         """After the forward pass: the layer-shared eviction if one is due, then book-keeping."""
         if self._shared_scores:
             self._evict_shared()
-        self.peak_slots = max(self.peak_slots, sum(self._attended_slots))
-        kept = [layer.n_slots - layer.n_dead for layer in self.layers]  # what the budget bounds: dead slots are not
-        self.kept_per_step.append(kept)
-        self.max_kept = max(self.max_kept, max(kept))
+        if self.step == 0 and self.prefill_rows:
+            for layer in self.layers:  # the decode policy starts its own state at the first decode step
+                layer.drop_state()
+        self.kept_rows.append([list(layer.live) for layer in self.layers])
 
     # -- driven by the attention function --------------------------------------------------------------------
 
-    def _attended(self, layer_idx: int, n_slots: int) -> None:
-        self._attended_slots[layer_idx] = n_slots
-
     def layer_positions(self, layer_idx: int) -> Tensor:
         return self.layers[layer_idx].positions
+
+    def _row_decision(self, layer: BudgetLayer) -> tuple[list[int], bool]:
+        """Per row, what to keep now (its keep target if it is over its budget, else every live token), and
+        whether any row is over."""
+        over = [live > b for live, b in zip(layer.live, self.budgets)]
+        return [k if o else live for k, o, live in zip(self.keep, over, layer.live)], any(over)
 
     def observe(
         self,
@@ -239,11 +352,18 @@ class BudgetCache(Cache):
         attn_sum: Tensor | None = None,
         attn_sq_sum: Tensor | None = None,
     ) -> None:
-        """Hand the step's attention statistics to the policy, then evict if due. Called once per layer per step."""
+        """Hand the step's attention statistics to the policy, then evict if a row is over its budget. Called once
+        per layer per step."""
+        layer: BudgetLayer = self.layers[layer_idx]
         policy = self.policy
         if not (policy.evicts or policy.needs_attention):
             return
-        layer: BudgetLayer = self.layers[layer_idx]
+        keep, due = self._row_decision(layer) if policy.evicts else (layer.live, False)
+        if due and self.step == 0:
+            for live, budget in zip(layer.live, self.budgets):
+                error = blind_prefill_error(policy, live, budget)
+                if error:
+                    raise ValueError(error)
         view = LayerView(
             layer=layer_idx,
             step=self.step,
@@ -254,21 +374,24 @@ class BudgetCache(Cache):
             attn=attn,
             attn_sum=attn_sum,
             attn_sq_sum=attn_sq_sum,
-            keep=self.keep,
+            keep=_one_or_rows(keep),
             state=layer.state,
-            n_dead=layer.n_dead,
+            live=layer.live,
         )
         t0 = time.perf_counter()
         policy.update(view)
-        if policy.evicts and layer.n_slots - layer.n_dead > self.keep and self.step % policy.interval == 0:
+        if due:
             scores = policy.score(view)
             if self.shared_block is not None:
                 self._shared_scores[layer_idx] = scores  # decided in end_step, once every layer has scored
+                self._shared_keep = keep
             else:
-                index = kernels.select_keep(
-                    scores, layer.positions, self.keep, policy.n_sink, policy.n_recent, policy.block_size_at(self.step)
-                )
-                layer.evict(index, self.slack)
+                rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
+                block = policy.block_size_at(self.step)
+                index = kernels.select_keep(scores, layer.positions, _one_or_rows(keep),
+                                            _one_or_rows([p.n_sink for p in rows]),
+                                            _one_or_rows([p.n_recent for p in rows]), block)
+                layer.evict(index, self.slack, live=keep if block == 1 else None)
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
         self.eviction_s += time.perf_counter() - t0
 
@@ -281,23 +404,27 @@ class BudgetCache(Cache):
         scores = [self._shared_scores[i] for i in range(len(self.layers))]
         self._shared_scores = {}
         policy = self.policy
-        index = shared_keep_slots(scores, positions, self.keep, policy.n_sink, policy.n_recent, self.shared_block,
-                                  policy.pooling)
+        rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
+        index = shared_keep_slots(scores, positions, _one_or_rows(self._shared_keep),
+                                  _one_or_rows([p.n_sink for p in rows]), _one_or_rows([p.n_recent for p in rows]),
+                                  self.shared_block, policy.pooling)
+        live = None
         for layer in self.layers:
             layer.keep_slots(index.expand(-1, layer.positions.shape[1], -1))
+            layer.live = live = live or layer.count_live()
         self.eviction_s += time.perf_counter() - t0
 
     def slots_to_allocate(self, need: int, current: int) -> int:
         """Slots a layer allocates when it needs ``need`` and holds ``current``.
 
-        A budgeted cache needs at most ``budget + slack + 1`` slots after its prefill (the budget, the dead slots,
-        the step's new token), so that is allocated once and a compaction shrinks back to it after a longer
-        prompt. The full cache allocates for the whole decode when ``last_step`` is known (like a static cache),
-        and otherwise grows by half its size, so appends stay amortised O(1).
+        A budgeted cache needs at most ``budget + slack + 1`` slots after its prefill (the largest row budget, the
+        dead slots, the step's new token), so that is allocated once and a compaction shrinks back to it after a
+        longer prompt. The full cache allocates for the whole decode when ``last_step`` is known (like a static
+        cache), and otherwise grows by half its size, so appends stay amortised O(1).
         """
         if self.capacity is not None:
             return max(need, self.capacity)
-        if self.policy.evicts:
+        if self.decode_policy.evicts:
             return max(need, self.budget + self.slack + 1)
         if current == 0 and self.last_step is not None:
             return need + self.last_step
@@ -310,3 +437,8 @@ class BudgetCache(Cache):
         layer = self.layers[0]
         B, H, _, D = layer.keys.shape
         return 2 * B * H * D * layer.keys.element_size()
+
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token of one row in one layer, all KV heads (keys + values)."""
+        layer = self.layers[0]
+        return 2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()

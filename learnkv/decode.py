@@ -18,35 +18,39 @@ import torch
 from torch import Tensor
 
 from learnkv import attention
-from learnkv.cache import BudgetCache
+from learnkv.cache import BudgetCache, blind_prefill_error
 from learnkv.policies import Policy, make_policy
+from learnkv.policies.base import resolve_rows
 
 
 @dataclass
 class GenerationResult:
-    """What `generate` returns.
+    """What `generate` returns. Per-row fields have one entry per prompt of the batch.
 
     Attributes
     ----------
     tokens : Tensor
-        ``[B, N]`` generated token ids (rows that hit EOS are padded with the pad id).
+        ``[B, N]`` generated token ids (a row that hit EOS is padded with the pad id after it).
     texts : list[str] or None
         Decoded continuations, if a tokenizer was given.
     policy : str
-        Policy name; ``params`` its resolved hyperparameters.
-    budget : int or None
-        Token budget per layer and KV head (None for ``full``).
-    kept_per_step : list[list[int]]
-        Slots each layer held after each forward pass (prefill first).
-    max_kept_tokens : int
-        The most slots any layer/KV head held after any step.
-    peak_kv_bytes : int
-        High-water mark of K/V bytes: the max over steps of the slots every layer attended to (the cache
-        holds one token over the budget between append and eviction), times bytes per slot.
-    full_kv_bytes : int
-        K/V bytes a full cache would hold at the end of the same run.
+        Policy name; ``params`` its resolved hyperparameters (of the first row; rows differ at most in their
+        protected windows and lagged headroom, see `learnkv.policies.base.resolve_rows`).
+    budgets : list[int] or None
+        Per row: token budget per layer and KV head (None for a policy that never evicts).
+    prompt_lengths : list[int]
+        Per row: prompt tokens (without padding).
+    new_tokens : list[int]
+        Per row: tokens generated up to and including its first EOS (N if it never stopped).
+    kept_rows : list
+        ``[step][layer][row]`` live tokens each layer held for each row after each forward pass (prefill first).
+    peak_kv_bytes_rows : list[int]
+        Per row: the high-water mark of its live K/V bytes over all layers (the slots attended to in a step, before
+        eviction: at most ``budget + 1`` per layer once decoding, or the prompt if it is longer than the budget).
+    full_kv_bytes_rows : list[int]
+        Per row: K/V bytes a full cache holds at the end of that row's generation.
     tokens_per_s : float
-        Generated tokens (all rows) per second of wall time, prefill included.
+        Generated tokens (every row, up to its EOS) per second of wall time, prefill included.
     eviction_share : float
         Share of that wall time spent in policy updates, scoring, selection and compaction.
     """
@@ -54,34 +58,82 @@ class GenerationResult:
     tokens: Tensor
     texts: list[str] | None
     policy: str
-    budget: int | None
+    budgets: list[int] | None
     params: dict
-    kept_per_step: list[list[int]]
-    max_kept_tokens: int
-    peak_kv_bytes: int
-    full_kv_bytes: int
-    prompt_tokens: int
+    prompt_lengths: list[int]
+    new_tokens: list[int]
+    kept_rows: list
+    peak_kv_bytes_rows: list[int]
+    full_kv_bytes_rows: list[int]
     prefill_s: float
     decode_s: float
     tokens_per_s: float
     eviction_share: float = 0.0
+    prefill_policy: str | None = None
     extra: dict = field(default_factory=dict)
+
+    @property
+    def budget(self) -> int | list[int] | None:
+        """The budget, or the per-row list when rows differ."""
+        if self.budgets is None:
+            return None
+        return self.budgets[0] if len(set(self.budgets)) == 1 else list(self.budgets)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The longest prompt of the batch."""
+        return max(self.prompt_lengths)
+
+    @property
+    def kept_per_step(self) -> list[list[int]]:
+        """Per forward pass and layer, the most live tokens any row held."""
+        return [[max(rows) for rows in step] for step in self.kept_rows]
+
+    @property
+    def max_kept_tokens(self) -> int:
+        """The most live tokens any layer held for any row after any forward pass."""
+        return max((max(k) for k in self.kept_per_step), default=0)
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        return sum(self.peak_kv_bytes_rows)
+
+    @property
+    def full_kv_bytes(self) -> int:
+        return sum(self.full_kv_bytes_rows)
+
+    def kept_share(self, row: int = 0) -> float:
+        """A row's mean over layers and forward passes (until its EOS) of the tokens held after the pass, over what a
+        full cache holds then (prompt + tokens fed so far)."""
+        steps = self.kept_rows[: max(self.new_tokens[row], 1)]
+        held = [sum(layer[row] for layer in step) / len(step) / (self.prompt_lengths[row] + s)
+                for s, step in enumerate(steps)]
+        return sum(held) / len(held)
 
     def summary(self) -> dict:
         """One JSON-able record (what the CLI prints as its last line)."""
         return {
             "policy": self.policy,
+            "prefill_policy": self.prefill_policy,
             "budget": self.budget,
             "max_kept_tokens": self.max_kept_tokens,
             "peak_kv_bytes": self.peak_kv_bytes,
             "full_kv_bytes": self.full_kv_bytes,
             "kv_share": round(self.peak_kv_bytes / max(self.full_kv_bytes, 1), 4),
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": int(self.tokens.shape[1]),
+            "prompt_tokens": self.prompt_lengths if len(self.prompt_lengths) > 1 else self.prompt_lengths[0],
+            "new_tokens": self.new_tokens if len(self.new_tokens) > 1 else self.new_tokens[0],
             "tokens_per_s": round(self.tokens_per_s, 2),
             "eviction_share": round(self.eviction_share, 4),
             "params": self.params,
         }
+
+
+def peak_attended(kept_rows: list, row: int, prompt_len: int, n_new: int) -> int:
+    """The most live slots a row's attention read in one forward pass, summed over layers, up to its own end: the
+    prompt at the prefill, then what each layer kept after pass ``s - 1`` plus the token appended in pass ``s``."""
+    n_layers = len(kept_rows[0])
+    decode = (sum(layer[row] for layer in kept_rows[s - 1]) + n_layers for s in range(1, min(n_new, len(kept_rows))))
+    return max([n_layers * prompt_len, *decode])
 
 
 #: how eviction decisions are shared: per layer and KV head, or whole blocks shared by every layer and head
@@ -94,7 +146,7 @@ def resolve_budget(budget: int | float | str | None, full_length: int) -> int | 
         return None
     if isinstance(budget, str):
         try:
-            budget = int(budget) if budget.strip().isdigit() else float(budget)
+            budget = parse_number(budget)
         except ValueError:
             raise ValueError(f"budget must be a token count or a fraction in (0, 1], got {budget!r}") from None
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
@@ -110,27 +162,46 @@ def resolve_budget(budget: int | float | str | None, full_length: int) -> int | 
     return int(budget)
 
 
+def parse_number(text: str) -> int | float:
+    """``"64"``, ``"-5"`` -> int (a token count, in range or not), ``"0.25"`` -> float; ValueError otherwise."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def resolve_policy(policy: str | Policy, budget_tokens: int | None, granularity: str = "token",
-                   block_size: int = 16, **params) -> Policy:
-    """The policy as `generate` runs it: built (``params``), set to whole blocks in ``"block"`` granularity, and
-    resolved for a budget in tokens. Raises ValueError when its windows do not fit the budget, so callers that run
-    many decodes (`learnkv.eval`) can check every combination before the first one."""
-    policy_obj = make_policy(policy, **params)
+                   block_size: int = 16, params: dict | None = None) -> Policy:
+    """The policy as `generate` runs it: built with ``params``, set to whole blocks of ``block_size`` in ``"block"``
+    granularity, and resolved for a budget in tokens. Raises ValueError when its windows do not fit the budget, so
+    callers that run many decodes (`learnkv.eval`) can check every combination before the first one."""
+    return resolve_policy_rows(policy, [budget_tokens], granularity, block_size, params)[0]
+
+
+def resolve_policy_rows(policy: str | Policy, budgets: Sequence[int | None], granularity: str = "token",
+                        block_size: int = 16, params: dict | None = None) -> list[Policy]:
+    """`resolve_policy` for each row's budget of a batch: one policy per row, which may differ only in what the
+    cache applies per row (`learnkv.policies.base.resolve_rows`); raises ValueError otherwise."""
+    policy_obj = make_policy(policy, **(params or {}))
     if not policy_obj.evicts:
-        return policy_obj
-    if budget_tokens is None:
+        return [policy_obj] * len(budgets)
+    if any(b is None for b in budgets):
         raise ValueError(f"policy {policy_obj.name!r} needs a budget (tokens, or a fraction of the full length)")
     if granularity == "block":
         policy_obj = dataclasses.replace(policy_obj, block_size=block_size)
-    return policy_obj.resolve(budget_tokens)
+    return resolve_rows(policy_obj, budgets)
 
 
 def encode_prompts(tokenizer, prompts: str | Sequence[str], chat: bool = True) -> tuple[Tensor, Tensor]:
     """Tokenize prompts with left padding; ``chat`` applies the tokenizer's chat template if it has one."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
-        raise ValueError("prompt is empty: give at least one non-empty prompt")
+    if not prompts:
+        raise ValueError("no prompt given: give at least one non-empty prompt")
+    empty = [i + 1 for i, p in enumerate(prompts) if not isinstance(p, str) or not p.strip()]
+    if empty:
+        which = "prompt is" if len(prompts) == 1 else f"prompt {', '.join(map(str, empty))} of {len(prompts)} is"
+        raise ValueError(f"{which} empty: every prompt needs text")
     if chat and getattr(tokenizer, "chat_template", None):
         prompts = [
             tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
@@ -181,7 +252,7 @@ def generate(
     input_ids: Tensor | None = None,
     attention_mask: Tensor | None = None,
     policy: str | Policy = "full",
-    budget: int | float | str | None = None,
+    budget: int | float | str | Sequence | None = None,
     max_new_tokens: int = 64,
     do_sample: bool = False,
     temperature: float = 1.0,
@@ -191,6 +262,8 @@ def generate(
     chat: bool = True,
     stop_at_eos: bool = True,
     policy_params: dict | None = None,
+    prefill_policy: str | Policy | None = None,
+    prefill_params: dict | None = None,
     forced_tokens: Tensor | None = None,
     granularity: str = "token",
     block_size: int = 16,
@@ -205,15 +278,22 @@ def generate(
     model : PreTrainedModel
         A causal LM; its attention implementation is switched to "learnkv".
     tokenizer, prompts
-        Prompt strings (left-padded into a batch), or pass ``input_ids`` ``[B, L]`` (+ ``attention_mask``).
+        Prompt strings (left-padded into a batch), or pass ``input_ids`` ``[B, L]`` (+ ``attention_mask``). Every
+        row decodes as it would alone: its own budget, its own eviction steps.
     policy : str or Policy
         A registered policy name (`learnkv.policies.POLICIES`) or a policy object.
-    budget : int, float or None
-        Tokens per layer and KV head, or a fraction of the full length (prompt + max_new_tokens).
+    budget : int, float, or a sequence of them
+        Tokens per layer and KV head, or a fraction of each row's full length (its prompt + max_new_tokens); one
+        for every row, or one per row.
     max_new_tokens : int
         Tokens to generate per row (fewer if every row hits EOS and ``stop_at_eos``).
     do_sample, temperature, top_k, top_p, seed
         Greedy by default; sampling is seeded.
+    prefill_policy : str or Policy, optional
+        Compresses a prompt that is over the budget at the prefill (to the decode policy's keep target); the decode
+        policy then takes over with its own state from the first decode step (kvpress's PrefillDecodingPress).
+        Without one, the decode policy decides at the prefill too, which a policy that observes nothing there
+        (``lazy``) refuses. ``prefill_params`` are its parameters.
     granularity : str
         "token" (each layer and KV head decides for itself, the policy's own granularity) or "block": whole blocks
         of ``block_size`` slots, one decision shared by every layer and KV head (what a paged serving engine can do;
@@ -224,9 +304,9 @@ def generate(
     observer : callable, optional
         Called with the cache after every forward pass (after eviction).
     slack : int
-        Evicted slots each layer may leave dead before it compacts (`BudgetCache`): the same tokens are kept, the
-        cache is moved once per ``slack`` evictions instead of every step, for ``slack`` more slots of memory.
-        Worth it on GPU for policies that evict every step (h2o, tova, roco, learned); 0 by default.
+        Slots each layer may leave dead before it compacts (`BudgetCache`): the same tokens are kept, the cache is
+        moved once per ``slack`` evictions instead of every step, for ``slack`` more slots of memory. Worth it on
+        GPU for policies that evict every step (h2o, tova, roco, learned); 0 by default.
     """
     policy_obj = make_policy(policy, **(policy_params or {}))
     if granularity not in GRANULARITIES:
@@ -246,10 +326,26 @@ def generate(
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     attention_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)
+    B = input_ids.shape[0]
 
-    prompt_len = input_ids.shape[1]
-    budget_tokens = resolve_budget(budget, prompt_len + max_new_tokens) if policy_obj.evicts else None
-    policy_obj = resolve_policy(policy_obj, budget_tokens, granularity, block_size)
+    prompt_lengths = attention_mask.sum(dim=-1).tolist()
+    budgets = None
+    if policy_obj.evicts:
+        per_row = list(budget) if isinstance(budget, Sequence) and not isinstance(budget, str) else [budget] * B
+        if len(per_row) != B:
+            raise ValueError(f"{len(per_row)} budgets for a batch of {B} prompts")
+        budgets = [resolve_budget(b, n + max_new_tokens) for b, n in zip(per_row, prompt_lengths)]
+        if any(b is None for b in budgets):
+            raise ValueError(f"policy {policy_obj.name!r} needs a budget (tokens, or a fraction of the full length)")
+    rows = resolve_policy_rows(policy_obj, budgets or [None] * B, granularity, block_size)
+    prefill_rows = None
+    if prefill_policy is not None and policy_obj.evicts:
+        prefill_rows = resolve_policy_rows(prefill_policy, budgets, granularity, block_size, prefill_params)
+    elif policy_obj.evicts:
+        for n, b, row in zip(prompt_lengths, budgets, rows):
+            if error := blind_prefill_error(row, n, b):
+                raise ValueError(error)
+    rows[0].check_model(model)  # a policy bound to one model (learned) refuses another
     if policy_obj.needs_future:
         if forced_tokens is None:  # the future is the full-cache continuation of this very call
             forced_tokens = generate(
@@ -257,7 +353,8 @@ def generate(
                 max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
                 top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
             ).tokens
-        policy_obj = policy_obj.with_future(model, input_ids, attention_mask, forced_tokens[:, :-1])
+        seer = rows[0].with_future(model, input_ids, attention_mask, forced_tokens[:, :-1])
+        rows = [dataclasses.replace(seer, **{k: getattr(r, k) for k in r.per_row_fields}) for r in rows]
     if forced_tokens is not None:
         forced_tokens = forced_tokens.to(device)
         max_new_tokens = min(max_new_tokens, forced_tokens.shape[1])
@@ -265,9 +362,9 @@ def generate(
     if model.config._attn_implementation != attention.NAME:
         attention.register()
         model.set_attn_implementation(attention.NAME)
-    cache = BudgetCache(model.config.num_hidden_layers, policy_obj, budget_tokens, last_step=max_new_tokens - 1,
+    cache = BudgetCache(model.config.num_hidden_layers, rows, budgets, last_step=max_new_tokens - 1,
                         shared_block=block_size if granularity == "block" and policy_obj.evicts else None,
-                        slack=slack)
+                        slack=slack, prefill_policy=prefill_rows)
     eos = torch.tensor(_eos_ids(model, tokenizer) if stop_at_eos else [], device=device, dtype=torch.long)
     pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     pad_id = pad_id if pad_id is not None else (int(eos[0]) if len(eos) else 0)
@@ -277,8 +374,8 @@ def generate(
     positions = positions.masked_fill(attention_mask == 0, -1)  # -1 marks padding slots in the cache
     next_pos = positions.max(dim=-1).values + 1  # [B]
 
-    def forward(ids: Tensor, pos: Tensor) -> Tensor:
-        cache.begin_step(pos)
+    def forward(ids: Tensor, pos: Tensor, valid: list[int]) -> Tensor:
+        cache.begin_step(pos, valid)
         out = model(
             input_ids=ids,
             position_ids=pos.clamp(min=0),
@@ -293,9 +390,10 @@ def generate(
         return out.logits[:, -1, :]
 
     t0 = time.perf_counter()
-    logits = forward(input_ids, positions)
+    logits = forward(input_ids, positions, prompt_lengths)
     t1 = time.perf_counter()
-    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
     out_tokens = []
     steps = range(max_new_tokens)
     if progress:
@@ -307,29 +405,34 @@ def generate(
         tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
         out_tokens.append(tok)
         if len(eos):
-            finished |= torch.isin(tok, eos)
+            stops = torch.isin(tok, eos) & ~finished
+            lengths = torch.where(stops, i + 1, lengths)
+            finished |= stops
         if i == max_new_tokens - 1 or bool(finished.all()):
             break
-        logits = forward(tok[:, None], next_pos[:, None])
+        logits = forward(tok[:, None], next_pos[:, None], [1] * B)
         next_pos = next_pos + 1
     t2 = time.perf_counter()
 
     tokens = torch.stack(out_tokens, dim=1).cpu()
-    per_slot = cache.bytes_per_slot()
-    n_generated = tokens.numel()
+    new_tokens = lengths.clamp(max=tokens.shape[1]).tolist()
+    per_token = cache.bytes_per_token()
+    n_layers = model.config.num_hidden_layers
     return GenerationResult(
         tokens=tokens,
         texts=tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokenizer is not None else None,
         policy=policy_obj.name,
-        budget=budget_tokens,
-        params=policy_obj.params(),
-        kept_per_step=cache.kept_per_step,
-        max_kept_tokens=cache.max_kept,
-        peak_kv_bytes=cache.peak_slots * per_slot,
-        full_kv_bytes=model.config.num_hidden_layers * (prompt_len + tokens.shape[1] - 1) * per_slot,
-        prompt_tokens=prompt_len,
+        budgets=budgets,
+        params=rows[0].params(),
+        prompt_lengths=prompt_lengths,
+        new_tokens=new_tokens,
+        kept_rows=cache.kept_rows,
+        peak_kv_bytes_rows=[peak_attended(cache.kept_rows, b, n, k) * per_token
+                            for b, (n, k) in enumerate(zip(prompt_lengths, new_tokens))],
+        full_kv_bytes_rows=[n_layers * (n + k - 1) * per_token for n, k in zip(prompt_lengths, new_tokens)],
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
-        tokens_per_s=n_generated / max(t2 - t0, 1e-9),
+        tokens_per_s=sum(new_tokens) / max(t2 - t0, 1e-9),
         eviction_share=cache.eviction_s / max(t2 - t0, 1e-9),
+        prefill_policy=prefill_rows[0].name if prefill_rows else None,
     )

@@ -58,7 +58,13 @@ class FeatureTracker:
     n_layers: int
 
     def update(self, attn: Tensor, positions: Tensor, n_new: int, step: int, state: dict[str, Tensor]) -> None:
-        """Fold the step's attention ``attn [B, H, G, q, T]`` into ``state``."""
+        """Fold the step's attention ``attn [B, H, G, q, T]`` into ``state``.
+
+        A decode step (one new token, state already seeded) updates the state tensors in place, so a cache that
+        preallocates them (`learnkv.cache.BudgetLayer`) never copies them; other steps rebind the entries."""
+        if "f.acc" in state and n_new == 1:
+            self._update_decode(attn, positions, step, state)
+            return
         mean_rows = attn.mean(dim=2)  # [B, H, q, T]
         if "f.acc" not in state:
             zeros = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
@@ -86,6 +92,32 @@ class FeatureTracker:
         state["f.last_interval"] = torch.where(returns, gap, state["f.last_interval"])
         state["f.max_interval"] = torch.maximum(state["f.max_interval"], torch.where(high, gap, torch.zeros_like(gap)))
         state["f.last_high"] = torch.where(high, torch.full_like(last, float(step)), last)
+
+    @staticmethod
+    def _update_decode(attn: Tensor, positions: Tensor, step: int, state: dict[str, Tensor]) -> None:
+        """`update` for one decode step, in place, in as few tensor ops as the arithmetic allows (on CPU every op
+        costs a dispatch): the same values as the general path."""
+        valid = positions >= 0
+        m = attn[:, :, :, -1, :].mean(dim=2)  # [B, H, T]
+        state["f.acc"].add_(m)
+        state["f.acc_sq"].addcmul_(m, m)
+        state["f.count"].add_(valid & valid[..., -1:])  # the query is the newest slot: it sees every live one
+        win = state["f.win"]
+        win[:, :, :-1] = win[:, :, 1:].clone()
+        win[:, :, -1] = m
+        if step == 0:
+            return
+        n_visible = valid.sum(-1, keepdim=True).clamp(min=1)
+        high = attn[:, :, :, -1, :].amax(dim=2) * n_visible >= 1.0
+        last = state["f.last_high"]
+        last[..., -1] = step - 1  # a new token counts as seen the step before it arrived
+        gap = step - last
+        returns = high & (gap >= 2)  # came back after at least one low step
+        state["f.n_returns"].add_(returns)
+        state["f.sum_interval"].add_(gap * returns)
+        torch.where(returns, gap, state["f.last_interval"], out=state["f.last_interval"])
+        torch.maximum(state["f.max_interval"], gap * high, out=state["f.max_interval"])
+        last.masked_fill_(high, float(step))
 
     def features(self, attn: Tensor, keys: Tensor, values: Tensor, positions: Tensor, layer: int, step: int,
                  state: dict[str, Tensor]) -> Tensor:

@@ -44,7 +44,7 @@ def shared_token_scores(per_layer: list[Tensor], positions: Tensor, rule: str = 
     return torch.stack([s.mean(dim=1) for s in per_head]).mean(dim=0)
 
 
-def shared_keep_slots(per_layer: list[Tensor], positions: Tensor, keep: int, n_sink: int, n_recent: int,
+def shared_keep_slots(per_layer: list[Tensor], positions: Tensor, keep, n_sink, n_recent,
                       block_size: int, rule: str = POOLING) -> Tensor:
     """Slots every layer and KV head keeps: whole blocks by pooled score, sinks and recent window protected.
 
@@ -54,15 +54,19 @@ def shared_keep_slots(per_layer: list[Tensor], positions: Tensor, keep: int, n_s
         Each layer's scores ``[B, H, T]`` over the same slots, higher means keep.
     positions : Tensor
         ``[B, H, T]`` int64 original positions (-1 for padding), equal across heads.
-    keep, n_sink, n_recent, block_size : int
-        As in `kernels.select_keep` (at most ``keep`` slots survive, in whole blocks of ``block_size``).
+    keep, n_sink, n_recent : int or sequence of int
+        As in `kernels.select_keep` (at most ``keep`` slots survive, in whole blocks of ``block_size``), for every
+        row or one per row.
+    block_size : int
+        Slots per block.
     rule : str
         The pooling rule (`POOLING_RULES`), the policy's ``pooling``.
 
     Returns
     -------
     Tensor
-        ``[B, 1, K]`` int64 kept slot indices, ascending (expand over heads to apply).
+        ``[B, 1, K]`` int64 kept slot indices, ascending, -1 entries first in a row that keeps fewer than the
+        widest (expand over heads to apply).
     """
     import kernels  # the repository's kernel package; cheap to import, torch reference on CPU
 

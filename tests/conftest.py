@@ -33,12 +33,14 @@ def random_ids(length: int, batch: int = 1, seed: int = 0, vocab: int = 256) -> 
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-_SCORERS: dict[int, str] = {}
+_SCORERS: dict[tuple, str] = {}
 
 
-def scorer_for(n_layers: int) -> str:
-    """A random-init scorer exported for a model with ``n_layers`` layers (what `learned` needs in policy matrices)."""
-    if n_layers not in _SCORERS:
+def scorer_for(n_layers: int, n_kv_heads: int = 2, model: str = "test") -> str:
+    """A random-init scorer exported for a model with ``n_layers`` layers and ``n_kv_heads`` KV heads, bound to
+    ``model`` (what `learned` needs in policy matrices; the unnamed tiny model is bound by shape only)."""
+    key = (n_layers, n_kv_heads, model)
+    if key not in _SCORERS:
         import tempfile
 
         from learnkv.scorer.artifact import export_scorer
@@ -46,11 +48,19 @@ def scorer_for(n_layers: int) -> str:
 
         torch.manual_seed(n_layers)
         path = export_scorer(Scorer(n_layers), tempfile.mkdtemp(prefix="learnkv-test-scorer-") + "/scorer",
-                             model="test", n_kv_heads=2)
-        _SCORERS[n_layers] = str(path)
-    return _SCORERS[n_layers]
+                             model=model, n_kv_heads=n_kv_heads)
+        _SCORERS[key] = str(path)
+    return _SCORERS[key]
 
 
-def params_for(policy: str, n_layers: int) -> dict:
-    """Extra parameters a registered policy needs to run in a test matrix."""
-    return {"scorer": scorer_for(n_layers)} if policy == "learned" else {}
+def params_for(policy: str, n_layers: int, **binding) -> dict:
+    """Extra parameters a registered policy needs to run in a test matrix (``binding``: see `scorer_for`)."""
+    return {"scorer": scorer_for(n_layers, **binding)} if policy == "learned" else {}
+
+
+def prefill_for(policy: str) -> dict:
+    """`generate` arguments a policy needs when the test's prompt is over the budget: a prefill policy for one that
+    observes nothing at the prefill (LazyEviction), which otherwise refuses to decide there."""
+    from learnkv.policies import POLICIES
+
+    return {} if POLICIES[policy].scores_prefill else {"prefill_policy": "snapkv"}

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import params_for, random_ids
+from conftest import params_for, prefill_for, random_ids
 from learnkv import generate
 from learnkv.cache import BudgetCache
 from learnkv.policies import make_policy
@@ -43,7 +43,7 @@ def decode(model, policy, slack, budget=12, new_tokens=20):
 
     result = generate(model, input_ids=ids, attention_mask=mask, policy=policy, budget=budget,
                       max_new_tokens=new_tokens, policy_params=params_for(policy, 2), stop_at_eos=False,
-                      observer=observe, slack=slack)  # fmt: skip
+                      observer=observe, slack=slack, **prefill_for(policy))  # fmt: skip
     return result, live, dead, caches[0]
 
 
@@ -66,7 +66,7 @@ def test_slack_keeps_the_same_tokens(tiny, policy, slack):
     assert ours.peak_kv_bytes <= base.peak_kv_bytes * (12 + slack + 1) / (12 + 1)
 
 
-@pytest.mark.parametrize("policy, extra", [("snapkv", {}), ("paged", {"budget": 40}),
+@pytest.mark.parametrize("policy, extra", [("snapkv", {}), ("rkv", {}), ("paged", {"budget": 40}),
                                            ("h2o", {"granularity": "block", "block_size": 4})])
 def test_slack_is_ignored_where_slots_are_grouped(tiny, policy, extra):
     """SnapKV pools neighbouring slots and block eviction groups them: a dead slot in between would change both."""

@@ -1,5 +1,5 @@
 """Chain prompts and the chain task: seeded and split like every source, gold answers that follow from the
-text, answer parsing, and a run whose fidelity half is exactly the fidelity task's."""
+text, answer parsing, a run whose fidelity half is exactly the fidelity task's, and batches that change nothing."""
 
 import re
 
@@ -9,8 +9,7 @@ import torch
 from conftest import random_ids
 from learnkv.chains import N_PROBLEMS, chain_problem, final_answer, parse_answers
 from learnkv.eval import Sample, build_spec, evaluate, make_task
-from learnkv.eval.tasks.chain import encode_chain, generated_tokens, grade_chain
-from learnkv.eval.tasks.fidelity import FullRun, RecallMeter, capture_attention, recall_of_run
+from learnkv.eval.tasks.chain import encode_chain, grade_chain
 from learnkv.prompts import load_prompts, split_of
 
 FIDELITY = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length")
@@ -83,66 +82,99 @@ def test_the_reply_starts_in_the_asked_format():
     assert prompt.meta["response_prefix"] == RESPONSE_PREFIX
 
 
-def test_generated_tokens_stop_at_the_first_eos():
-    assert generated_tokens(torch.tensor([5, 6, 2, 2, 2]), [2]) == 3
-    assert generated_tokens(torch.tensor([5, 6, 7]), [2]) == 3
+class AnswerTokenizer:
+    """Decodes token ids to chain answer lines (``Answer k: id % 7``, one per problem), so the tiny random model
+    "answers" every problem and its answers change when a budget changes its tokens."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "\n".join(f"Answer {k}: {int(t) % 7}" for k, t in enumerate(ids[:N_ANSWERED].tolist(), start=1))
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [self.decode(row) for row in rows]
 
 
-def samples(n=2, length=30, n_problems=3):
+N_ANSWERED = 6
+
+
+def samples(n=2, lengths=(30, 30), n_problems=3, seed=20):
     out = []
     for i in range(n):
-        s = Sample.from_ids(random_ids(length, seed=20 + i)[0], id=f"ids/{i}")
-        s.meta["answers"] = [str(k) for k in range(1, n_problems + 1)]
+        s = Sample.from_ids(random_ids(lengths[i % len(lengths)], seed=seed + i)[0], id=f"ids/{i}")
+        s.meta["answers"] = [str(k % 7) for k in range(1, n_problems + 1)]
         out.append(s)
     return out
 
 
-def test_row_capture_and_recall_meter_match_the_full_attention(tiny):
-    from learnkv.policies.oracle import full_attention
-
-    seq = random_ids(24, seed=3)
-    full = [a[0] for a in full_attention(tiny, seq, torch.ones_like(seq))]
-    rows = capture_attention(tiny, seq, first_row=10, dtype=torch.float16)
-    assert [r.shape for r in rows] == [(f.shape[0], 14, 24) for f in full]
-    assert all(torch.allclose(r.float(), f[:, 10:], atol=1e-3) for r, f in zip(rows, full))
-    kept = [[torch.arange(0, 10 + s, 2)[None].expand(2, -1) for _ in full] for s in range(15)]
-    meter = RecallMeter(rows, prompt_len=10, row_offset=10)
-    for k in kept:
-        meter.add(k)
-    assert meter.value == pytest.approx(recall_of_run(full, kept, prompt_len=10), abs=1e-3)
-
-
 def test_chain_fidelity_is_the_fidelity_tasks(tiny):
+    """The teacher-forced half of the chain task is the fidelity task's run: same metrics, same budgets."""
     spec = build_spec("full,h2o,tova", "0.5", "chain,fidelity", max_new_tokens=12)
-    got = {(r["policy"], r["task"]): r["metrics"] for r in evaluate(tiny, None, spec, samples=samples())}
+    records = evaluate(tiny, None, spec, samples=samples())
+    got = {(r["policy"], r["task"]): r for r in records}
     for policy in ("h2o", "tova"):
         chain, fidelity = got[policy, "chain"], got[policy, "fidelity"]
-        for k in ("kl", "top1_agreement", "ppl_ratio", "agreement_length"):
-            assert chain[k] == pytest.approx(fidelity[k], rel=1e-6, abs=1e-9)
-        assert chain["attention_recall"] == pytest.approx(fidelity["attention_recall"], abs=2e-3)  # fp16 rows
-        assert chain["kl"] > 0 and chain["generated_tokens"] == 12
-        assert chain["problem_accuracy"] == 0.0 and chain["answer_agreement"] == 1.0  # no text: nothing answered
-    full = got["full", "chain"]
+        assert chain["metrics"]["budget_tokens"] == fidelity["metrics"]["budget_tokens"] == 21  # ceil(.5 * (30 + 12))
+        for k in FIDELITY + ("generated_tokens",):
+            assert chain["per_prompt"][k] == pytest.approx(fidelity["per_prompt"][k], rel=1e-6, abs=1e-9), k
+        assert chain["metrics"]["kl"] > 0 and chain["metrics"]["generated_tokens"] == 12
+        assert chain["metrics"]["generated_tokens_median"] == 12
+        m = chain["metrics"]
+        assert m["problem_accuracy"] == 0.0 and m["answer_agreement"] == 1.0  # no tokenizer, no text: none answered
+    full = got["full", "chain"]["metrics"]
     assert full["kl"] == 0.0 and full["attention_recall"] == 1.0 and full["agreement_length"] == 12
-    assert all(k in full for k in ("problem_accuracy", "final_accuracy", "answer_agreement", "generated_tokens"))
+    assert all(k in full and f"{k}_ci95" in full for k in ("problem_accuracy", "final_accuracy", "answer_agreement"))
 
 
-def test_chain_run_grades_the_free_run(tiny, monkeypatch):
+def test_chain_grades_the_free_run(tiny, monkeypatch):
+    """Evicting policies are graded on their own free-running text; full on the reference's; oracle not at all."""
+    from learnkv.eval.tasks.chain import Chain
+
     task = make_task("chain", max_new_tokens=8)
     sample = samples(1)[0]
     ref = task.reference(tiny, None, sample)
-    assert ref.full.row_offset == 30 and ref.full.attention[0].dtype == torch.float16
-    ref.answers = ["1", "2", "9"]
-    monkeypatch.setattr(type(task), "text_of", staticmethod(lambda tok, result: "Answer 1: 1\nAnswer 2: 5\n#### 3"))
-    metrics, _ = task.run(tiny, None, sample, ref, "h2o", 20, {})
+    assert ref.prompt_len == 30 and ref.final_length == 38 and task.final_length(sample, ref) == 38
+    assert ref.attention[0].dtype == torch.float16 and ref.attention[0].shape[1] == 7  # decode rows only
+    ref.answers, ref.text = ["1", "2", "9"], "Answer 1: 1\nAnswer 2: 2\n#### 9"
+    decode_batch, free_runs = Chain.decode_batch, []
+
+    def with_text(self, model, tokenizer, samples, run, **options):
+        result = decode_batch(self, model, tokenizer, samples, run, **options)
+        if "forced_tokens" not in options:
+            free_runs.append(run.policy)
+            result.texts = ["Answer 1: 1\nAnswer 2: 5\n#### 3"] * len(samples)
+        return result
+
+    monkeypatch.setattr(Chain, "decode_batch", with_text)
+    metrics, result = task.run(tiny, None, sample, ref, "h2o", 20, {})
     assert metrics["problem_accuracy"] == pytest.approx(2 / 3) and metrics["final_accuracy"] == 1.0
-    assert metrics["answer_agreement"] == pytest.approx(1 / 3)
+    assert metrics["answer_agreement"] == pytest.approx(1 / 3) and metrics["kl"] > 0
+    assert result.budgets == [20] and result.max_kept_tokens <= 21
+    full, _ = task.run(tiny, None, sample, ref, "full", None, {})
+    assert full["problem_accuracy"] == pytest.approx(2 / 3) and full["final_accuracy"] == 0.0  # the reference's text
+    assert full["answer_agreement"] == 1.0 and full["kl"] == 0.0
     oracle, _ = task.run(tiny, None, sample, ref, "oracle", 20, {})
-    assert oracle["problem_accuracy"] is None and oracle["answer_agreement"] is None
-    pooled = task.pool([{"generated_tokens": 1000}, {"generated_tokens": 1200}, {"generated_tokens": 5000}])
-    assert pooled["generated_tokens_median"] == 1200 and pooled["generated_tokens"] == pytest.approx(2400)
-    assert task.reference_length(sample, ref) == 30 + ref.full.tokens.shape[1]
-    assert isinstance(ref.full, FullRun)
+    assert oracle["problem_accuracy"] is None and oracle["answer_agreement"] is None and oracle["kl"] >= 0
+    assert free_runs == ["h2o"]  # full's free run is the reference, oracle's the replayed reference
+
+
+@pytest.mark.parametrize("policy", ["h2o", "lazy", "snapkv"])
+def test_chain_batched_equals_one_prompt_at_a_time(tiny, policy):
+    """--batch-size 2: prompts of different lengths (own fraction budgets) give every per-prompt chain metric,
+    graded answers included, exactly as alone."""
+    tok = AnswerTokenizer()
+    items = samples(n=3, lengths=(18, 25, 21), n_problems=N_ANSWERED, seed=40)
+    spec = lambda bs: build_spec(f"full,{policy}", "0.6", "chain", max_new_tokens=16, batch_size=bs)  # noqa: E731
+    one, batched = (evaluate(tiny, tok, spec(bs), samples=items) for bs in (1, 2))
+    for a, b in zip(one, batched):
+        assert a["policy"] == b["policy"] and a["metrics"]["budget_tokens"] == b["metrics"]["budget_tokens"]
+        for metric, values in a["per_prompt"].items():
+            assert b["per_prompt"][metric] == pytest.approx(values, abs=1e-4), metric
+        assert a["metrics"]["kept_share"] == pytest.approx(b["metrics"]["kept_share"])
+    evicting = one[1]["per_prompt"]
+    assert 0 < max(evicting["kl"]) and min(evicting["answer_agreement"]) < 1.0  # the budget changed answers
+    assert one[0]["per_prompt"]["answer_agreement"] == [1.0] * 3
 
 
 @pytest.mark.slow
@@ -152,6 +184,7 @@ def test_chain_on_the_real_model(smollm2):
     sample = task.load(tok, 1, 0)[0]
     assert sample.id.startswith("chain/s0/") and sample.input_ids.shape[1] > 300
     ref = task.reference(model, tok, sample)
+    assert ref.text and len(ref.answers) == len(sample.meta["answers"])
     metrics, result = task.run(model, tok, sample, ref, "h2o", 256, {})
     assert metrics["generated_tokens"] == 24 and 0 <= metrics["kl"] and metrics["attention_recall"] <= 1.0
     assert result.budget == 256 and result.max_kept_tokens <= 257

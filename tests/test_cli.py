@@ -35,6 +35,8 @@ def test_policies_lists_registry():
         (["--policy", "h2o", "--budget", "8", "--param", "oops"], "NAME=VALUE"),
         (["--policy", "h2o", "--budget", "8", "--slack", "-1"], "--slack must be >= 0"),
         (["--policy", "full", "--model", "./no/such/model"], "model path './no/such/model' does not exist"),
+        (["--policy", "lazy", "--budget", "8", "--prefill-policy", "oracle"], "cannot be a prefill policy"),
+        (["--policy", "lazy", "--budget", "8", "--param", "window=abc"], "parameter window must be an integer"),
     ],
 )
 def test_bad_input_one_line(args, message):
@@ -56,3 +58,15 @@ def test_generate_prints_text_then_json(smollm2):
     assert summary["peak_kv_bytes"] > 0 and summary["tokens_per_s"] > 0
     assert summary["params"]["window"] == 8
     assert len(lines) >= 2 and lines[0].strip()
+
+
+@pytest.mark.slow
+def test_generate_a_prompt_over_the_budget_needs_a_prefill_policy_for_lazy(smollm2):
+    prompt = ["--prompt", "Count from one to twenty, then from twenty back to one, then name ten colours."]
+    out = run_cli("generate", "--policy", "lazy", "--budget", "24", "--max-new-tokens", "12", *prompt)
+    assert out.returncode == 2 and "observes nothing at the prefill" in out.stderr and "--prefill-policy" in out.stderr
+    out = run_cli("generate", "--policy", "lazy", "--budget", "24", "--max-new-tokens", "12", *prompt,
+                  "--prefill-policy", "snapkv:window=4", "--param", "window=4")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["prefill_policy"] == "snapkv" and summary["max_kept_tokens"] <= 24

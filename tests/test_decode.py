@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import params_for, random_ids
+from conftest import params_for, prefill_for, random_ids
 from learnkv import POLICIES, generate
 from learnkv.model import tiny_model
 
@@ -53,7 +53,7 @@ def _masked_reference_attention(layer_masks):
 @pytest.mark.parametrize("policy,budget,granularity,slack", [
     ("h2o", 24, "token", 0), ("lazy", 30, "token", 0), ("snapkv", 20, "token", 0), ("paged", 40, "token", 0),
     ("knorm", 16, "token", 0), ("learned", 20, "token", 0), ("h2o", 32, "block", 0), ("learned", 40, "block", 0),
-    ("h2o", 24, "token", 5), ("tova", 16, "token", 3), ("learned", 20, "token", 4),
+    ("h2o", 24, "token", 5), ("tova", 16, "token", 3), ("learned", 20, "token", 4), ("rkv", 20, "token", 0),
 ])
 def test_eviction_matches_masked_full_forward(tiny, policy, budget, granularity, slack):
     """Decoding with eviction and explicit positions == a full-length forward that masks the evicted tokens.
@@ -108,7 +108,7 @@ def _collect_logits(model, ids, policy, budget, new, params, **mode):
     return torch.stack(captured)
 
 
-@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "tova", "lazy", "snapkv", "knorm", "learned"])
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "tova", "lazy", "snapkv", "rkv", "knorm", "learned"])
 def test_left_padded_batch_equals_single_rows(tiny, policy):
     """Batch > 1 with left padding: each row decodes exactly as it does alone."""
     a, b = random_ids(26, seed=4)[0], random_ids(17, seed=5)[0]
@@ -118,11 +118,12 @@ def test_left_padded_batch_equals_single_rows(tiny, policy):
     ids[1, 9:], mask[1, 9:] = b, 1
     budget = None if policy == "full" else 20
     params = params_for(policy, 2)
+    more = prefill_for(policy) if budget else {}
     batch = generate(tiny, input_ids=ids, attention_mask=mask, policy=policy, budget=budget, max_new_tokens=16,
-                     policy_params=params)
+                     policy_params=params, **more)
     for row, single in ((0, a), (1, b)):
         alone = generate(tiny, input_ids=single[None], policy=policy, budget=budget, max_new_tokens=16,
-                         policy_params=params)
+                         policy_params=params, **more)
         assert batch.tokens[row].tolist() == alone.tokens[0].tolist(), f"row {row}"
 
 

@@ -16,10 +16,11 @@ from conftest import params_for, random_ids
 from learnkv import POLICIES, generate
 from learnkv.eval import TASKS, Sample, Task, build_spec, evaluate, make_task, markdown_table, write_results
 from learnkv.eval import metrics as M
-from learnkv.eval.tasks.fidelity import recall_of_run
+from learnkv.eval.run import paired
+from learnkv.eval.stats import bootstrap_ci, paired_difference
 
 ROOT = Path(__file__).resolve().parents[1]
-FIDELITY = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length")
+FIDELITY = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length", "generated_tokens")
 COST = ("peak_kv_bytes", "kv_share", "kept_share", "tokens_per_s", "eviction_share")
 TIMING = ("tokens_per_s", "eviction_share")
 
@@ -73,14 +74,34 @@ def test_attention_recall_of_a_known_mask():
     assert mask.tolist() == visible.tolist()
 
 
-def test_recall_of_run_uses_what_the_previous_step_kept():
-    # prompt of 2 tokens, 3 generated: passes 0 (prefill), 1 (query at 2), 2 (query at 3)
-    attn = torch.zeros(1, 4, 4)
-    attn[0, 2] = torch.tensor([0.1, 0.2, 0.7, 0.0])
-    attn[0, 3] = torch.tensor([0.4, 0.3, 0.2, 0.1])
-    kept = [[torch.tensor([[0]])], [torch.tensor([[0, 2]])], [torch.tensor([[2, 3]])]]  # the last is never used
-    assert recall_of_run([attn], kept, prompt_len=2) == pytest.approx((0.8 + 0.7) / 2)
-    assert recall_of_run([attn], kept[:1], prompt_len=2) == 1.0  # nothing decoded
+def test_step_recall_counts_what_was_kept_plus_the_query():
+    attn = torch.tensor([[0.1, 0.2, 0.7, 0.0], [0.4, 0.3, 0.2, 0.1]])  # [H=2, K=4], the query at position 2
+    kept = torch.tensor([[0, -1], [1, 3]])  # -1 = a padding or dead slot
+    assert M.step_recall(attn, kept, query=2) == pytest.approx(((0.1 + 0.7) + (0.3 + 0.2 + 0.1)) / 2)
+
+
+# -- intervals over prompts -------------------------------------------------------------------------------------
+
+
+def test_bootstrap_interval_of_a_known_sample():
+    values = [0.0, 1.0] * 10  # mean 0.5; the sd of a resampled mean is 0.5 / sqrt(20) = 0.112
+    lo, hi = bootstrap_ci(values)
+    assert lo < 0.5 < hi and (hi - lo) / 2 == pytest.approx(1.96 * 0.5 / math.sqrt(20), rel=0.15)
+    assert bootstrap_ci([0.3, None, 0.3]) == [0.3, 0.3] and bootstrap_ci([None]) is None
+    assert bootstrap_ci(values) == bootstrap_ci(values)  # seeded
+
+
+def test_paired_difference_cancels_what_prompts_share():
+    base = [0.1, 0.5, 0.9, 0.3, 0.7, 0.2, 0.8, 0.4]  # prompts differ a lot ...
+    better = [b - 0.01 for b in base]  # ... a policy is better by exactly 0.01 on each
+    d = paired_difference(better, base)
+    assert d["mean_diff"] == pytest.approx(-0.01) and d["ci95"] == pytest.approx([-0.01, -0.01])
+    assert d["excludes_zero"] and d["n"] == 8
+    unpaired = bootstrap_ci(better)  # the intervals of the two means overlap: only pairing separates them
+    assert unpaired[0] < sum(base) / len(base) < unpaired[1]
+    noise = paired_difference([b + (0.02 if i % 2 else -0.02) for i, b in enumerate(base)], base)
+    assert not noise["excludes_zero"]
+    assert paired_difference([None, 0.2], [0.1, None]) is None
 
 
 # -- the full cache and large budgets are exact ceilings --------------------------------------------------------
@@ -93,6 +114,7 @@ def test_full_scores_perfectly_at_any_budget(tiny):
     for r in records:
         m = r["metrics"]
         assert m["kl"] == 0.0 and m["top1_agreement"] == 1.0 and m["attention_recall"] == 1.0
+        assert m["kl_ci95"] == [0.0, 0.0] and m["n_prompts"] == 2 and r["per_prompt"]["kl"] == [0.0, 0.0]
         assert m["ppl_ratio"] == 1.0 and m["agreement_length"] == 12
         assert m["kv_share"] == 1.0 and m["kept_share"] == 1.0 and m["budget_tokens"] is None
         assert m["eviction_share"] == 0.0
@@ -125,7 +147,7 @@ def test_evicting_policies_lose_fidelity_and_oracle_is_the_headroom(tiny):
     assert got["oracle"]["agreement_length"] is None  # it replays the full-cache output
 
 
-@pytest.mark.parametrize("policy,budget", [("streaming", 16), ("h2o", 14), ("tova", 12), ("snapkv", 20), ("lazy", 24),
+@pytest.mark.parametrize("policy,budget", [("streaming", 16), ("h2o", 14), ("tova", 12), ("snapkv", 20), ("lazy", 36),
                                            ("learned", 14)])
 def test_agreement_length_equals_a_separate_free_run(tiny, policy, budget):
     """Read off the forced run, agreement length must equal what a free-running greedy budgeted decode gives."""
@@ -151,11 +173,13 @@ def test_block_granularity_is_what_generate_does_in_block_mode(tiny, policy):
     params = params_for(policy, 2)
     sample = samples(n=1, length=30)[0]
     task = make_task("fidelity", max_new_tokens=new, granularity="block", block_size=block)
-    ref = task.reference(tiny, None, sample)
-    _, kept, _ = task.decode_traced(tiny, None, sample, policy, budget, params, forced=ref.tokens)
+    kept = []
+    generate(tiny, input_ids=sample.input_ids, policy=policy, budget=budget, max_new_tokens=new, policy_params=params,
+             granularity="block", block_size=block, observer=lambda c: kept.append([la.positions[0] for la in c.layers]))
     for per_layer in kept[1:]:
         positions = torch.stack(per_layer)  # [layers, H, T]: one decision for every layer and KV head
         assert (positions == positions[0, 0]).all()
+    assert task.options()["granularity"] == "block"
     spec = lambda g: build_spec(policy, [budget], "fidelity", scorer=params.get("scorer"), max_new_tokens=new,  # noqa
                                 granularity=g, block_size=block)
     got = evaluate(tiny, None, spec("block"), samples=[sample])[0]
@@ -170,18 +194,55 @@ def test_block_granularity_is_what_generate_does_in_block_mode(tiny, policy):
 
 
 def test_budget_too_small_for_a_prompt_fails_before_any_decode(tiny, monkeypatch):
-    """A fraction resolves per prompt: 25% of a 30 + 10 token run is 10 tokens, too few for paged's two protected
-    blocks (the first prompt, 140 + 10 tokens, fits). The whole grid fails at once, naming the prompt."""
+    """A fraction resolves per prompt: 25% of a 30 + 10 token run is at most 10 tokens, too few for paged's two
+    protected blocks (the first prompt, 140 + 10 tokens, fits). The whole grid fails at once, naming the prompt."""
     from learnkv.eval.tasks.fidelity import Fidelity
 
     def no_decode(*args, **kwargs):
         raise AssertionError("decoded before the budgets were checked")
 
-    monkeypatch.setattr(Fidelity, "reference", no_decode)
+    monkeypatch.setattr(Fidelity, "reference_batch", no_decode)
     spec = build_spec("full,h2o,paged", "0.9,0.25", "fidelity", max_new_tokens=10)
-    with pytest.raises(ValueError, match=r"fidelity prompt ids/1 \(30 \+ 10 tokens\), budget 0.25 = 10 tokens: "
+    with pytest.raises(ValueError, match=r"fidelity prompt ids/1 \(30 prompt tokens\), budget 0.25 = 10 tokens, "
                                          r"policy 'paged'.*do not fit in a budget of 10 tokens"):
         evaluate(tiny, None, spec, samples=[*samples(n=1, length=140), *samples(n=2, length=30)[1:]])
+
+
+def test_blind_prefill_fails_before_any_decode_or_takes_a_prefill_policy(tiny, monkeypatch):
+    """lazy on prompts over the budget: refused up front; with --prefill-policy the grid runs."""
+    spec = build_spec("full,lazy", "12", "fidelity", max_new_tokens=6)
+    with pytest.raises(ValueError, match=r"prompt ids/0 .* policy 'lazy': policy 'lazy' observes nothing at the "
+                                         r"prefill"):
+        evaluate(tiny, None, spec, samples=samples(n=1))
+    spec = build_spec("full,lazy", "12", "fidelity", max_new_tokens=6, prefill_policy="snapkv:window=4")
+    got = evaluate(tiny, None, spec, samples=samples(n=1))
+    assert got[1]["config"]["prefill_policy"] == "snapkv:window=4" and got[0]["config"]["prefill_policy"] is None
+    assert got[1]["metrics"]["kl"] > 0
+
+
+def test_policy_items_with_parameters_are_rows_of_their_own(tiny):
+    spec = build_spec("h2o,lazy,lazy:window=3,lazy:variant=paper:window=3", "24", "fidelity", max_new_tokens=16)
+    records = evaluate(tiny, None, spec, samples=samples(n=1, length=20))
+    assert [r["policy"] for r in records] == ["h2o", "lazy", "lazy:window=3", "lazy:variant=paper:window=3"]
+    params = [r["config"]["policy_params"] for r in records]
+    assert params[1]["window"] == 6 and params[2]["window"] == 3 and params[3]["variant"] == "paper"
+    assert [r["config"]["policy_name"] for r in records] == ["h2o", "lazy", "lazy", "lazy"]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "lazy", "snapkv", "learned", "oracle", "paged:block_size=4"])
+def test_batched_evaluation_equals_one_prompt_at_a_time(tiny, policy):
+    """--batch-size: prompts of different lengths decode together, each with its own fraction budget, and every
+    per-prompt metric is what it is alone."""
+    name = policy.split(":")[0]
+    items = [Sample.from_ids(random_ids(n, seed=30 + n)[0], id=f"ids/{n}") for n in (18, 25, 21)]
+    spec = lambda bs: build_spec(f"full,{policy}", "0.6", "fidelity", max_new_tokens=16, batch_size=bs,  # noqa
+                                 scorer=params_for(name, 2).get("scorer"))
+    one, batched = (evaluate(tiny, None, spec(bs), samples=items) for bs in (1, 3))
+    for a, b in zip(one, batched):
+        assert a["metrics"]["budget_tokens"] == b["metrics"]["budget_tokens"]
+        for metric, values in a["per_prompt"].items():
+            assert b["per_prompt"][metric] == pytest.approx(values, abs=1e-4), metric
+        assert a["metrics"]["kept_share"] == pytest.approx(b["metrics"]["kept_share"])
 
 
 # -- tasks, records, files --------------------------------------------------------------------------------------
@@ -193,18 +254,24 @@ def test_records_cost_metrics_and_files(tiny, tmp_path):
     assert [(r["policy"], r["budget"]) for r in records] == [
         ("full", 0.75), ("h2o", 0.75), ("streaming", 0.75), ("full", 40), ("h2o", 40), ("streaming", 40)]
     for r in records:
-        assert set(r) == {"policy", "budget", "task", "metrics", "config"} and r["task"] == "fidelity"
+        assert set(r) == {"policy", "budget", "task", "metrics", "per_prompt", "config"} and r["task"] == "fidelity"
         m = r["metrics"]
-        assert all(k in m for k in FIDELITY + COST)
+        assert all(k in m and f"{k}_ci95" in m for k in FIDELITY) and all(k in m for k in COST)
         assert m["peak_kv_bytes"] > 0 and m["tokens_per_s"] > 0 and 0 <= m["eviction_share"] < 1
         assert r["config"]["n_prompts"] == 2 and r["config"]["task_options"]["max_new_tokens"] == 8
     h2o = by_key(records)["h2o", 0.75, "fidelity"]
     assert h2o["budget_tokens"] == 29 and h2o["kv_share"] == pytest.approx(30 / 37)  # ceil(.75 * 38); 29 + 1 of 37
     assert h2o["kept_share"] == pytest.approx(sum(29 / (30 + s) for s in range(8)) / 8)  # held after each pass
-    paths = write_results(records, tmp_path / "out")
-    assert json.loads(paths["json"].read_text()) == json.loads(json.dumps(records))
+    pairs = paired(records, "h2o")
+    assert {(p["policy"], p["budget"]) for p in pairs} == {("full", 0.75), ("streaming", 0.75), ("full", 40),
+                                                            ("streaming", 40)}
+    kl = next(p for p in pairs if (p["policy"], p["budget"], p["metric"]) == ("full", 0.75, "kl"))
+    assert kl["mean_diff"] == pytest.approx(-h2o["kl"]) and kl["n"] == 2
+    paths = write_results(records, tmp_path / "out", pairs)
+    assert json.loads(paths["json"].read_text()) == json.loads(json.dumps({"records": records, "paired": pairs}))
     table = paths["table"].read_text()
-    assert table == markdown_table(records) and table.count("\n| h2o |") == 2 and "| kl |" in table
+    assert table.startswith(markdown_table(records)) and table.count("\n| h2o |") == 2 and "| kl |" in table
+    assert " ± " in table and "paired difference to h2o" in table
     assert len(paths["plots"]) == len(FIDELITY) + 4
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths["plots"])
 
@@ -264,10 +331,9 @@ def test_a_task_is_one_registered_class(tiny, monkeypatch):
         name = "length"
         metrics = ("new_tokens",)
 
-        def run(self, model, tokenizer, sample, ref, policy, budget, params):
-            r = generate(model, input_ids=sample.input_ids, policy=policy, budget=budget,
-                         max_new_tokens=self.max_new_tokens)
-            return {"new_tokens": float(r.tokens.shape[1])}, r
+        def run_batch(self, model, tokenizer, samples, refs, run):
+            r = self.decode_batch(model, tokenizer, samples, run)
+            return [{"new_tokens": float(n)} for n in r.new_tokens], r
 
     monkeypatch.setitem(TASKS, "length", Length)
     records = evaluate(tiny, None, build_spec("h2o", "16", "length", max_new_tokens=5), samples=samples(n=1))
@@ -282,6 +348,13 @@ BAD = [
     (["--budget", "0"], "budget must be >= 1"),
     (["--budget", "0.25,many"], "budget must be a token count or a fraction"),
     (["--policy", "nope"], "unknown policy 'nope'"),
+    (["--policy", "lazy:window=abc"], "policy 'lazy': parameter window must be an integer or unset (none)"),
+    (["--policy", "h2o,lazy:windw=8"], "policy 'lazy' has no parameter windw; its parameters: "),
+    (["--policy", "lazy:window"], "each ':' part takes NAME=VALUE, got 'window'"),
+    (["--compare", "knorm"], "--compare 'knorm' is not one of the policies"),
+    (["--prefill-policy", "lazy"], "--prefill-policy: policy 'lazy' cannot be a prefill policy"),
+    (["--batch-size", "0"], "--batch-size must be a number of prompts >= 1"),
+    (["--config", "no/such.yaml"], "--config 'no/such.yaml' does not exist"),
     (["--policy", "full,learned"], "policy 'learned' needs a scorer artifact: --scorer PATH"),
     (["--policy", "learned", "--scorer", "no/such/scorer"], "scorer artifact 'no/such/scorer' does not exist"),
     (["--policy", "paged", "--budget", "8"], "do not fit in a budget of 8 tokens"),
@@ -323,8 +396,9 @@ def test_bad_input_subprocess_exit_code_and_no_traceback():
 
 # -- the real model -----------------------------------------------------------------------------------------------
 
-CI_COMMAND = ["evaluate.py", "--policy", "full,streaming,h2o,tova,snapkv,roco,lazy,paged", "--budget", "0.25,0.5",
-              "--task", "fidelity", "--limit", "4"]
+# the decode regime: budgets that hold these prompts (114-174 tokens), eviction while decoding
+CI_COMMAND = ["evaluate.py", "--policy", "full,streaming,h2o,tova,snapkv,roco,lazy,paged", "--budget", "192,224",
+              "--task", "fidelity", "--limit", "4", "--max-new-tokens", "96", "--batch-size", "4", "--compare", "lazy"]
 
 
 @pytest.mark.slow
@@ -335,15 +409,17 @@ def test_ci_command_writes_results_table_and_plots(tmp_path):
     elapsed = time.perf_counter() - t0
     print(f"CI evaluate command: {elapsed:.0f} s")
     assert out.returncode == 0, out.stderr[-2000:]
-    records = json.loads((tmp_path / "results.json").read_text())
-    assert len(records) == 8 * 2
+    results = json.loads((tmp_path / "results.json").read_text())
+    records = results["records"]
+    assert len(records) == 8 * 2 and {p["baseline"] for p in results["paired"]} == {"lazy"}
     for r in records:
         assert all(k in r["metrics"] for k in FIDELITY + COST + ("full_kv_bytes",))
         assert r["config"]["n_prompts"] == 4 and r["config"]["model"] == "smollm2-135m-instruct"
-    full = by_key(records)["full", 0.25, "fidelity"]
+    full = by_key(records)["full", 192, "fidelity"]
     assert full["kl"] == 0.0 and full["top1_agreement"] == 1.0 and full["attention_recall"] == 1.0
-    h2o = by_key(records)["h2o", 0.25, "fidelity"]
-    assert h2o["kl"] > 0 and h2o["attention_recall"] < 1.0 and h2o["kv_share"] < 1.0 and h2o["kept_share"] < 0.35
+    for policy in ("h2o", "lazy"):
+        m = by_key(records)[policy, 192, "fidelity"]
+        assert m["kl"] > 0 and m["attention_recall"] < 1.0 and m["kv_share"] < 1.0 and m["kept_share"] < 1.0
     assert (tmp_path / "results.md").read_text() in out.stdout
     assert len(list(tmp_path.glob("fidelity_*.png"))) == len(FIDELITY) + 4
     assert elapsed < 600  # about 3.5 minutes on the 2-core CI machine

@@ -98,6 +98,6 @@ def test_block_mode_pools_with_the_policy_rule(tiny, monkeypatch, policy, rule):
     used = []
     real = pooling.shared_token_scores
     monkeypatch.setattr(pooling, "shared_token_scores", lambda *a: used.append(a[2]) or real(*a))
-    generate(tiny, input_ids=random_ids(40, seed=13), policy=policy, budget=32, max_new_tokens=4,
-             granularity="block", block_size=8, policy_params=params_for(policy, 2))
+    generate(tiny, input_ids=random_ids(24, seed=13), policy=policy, budget=32, max_new_tokens=16,
+             granularity="block", block_size=8, policy_params=params_for(policy, 2))  # the prompt fits: decode-time
     assert used and set(used) == {rule}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kernels
-from conftest import params_for, random_ids
+from conftest import params_for, prefill_for, random_ids
 
 pytest.importorskip("triton")
 
@@ -35,6 +35,7 @@ POLICY_CASES = [  # policy, extra generate arguments, launchers that must run
     pytest.param("roco", {}, EVICTION + ("update_token_state",), id="roco"),
     pytest.param("lazy", {}, EVICTION + ("update_token_state",), id="lazy"),
     pytest.param("tova", {}, EVICTION, id="tova"),
+    pytest.param("rkv", {}, EVICTION, id="rkv"),
     pytest.param("paged", {"policy_params": {"block_size": 4}}, EVICTION + ("block_scores",), id="paged"),
     # small protected windows: with the defaults (4 + 8) a budget of 12 is all protected and the scores never count
     pytest.param("learned", {"policy_params": {"n_sink": 1, "n_recent": 2}},
@@ -57,6 +58,7 @@ def decode(model, policy, mode, monkeypatch, extra):
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # row 1 is a 16-token prompt, left-padded
     params = {**params_for(policy, len(model.model.layers)), **extra.pop("policy_params", {})}
+    extra = {**prefill_for(policy), **extra}
     kept = []
     res = generate(model, input_ids=ids, attention_mask=mask, policy=policy, budget=12, max_new_tokens=7,
                    policy_params=params, stop_at_eos=False,
@@ -129,7 +131,7 @@ def test_benchmark_and_decode_path_import_neither_wandb_nor_datasets():
         "ids = torch.randint(0, 256, (1, 44))\n"
         "for name in POLICIES:\n"
         "    if name != 'learned':\n"
-        "        generate(model, input_ids=ids, policy=name, budget=36, max_new_tokens=3)\n"
+        "        generate(model, input_ids=ids, policy=name, budget=36, max_new_tokens=3, prefill_policy='snapkv')\n"
         "import learnkv.scorer.artifact, learnkv.features\n"
         "print(sorted({'wandb', 'datasets'} & set(sys.modules)))\n"
     )

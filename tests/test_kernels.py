@@ -328,9 +328,10 @@ def build(fn, consts, warps=4, **types):
 
 for bs in (1, 16):
     build(select._priority_kernel, dict(IDX_BITS=15, BLOCK_N=1024 // bs, BLOCK_S=bs, BLOCK_T=1024), 8,
-          scores_ptr="*bf16", pos_ptr="*i64", key_ptr="*i64")
+          scores_ptr="*bf16", pos_ptr="*i64", key_ptr="*i64", sink_ptr="*i64", recent_ptr="*i64",
+          first_ptr="*i64", nfull_ptr="*i64")
     build(select._select_kernel, dict(N_PASSES=12, RADIX_BITS=4, BLOCK_N=1024 // bs, BLOCK_S=bs), 8,
-          key_ptr="*i64", out_ptr="*i64")
+          key_ptr="*i64", out_ptr="*i64", keep_ptr="*i64", first_ptr="*i64", nfull_ptr="*i64")
 build(compact._gather_kernel, dict(BLOCK_K=16, BLOCK_R=128), x_ptr="*i16", idx_ptr="*i64", out_ptr="*i16")
 build(compact._gather_kernel, dict(BLOCK_K=1024, BLOCK_R=1), x_ptr="*i64", idx_ptr="*i64", out_ptr="*i64")
 build(block_score._block_scores_kernel, dict(BLOCK_NB=1, BLOCK_S=16, BLOCK_D=128),

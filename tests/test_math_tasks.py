@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from learnkv.decode import GenerationResult
-from learnkv.eval import TASKS, build_spec, make_task
-from learnkv.eval.tasks.math import MathReference, champ_golds, gold_answer, grade_math, math_prompt, parse_completion
+from conftest import random_ids
+from learnkv.decode import GenerationResult, generate
+from learnkv.eval import TASKS, Sample, build_spec, evaluate, make_task
+from learnkv.eval.tasks.base import RunConfig
+from learnkv.eval.tasks.math import champ_golds, gold_answer, grade_math, math_prompt, parse_completion
 
 DATA = Path(__file__).resolve().parent / "data"
 BENCHMARKS = {"gsm8k": ("openai/gsm8k", 3, "27"), "math500": ("HuggingFaceH4/MATH-500", 3, "\\frac{11}{12}"),
@@ -32,9 +34,12 @@ class _Tok:
         return {"input_ids": ids, "attention_mask": (ids >= 0).long()}
 
 
-def result_of(text: str, n_tokens: int = 5) -> GenerationResult:
-    return GenerationResult(torch.zeros(1, n_tokens, dtype=torch.long), [text], "h2o", 8, {}, [], 0, 0, 0, 10, 0.0,
-                            0.0, 1.0)
+def result_of(texts: list[str], new_tokens: list[int]) -> GenerationResult:
+    n = max(new_tokens)
+    return GenerationResult(tokens=torch.zeros(len(texts), n, dtype=torch.long), texts=texts, policy="h2o",
+                            budgets=None, params={}, prompt_lengths=[10] * len(texts), new_tokens=new_tokens,
+                            kept_rows=[], peak_kv_bytes_rows=[0] * len(texts), full_kv_bytes_rows=[0] * len(texts),
+                            prefill_s=0.0, decode_s=0.0, tokens_per_s=1.0)
 
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))
@@ -91,21 +96,61 @@ def test_agreement_with_the_full_cache_answer():
     assert grade_math("\\boxed{1}", "3")["agreement"] is None
 
 
-def test_run_grades_the_free_run_and_reuses_the_full_one(monkeypatch):
+def test_batches_grade_each_row_against_its_own_reference(monkeypatch):
+    """reference_batch reads the full cache's answers and lengths per row; run_batch grades each row's own text
+    against its golds and its reference, with the per-row budgets it was given."""
     task = make_task("gsm8k", data_file=str(DATA / "gsm8k.jsonl"))
-    sample = task.load(_Tok(), 1, 0)[0]
-    ref = MathReference(result_of("... \\boxed{27}", n_tokens=7), parse_completion("\\boxed{27}"))
-    monkeypatch.setattr(type(task), "decode", lambda self, *a, **k: result_of("... \\boxed{30}"))
-    full, result = task.run(None, None, sample, ref, "full", None, {})
-    assert result is ref.result and full == {"accuracy": 1.0, "answer_agreement": 1.0, "generated_tokens": 7}
-    h2o, _ = task.run(None, None, sample, ref, "h2o", 8, {})
-    assert h2o == {"accuracy": 0.0, "answer_agreement": 0.0, "generated_tokens": 7}
-    oracle, _ = task.run(None, None, sample, ref, "oracle", 8, {})
-    assert oracle["accuracy"] is None and oracle["answer_agreement"] is None
-    pooled = task.pool([full, h2o, {"accuracy": 1.0, "answer_agreement": 1.0, "generated_tokens": 100}])
-    assert pooled["accuracy"] == pytest.approx(2 / 3) and pooled["generated_tokens"] == pytest.approx(38)
-    assert pooled["generated_tokens_median"] == 7
-    assert task.reference_length(sample, ref) == sample.input_ids.shape[1] + 7
+    samples = task.load(_Tok(), 2, 0)
+    golds = [s.answer for s in samples]
+    runs = []
+
+    def decode_batch(self, model, tokenizer, samples, run, **options):
+        runs.append(run)
+        if run.policy == "full":
+            return result_of([f"... \\boxed{{{golds[0]}}}", "#### 12345"], [7, 11])
+        return result_of([f"so \\boxed{{{golds[0]}}}.", "I do not know."], [3, 4])
+
+    monkeypatch.setattr(type(task), "decode_batch", decode_batch)
+    refs = task.reference_batch(None, None, samples)
+    assert [r.new_tokens for r in refs] == [7, 11] and refs[1].parsed
+    assert [task.final_length(s, r) for s, r in zip(samples, refs)] == [samples[0].input_ids.shape[1] + 7,
+                                                                        samples[1].input_ids.shape[1] + 11]
+    full, _ = task.run_batch(None, None, samples, refs, RunConfig("full", {}, [None, None]))
+    assert full == [{"accuracy": 1.0, "answer_agreement": 1.0, "generated_tokens": 7.0},
+                    {"accuracy": 0.0, "answer_agreement": 1.0, "generated_tokens": 11.0}]
+    h2o, _ = task.run_batch(None, None, samples, refs, RunConfig("h2o", {}, [20, 30]))
+    assert h2o == [{"accuracy": 1.0, "answer_agreement": 1.0, "generated_tokens": 7.0},
+                   {"accuracy": 0.0, "answer_agreement": 0.0, "generated_tokens": 11.0}]  # no answer vs 12345
+    assert runs[-1].budgets == [20, 30]
+    oracle, _ = task.run_batch(None, None, samples, refs, RunConfig("oracle", {}, [20, 30]))
+    assert all(m["accuracy"] is None and m["answer_agreement"] is None for m in oracle)
+
+
+class BoxedTokenizer:
+    """Decodes a row of token ids to ``\\boxed{N}``, N its first id: the tiny random model "answers"."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [f"The answer is \\boxed{{{int(row[0])}}}." for row in rows]
+
+
+def test_math_task_end_to_end_batched_on_the_tiny_model(tiny):
+    """The runner on a math task: fraction budgets of the full cache's final length, the median generated length,
+    and --batch-size 2 equal to one prompt at a time."""
+    items = [Sample.from_ids(random_ids(n, seed=50 + n)[0], id=f"ids/{n}") for n in (20, 27, 23)]
+    for s in items:  # gold: the full cache's own answer, except on the last prompt
+        s.answer = str(int(generate(tiny, input_ids=s.input_ids, max_new_tokens=1).tokens[0, 0]))
+    items[-1].answer = "-1"
+    spec = lambda bs: build_spec("full,streaming", "0.5", "gsm8k", max_new_tokens=10, batch_size=bs)  # noqa: E731
+    one, batched = (evaluate(tiny, BoxedTokenizer(), spec(bs), samples=items) for bs in (1, 2))
+    full, streaming = one
+    assert full["metrics"]["accuracy"] == pytest.approx(2 / 3) and full["metrics"]["answer_agreement"] == 1.0
+    assert full["metrics"]["generated_tokens_median"] == 10 and full["metrics"]["n_prompts"] == 3
+    assert streaming["metrics"]["budget_tokens"] == pytest.approx((15 + 19 + 17) / 3)  # ceil(.5 * (P + 10))
+    for a, b in zip(one, batched):
+        assert a["per_prompt"] == b["per_prompt"]
 
 
 def test_registered_and_options_reach_the_task():

@@ -71,7 +71,7 @@ def test_invariants_every_step(tiny, policy, budget):
 )
 def test_invariants_property(tiny, policy, budget, prompt_len, new_tokens, n_sink, window, slack):
     params = {"n_sink": n_sink}
-    if policy in ("lazy", "snapkv"):
+    if policy in ("lazy", "snapkv", "rkv"):
         params["window"] = window
     elif policy == "paged":
         params = {"block_size": window, "n_sink": n_sink, "n_recent": 1}

@@ -47,7 +47,8 @@ def test_every_policy_decodes_64_tokens_at_budget_64(smollm2, policy):
     model, tok = smollm2
     budget = None if policy == "full" else 64
     result = generate(model, tok, PROMPT, policy=policy, budget=budget, max_new_tokens=64, stop_at_eos=False,
-                      policy_params=params_for(policy, model.config.num_hidden_layers))
+                      policy_params=params_for(policy, model.config.num_hidden_layers, model="smollm2-135m-instruct",
+                                               n_kv_heads=model.config.num_key_value_heads))
     assert result.tokens.shape == (1, 64)
     if policy != "full":
         assert result.max_kept_tokens <= 64

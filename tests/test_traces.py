@@ -64,9 +64,8 @@ def test_shards_load_back_with_the_manifest_schema(collected):
     row = ds[0]
     H, T = row["n_heads"], row["n_tokens"]
     assert len(row["features"]) == H * T * N_FEATURES
-    for col in ["future_sum", "future_max", "reenter"] + [f"teacher_{t}" for t in CFG.teachers]:
+    for col in ["future_sum", "future_max", "future_out", "reenter", "positions"] + [f"teacher_{t}" for t in CFG.teachers]:
         assert len(row[col]) == H * T, col
-    assert len(row["positions"]) == T
     assert {r for r in ds["split"]} == {"train", "validation", "test"}
     assert len(load_traces(out, split="test")) == sum(1 for s in ds["split"] if s == "test")
 
@@ -112,14 +111,23 @@ def test_labels_equal_a_direct_computation():
     for h in range(H):
         for tok in range(T1):
             rows = [history[s][0, h, :, tok] for s in (2, 3, 4)]
-            assert math.isclose(p.future_sum[0, h, tok].item(), sum(float(r.mean()) for r in rows), rel_tol=1e-5)
-            assert math.isclose(p.future_max[0, h, tok].item(), max(float(r.max()) for r in rows), rel_tol=1e-6)
+            assert math.isclose(p.labels["future_sum"][0, h, tok].item(), sum(float(r.mean()) for r in rows), rel_tol=1e-5)
+            assert math.isclose(p.labels["future_max"][0, h, tok].item(), max(float(r.max()) for r in rows), rel_tol=1e-6)
+            # dropping the token moves query head g's output o_g by a_g |v - o_g| / (1 - a_g)
+            out = 0.0
+            for s in (2, 3, 4):
+                T_s = T0 + s
+                a = history[s][0, h]  # [G, T_s]
+                v = keys[0, h, :T_s]
+                o = a @ v  # [G, D]
+                out += float(sum(a[g, tok] * (v[tok] - o[g]).norm() / (1 - a[g, tok]) for g in range(G)) / G)
+            assert math.isclose(p.labels["future_out"][0, h, tok].item(), out, rel_tol=1e-4)
             reenter = False
             for s in (2, 3, 4):
                 means = history[s][0, h].mean(0)  # group mean over the step's tokens
                 k = math.ceil(0.25 * means.shape[0])
                 reenter |= tok in sorted(range(means.shape[0]), key=lambda i: -float(means[i]))[:k]
-            assert bool(p.reenter[0, h, tok]) == reenter
+            assert bool(p.labels["reenter"][0, h, tok]) == reenter
 
 
 def _rows(trace_dir):
@@ -145,7 +153,7 @@ def test_sharded_collectors_and_merge(small, collected, tmp_path):
     reference, _, _ = collected
     m0, _ = collect(tmp_path, CFG, shard=(0, 2), model=model, tokenizer=tok, prompts=PROMPTS, progress=False)
     m1, _ = collect(tmp_path, CFG, shard=(1, 2), model=model, tokenizer=tok, prompts=PROMPTS, progress=False)
-    assert merge(tmp_path)["complete"]
+    assert merge(tmp_path)[0]["complete"]
     assert _rows(tmp_path) == _rows(reference)
 
 

@@ -18,7 +18,13 @@ H, T, LAYERS = 2, 40, 2
 
 
 def synthetic_traces(out: Path, rows_per_split=(96, 24), seed=0) -> None:
-    """Traces whose future utility is a known function of two features (plus two useless teachers)."""
+    """Traces whose future utility is a known function of two features (plus two useless teachers), labelled with
+    the default collection config (what `config` trains with)."""
+    import dataclasses
+
+    from learnkv.traces.collect import CollectConfig
+
+    collect_cfg = CollectConfig()
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True, exist_ok=True)
     for index, (split, n) in enumerate(zip(("train", "validation"), rows_per_split)):
@@ -41,9 +47,10 @@ def synthetic_traces(out: Path, rows_per_split=(96, 24), seed=0) -> None:
             cols["reenter"].append(np.zeros(H * T, dtype=np.int8))
             cols["teacher_noise"].append(rng.normal(size=H * T).astype(np.float32))
             cols["teacher_f5"].append(f[..., 5].ravel())
-        write_shard(out, index, cols, [f"{split}{r}" for r in range(n)])
+        write_shard(out, index, cols, [f"{split}{r}" for r in range(n)], collect_cfg.digest())
     write_manifest(out, {"model": "synthetic", "n_layers": LAYERS, "n_kv_heads": H, "teachers": ["noise", "f5"],
-                         "horizon": 8, "label_budget": 0.25}, 2)
+                         "horizon": 8, "label_budget": 0.25, "config": dataclasses.asdict(collect_cfg),
+                         "config_digest": collect_cfg.digest()}, 2)
 
 
 def config(tmp: Path, *overrides):
@@ -130,3 +137,27 @@ def test_rerun_with_another_scorer_shape_is_refused(synthetic_run):
     tmp, _, _, _ = synthetic_run
     with pytest.raises(ValueError, match="another hidden"):
         train(config(tmp, "train.hidden=8"), progress=False)
+
+
+def test_rounds_collect_under_the_previous_scorer_and_train_on_the_union(synthetic_run, tmp_path):
+    """Round r > 1 collects under the learned policy of round r - 1 into its own trace directory, and trains on every
+    round's traces (here two synthetic directories stand for two rounds)."""
+    from learnkv.scorer.fit import round_config, train_round
+
+    tmp, artifact, _, _ = synthetic_run
+    cfg = config(tmp, "rounds=3", f"out_dir={tmp_path / 'out'}")
+    r1, r2 = round_config(cfg, 1, None), round_config(cfg, 2, artifact)
+    assert (r1.trace_dir, r1.collect.policy) == (cfg.trace_dir, cfg.collect.policy)
+    assert r2.trace_dir == f"{cfg.trace_dir}-round2" and r2.out_dir == str(tmp_path / "out" / "round-2")
+    assert r2.collect.policy == "learned" and r2.collect.policy_params == {"scorer": str(artifact)}
+    assert round_config(cfg, 3, artifact).out_dir == str(tmp_path / "out")
+    second = tmp_path / "second"
+    synthetic_traces(second, rows_per_split=(32, 8), seed=1)
+    union = config(tmp, f"out_dir={tmp_path / 'union'}", "train.max_epochs=2")
+    _, metrics, _ = train_round(union, [union.trace_dir, str(second)], progress=False)
+    assert metrics["val/recall@25"] > 0.5
+    from learnkv.scorer.data import TraceDataModule
+
+    dm = TraceDataModule([union.trace_dir, str(second)])
+    dm.setup()
+    assert len(dm.train_rows) == 96 + 32 and len(dm.val_rows) == 24 + 8

@@ -126,3 +126,30 @@ def visible_mask(kept: Sequence[Tensor], queries: Sequence[int], n_keys: int) ->
         out[:, i] = row[:, :n_keys]
         out[:, i, q] = True
     return out
+
+
+def step_recall(attention: Tensor, kept: Tensor, query: int) -> float:
+    """Attention recall of one decode step: the share of its query's full-cache attention that falls on what the
+    budgeted cache held for it (the positions kept after the previous pass, plus the query's own token).
+
+    Parameters
+    ----------
+    attention : Tensor
+        ``[H, K]`` the full-cache attention of the step's query over key positions.
+    kept : Tensor
+        ``[H, T]`` int64 kept positions (-1 = padding or a dead slot, ignored).
+    query : int
+        The query's position.
+
+    Returns
+    -------
+    float
+        The recall, averaged over heads (`attention_recall`).
+    """
+    H, K = attention.shape
+    kept = kept.cpu()
+    visible = torch.zeros(H, K + 1, dtype=torch.bool)  # the extra last column swallows -1 and out-of-range slots
+    visible.scatter_(1, torch.where((kept >= 0) & (kept < K), kept, K), True)
+    visible = visible[:, :K]
+    visible[:, query] = True
+    return float(attention_recall(attention, visible).mean())

@@ -1,12 +1,20 @@
 """Evaluation records -> results.json, a markdown table per task, and one PNG per task and metric.
 
-Knows the record layout (`learnkv.eval.run.evaluate`) and nothing about models or policies. Plots use
-matplotlib's Agg backend (no display needed): metric vs budget, one line per policy.
+Knows the record layout (`learnkv.eval.run.evaluate`) and nothing about models or policies. Every task metric is
+shown as ``mean ± half-width`` of its 95% interval over prompts; with a baseline (``--compare``), a second table
+lists each policy's paired difference to it and marks the differences whose interval excludes zero. Plots use
+matplotlib's Agg backend (no display needed): metric vs budget, one line per policy, the interval as error bars.
+
+An output directory is checked before the first decode (`prepare_output`), and a rerun into it never overwrites an
+earlier run's results: `write_results` moves them into ``earlier-<time>/`` first.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from learnkv.atomic import write_json_atomic
@@ -36,7 +44,7 @@ def _fmt(metric: str, value) -> str:
         return "—"
     if metric == "peak_kv_bytes":
         return f"{value / 2**20:.2f}"
-    if metric in ("tokens_per_s", "agreement_length", "budget_tokens"):
+    if metric in ("tokens_per_s", "agreement_length", "budget_tokens", "generated_tokens"):
         return f"{value:.1f}"
     if metric == "kl":
         return f"{value:.4f}"
@@ -48,10 +56,16 @@ def _header(metric: str) -> str:
 
 
 def _metric_columns(records: list[dict]) -> list[str]:
-    """A task's metrics in the order its record lists them, before the cost columns."""
-    from learnkv.eval.run import COST_METRICS
+    """A task's per-prompt metrics in the order its record lists them (no intervals, counts or cost)."""
+    return [k for k in records[0]["per_prompt"] if k in records[0]["metrics"]]
 
-    return [k for k in records[0]["metrics"] if k not in COST_METRICS]
+
+def _with_interval(metric: str, metrics: dict) -> str:
+    """``0.0123 ± 0.0040``: the mean and the half-width of its 95% interval (just the mean without one)."""
+    value, ci = metrics.get(metric), metrics.get(f"{metric}_ci95")
+    if value is None or not ci:
+        return _fmt(metric, value)
+    return f"{_fmt(metric, value)} ± {_fmt(metric, (ci[1] - ci[0]) / 2)}"
 
 
 def markdown_table(records: list[dict], columns: list[str] | None = None) -> str:
@@ -61,16 +75,19 @@ def markdown_table(records: list[dict], columns: list[str] | None = None) -> str
     out = []
     for task in dict.fromkeys(r["task"] for r in records):
         rows = [r for r in records if r["task"] == task]
-        cols = [c for c in (columns or _metric_columns(rows)) if c in rows[0]["metrics"]] + list(COST_COLUMNS)
+        task_cols = [c for c in (columns or _metric_columns(rows)) if c in rows[0]["metrics"]]
         cfg = rows[0]["config"]
-        out.append(f"task: {task} ({cfg['n_prompts']} prompts, model {cfg['model']})\n")
-        out.append("| policy | budget | budget tokens | " + " | ".join(map(_header, cols)) + " |")
-        out.append("|---|---|---|" + "---|" * len(cols))
+        out.append(f"task: {task} ({cfg['n_prompts']} prompts, model {cfg['model']}; mean ± half-width of the 95% "
+                   "bootstrap interval over prompts)\n")
+        out.append("| policy | budget | budget tokens | " + " | ".join(map(_header, task_cols + list(COST_COLUMNS)))
+                   + " |")
+        out.append("|---|---|---|" + "---|" * (len(task_cols) + len(COST_COLUMNS)))
         order = {b: i for i, b in enumerate(dict.fromkeys(r["budget"] for r in rows))}
         for r in sorted(rows, key=lambda r: order[r["budget"]]):  # stable: policies keep their order
             m = r["metrics"]
             cells = [r["policy"], str(r["budget"]), _fmt("budget_tokens", m.get("budget_tokens"))]
-            out.append("| " + " | ".join(cells + [_fmt(c, m.get(c)) for c in cols]) + " |")
+            cells += [_with_interval(c, m) for c in task_cols] + [_fmt(c, m.get(c)) for c in COST_COLUMNS]
+            out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 
@@ -101,10 +118,13 @@ def plot(records: list[dict], out_dir: str | Path) -> list[Path]:
         for metric in _metric_columns(rows) + list(PLOTTED_COST):
             fig, ax = plt.subplots(figsize=(6, 4))
             for policy, style in styles.items():
-                pts = sorted((xs[r["budget"]], r["metrics"].get(metric)) for r in rows if r["policy"] == policy
-                             and r["metrics"].get(metric) is not None)
+                pts = sorted((xs[r["budget"]], r["metrics"].get(metric), r["metrics"].get(f"{metric}_ci95"))
+                             for r in rows if r["policy"] == policy and r["metrics"].get(metric) is not None)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy, **style)
+                    x, y = [p[0] for p in pts], [p[1] for p in pts]
+                    err = [[max(v - ci[0], 0) if ci else 0 for _, v, ci in pts],
+                           [max(ci[1] - v, 0) if ci else 0 for _, v, ci in pts]]
+                    ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=policy, **style)
             if not numeric:
                 ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
             ax.set_xlabel(f"budget ({unit})")
@@ -120,8 +140,77 @@ def plot(records: list[dict], out_dir: str | Path) -> list[Path]:
     return paths
 
 
-def write_results(records: list[dict], out_dir: str | Path) -> dict[str, object]:
-    """Write ``results.json`` (the records), ``results.md`` (the table) and the plots into ``out_dir``.
+def paired_table(pairs: list[dict], metrics: Sequence[str] | None = None) -> str:
+    """One markdown table per task and budget: each policy's mean difference to the baseline in each metric, with
+    its 95% paired interval; ``*`` marks an interval that excludes zero."""
+    if not pairs:
+        return ""
+    out = []
+    for task, budget in dict.fromkeys((p["task"], p["budget"]) for p in pairs):
+        rows = [p for p in pairs if (p["task"], p["budget"]) == (task, budget)]
+        cols = [m for m in dict.fromkeys(p["metric"] for p in rows) if metrics is None or m in metrics]
+        out.append(f"paired difference to {rows[0]['baseline']} ({task}, budget {budget}; policy − baseline, 95% "
+                   "paired-bootstrap interval; * = excludes zero)\n")
+        out.append("| policy | n | " + " | ".join(cols) + " |")
+        out.append("|---|---|" + "---|" * len(cols))
+        for policy in dict.fromkeys(p["policy"] for p in rows):
+            cells, n = [], "—"
+            for c in cols:
+                d = next((p for p in rows if p["policy"] == policy and p["metric"] == c), None)
+                if d is None:
+                    cells.append("—")
+                    continue
+                n = str(d["n"])
+                lo, hi = (_fmt(c, x) for x in d["ci95"])
+                cells.append(f"{_fmt(c, d['mean_diff'])} [{lo}, {hi}]" + ("*" if d["excludes_zero"] else ""))
+            out.append(f"| {policy} | {n} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+
+RESULTS = ("results.json", "results.md")
+
+
+def _earlier_results(out_dir: Path) -> list[Path]:
+    """What an earlier run wrote into ``out_dir`` (the results, the table, the plots)."""
+    return [out_dir / name for name in RESULTS if (out_dir / name).is_file()] + sorted(out_dir.glob("*.png"))
+
+
+def _keep_dir(out_dir: Path) -> Path:
+    """Where an earlier run's results move: ``earlier-<its results' time>/`` (a new name, never an existing one)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(p.stat().st_mtime for p in _earlier_results(out_dir))))
+    keep, n = out_dir / f"earlier-{stamp}", 1
+    while keep.exists():
+        keep, n = out_dir / f"earlier-{stamp}-{n}", n + 1
+    return keep
+
+
+def prepare_output(out_dir: str | Path) -> str | None:
+    """Check, before any decode, that the results can be written to ``out_dir`` (created if missing); raises
+    ValueError if not. Returns a line saying what an earlier run left there and where it will be kept, or None."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"output {out_dir} is a file; give a directory (results.json, results.md and plots go in it)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create output directory {out_dir}: {e.strerror or e}") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"output directory {out_dir} is not writable")
+    blocked = [name for name in RESULTS if (out_dir / name).exists() and not (out_dir / name).is_file()]
+    if blocked:
+        raise ValueError(f"{out_dir / blocked[0]} is not a file; this run writes its results there")
+    earlier = _earlier_results(out_dir)
+    if not earlier:
+        return None
+    return (f"{out_dir} holds an earlier run's results ({len(earlier)} files); they will be kept in "
+            f"{_keep_dir(out_dir)}/ when this run writes its own")
+
+
+def write_results(records: list[dict], out_dir: str | Path, pairs: list[dict] | None = None) -> dict[str, object]:
+    """Write ``results.json`` (``{"records": [...], "paired": [...]}``), ``results.md`` (the tables) and the plots
+    into ``out_dir``; an earlier run's results there are moved into ``earlier-<time>/`` first.
 
     Returns
     -------
@@ -130,10 +219,16 @@ def write_results(records: list[dict], out_dir: str | Path) -> dict[str, object]
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    earlier = _earlier_results(out_dir)
+    if earlier:
+        keep = _keep_dir(out_dir)
+        keep.mkdir()
+        for path in earlier:
+            os.replace(path, keep / path.name)
     json_path, md_path = out_dir / "results.json", out_dir / "results.md"
-    write_json_atomic(json_path, records)
-    md_path.write_text(markdown_table(records))
+    write_json_atomic(json_path, {"records": records, "paired": pairs or []})
+    md_path.write_text(markdown_table(records) + ("\n" + paired_table(pairs) if pairs else ""))
     return {"json": json_path, "table": md_path, "plots": plot(records, out_dir)}
 
 
-__all__ = ["markdown_table", "plot", "write_results"]
+__all__ = ["markdown_table", "paired_table", "plot", "prepare_output", "write_results"]

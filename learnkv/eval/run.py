@@ -1,32 +1,48 @@
-"""Policies x budgets x tasks -> one record each: the task's metrics plus the cost of every run.
+"""Policies x budgets x tasks -> one record each: the task's metrics with 95% intervals, plus the cost of every run.
 
-`build_spec` validates everything a user types (policies, budgets, tasks, scorer, limit) without loading a model,
-so bad input fails in a second with one line. `evaluate` runs the grid prompt by prompt (the full-cache reference
-of a prompt is computed once and shared by every policy and budget) and pools the per-prompt metrics.
-`learnkv.eval.report` turns the records into results.json, a markdown table and plots.
+`build_spec` validates everything a user types (policies with their parameters, budgets, tasks, scorer, limit,
+prefill policy, batch size, comparison baseline) without loading a model, so bad input fails in a second with one
+line. `evaluate` runs the grid batch by batch: the full-cache reference of a batch of prompts is computed once and
+shared by every policy and budget, and every row of a batch decodes exactly as it would alone. Per-prompt metrics
+are pooled into means with bootstrap intervals over prompts (`learnkv.eval.stats`); with a baseline, every other
+policy's paired difference to it. `learnkv.eval.report` turns the records into results.json, a table and plots.
 
-A budget is a token count (``64``) or a fraction (``0.25``) of the full length of each prompt's run, prompt plus
-``max_new_tokens``, resolved per prompt as `learnkv.generate` does. ``full`` ignores the budget, so it runs once
-per prompt and its record is repeated at every budget.
+A policy item is ``NAME[:key=value]...`` (``lazy:window=16``): its label, the item as written, names its row. A
+budget is a token count (``64``) or a fraction (``0.25``) of each prompt's final length: the prompt plus what the
+full cache generated on it (LazyEviction's ratio of the final length), or plus ``max_new_tokens`` where a task has
+no full-cache run. ``full`` ignores the budget, so it runs once per prompt and its record is repeated at every
+budget.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-from learnkv.decode import GenerationResult, resolve_budget, resolve_policy
+from learnkv.cache import blind_prefill_error, prefill_policy_error
+from learnkv.decode import GenerationResult, parse_number, resolve_budget, resolve_policy, resolve_policy_rows
+from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
-from learnkv.eval.tasks.base import evicts
+from learnkv.eval.tasks.base import RunConfig, evicts
 from learnkv.policies import POLICIES, make_policy
+from learnkv.policies.params import parse_policy, parse_policy_list
 
 DEFAULT_POLICIES = ("full", "streaming", "h2o", "tova", "snapkv", "roco", "lazy", "paged")
 DEFAULT_BUDGETS = (0.25, 0.5)
 COST_METRICS = ("budget_tokens", "peak_kv_bytes", "full_kv_bytes", "kv_share", "kept_share", "tokens_per_s",
                 "eviction_share")
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """One row of the grid: a registered policy with its parameters, named by its label."""
+
+    label: str
+    name: str
+    params: dict = field(default_factory=dict, hash=False)
 
 
 @dataclass
@@ -35,23 +51,35 @@ class EvalSpec:
 
     Attributes
     ----------
-    policies : list of str
-        Registered policy names, in report order; ``params`` the parameters each is built with.
+    runs : list of PolicyRun
+        The policy items, in report order.
     budgets : list of int or float
-        Token counts or fractions of the full length.
+        Token counts or fractions of each prompt's final length.
     tasks : list of Task
     limit : int or None
         Prompts per task (None: each task's default).
     seed : int
         Data seed (which prompts) and torch seed.
+    prefill : PolicyRun or None
+        Compresses prompts over the budget at the prefill for every evicting policy (`learnkv.generate`).
+    batch_size : int
+        Prompts decoded together (speed only: each row decodes as alone).
+    compare : str or None
+        The label every other policy is compared with (paired differences).
     """
 
-    policies: list[str]
+    runs: list[PolicyRun]
     budgets: list[int | float]
     tasks: list[Task]
-    params: dict[str, dict] = field(default_factory=dict)
     limit: int | None = None
     seed: int = 0
+    prefill: PolicyRun | None = None
+    batch_size: int = 1
+    compare: str | None = None
+
+    @property
+    def policies(self) -> list[str]:
+        return [r.label for r in self.runs]
 
 
 def split_list(text: str | Sequence, what: str) -> list:
@@ -66,75 +94,57 @@ def parse_budget(value: str | int | float) -> int | float:
     """``"64"`` -> 64 tokens, ``"0.25"`` -> a fraction; raises ValueError out of range."""
     if isinstance(value, str):
         try:
-            value = int(value) if value.strip().isdigit() else float(value)
+            value = parse_number(value)
         except ValueError:
             raise ValueError(f"budget must be a token count or a fraction in (0, 1], got {value!r}") from None
     resolve_budget(value, 1)  # range checks: >= 1 token, or a fraction in (0, 1]
     return value
 
 
+def _policy_run(label: str, name: str, params: dict, scorer: str | None, seed: int) -> PolicyRun:
+    """A checked grid row: a known policy, parameters of the right type and range, the scorer where needed."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r} in {label!r}; known policies: {', '.join(POLICIES)}")
+    params = dict(params)
+    if name == "learned" and "scorer" not in params:
+        if not scorer:
+            raise ValueError("policy 'learned' needs a scorer artifact: --scorer PATH (train one with `python train.py`)")
+        params["scorer"] = str(scorer)
+    if name == "random":
+        params.setdefault("seed", seed)
+    make_policy(name, **params)  # unknown keys and bad values fail here, naming the valid keys
+    return PolicyRun(label, name, params)
+
+
 def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidelity",), scorer: str | None = None,
-               limit: int | None = None, seed: int = 0, **task_options) -> EvalSpec:
+               limit: int | None = None, seed: int = 0, prefill_policy: str | None = None, batch_size: int = 1,
+               compare: str | None = None, **task_options) -> EvalSpec:
     """Validate a grid (no model needed). ``task_options`` go to every task that has them (`make_task`)."""
     tasks = [make_task(name, **task_options) for name in split_list(tasks, "task")]
     budgets = [parse_budget(b) for b in split_list(budgets, "budget")]
-    names = split_list(policies, "policy")
+    runs = [_policy_run(label, name, params, scorer, seed) for label, name, params in parse_policy_list(policies)]
     if limit is not None and (int(limit) != limit or limit < 1):
         raise ValueError(f"--limit must be a number of prompts >= 1, got {limit}")
-    params = {}
-    for name in names:
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
-        params[name] = {}
-        if name == "learned":
-            if not scorer:
-                raise ValueError(
-                    "policy 'learned' needs a scorer artifact: --scorer PATH (train one with `python train.py`)")
-            params[name]["scorer"] = str(scorer)
-        if name == "random":
-            params[name]["seed"] = seed
-        for b in budgets:  # a token budget too small for the policy's windows fails now, not mid-run
+    if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+        raise ValueError(f"--batch-size must be a number of prompts >= 1, got {batch_size}")
+    prefill = None
+    if prefill_policy:
+        name, params = parse_policy(prefill_policy)
+        prefill = _policy_run(prefill_policy, name, params, scorer, seed)
+        if error := prefill_policy_error(make_policy(name, **prefill.params)):
+            raise ValueError(f"--prefill-policy: {error}")
+    if compare is not None and compare not in [r.label for r in runs]:
+        raise ValueError(f"--compare {compare!r} is not one of the policies: {', '.join(r.label for r in runs)}")
+    for run in runs:  # a token budget too small for the policy's windows fails now, not mid-run
+        for b in budgets:
             if isinstance(b, int):
                 for task in tasks:
-                    resolve_policy(name, b, task.granularity, task.block_size, **params[name])
+                    resolve_policy(run.name, b, task.granularity, task.block_size, run.params)
+                    if prefill and POLICIES[run.name].evicts:
+                        resolve_policy(prefill.name, b, task.granularity, task.block_size, prefill.params)
     if scorer:  # checked even when unused: a typo should not pass silently
         make_policy("learned", scorer=str(scorer)).resolve_defaults(1)
-    return EvalSpec(names, budgets, tasks, params, limit, seed)
-
-
-class _Cost:
-    """Pools the cost of one (policy, budget) over prompts: mean resolved budget, mean peak and full KV bytes
-    (``kv_share`` is their ratio; the peak includes the uncompressed prefill, so a prompt longer than the budget
-    sets it), ``kept_share`` the mean over prompts and steps of the slots held after a step over a full cache's,
-    generated tokens per second of wall time (prefill included), and the eviction share of that time."""
-
-    def __init__(self):
-        self.budget, self.peak, self.full, self.kept = [], [], [], []
-        self.tokens = self.seconds = self.evict_s = 0.0
-
-    def add(self, r: GenerationResult) -> None:
-        seconds = r.prefill_s + r.decode_s
-        self.budget.append(r.budget)
-        self.peak.append(r.peak_kv_bytes)
-        self.full.append(r.full_kv_bytes)
-        # slots held after each forward pass over what a full cache holds then (prompt + tokens fed so far)
-        held = [sum(k) / len(k) / (r.prompt_tokens + s) for s, k in enumerate(r.kept_per_step)]
-        self.kept.append(sum(held) / len(held))
-        self.tokens += r.tokens.numel()
-        self.seconds += seconds
-        self.evict_s += r.eviction_share * seconds
-
-    def metrics(self) -> dict:
-        peak, full = _mean(self.peak), _mean(self.full)
-        return {
-            "budget_tokens": _mean(self.budget),
-            "peak_kv_bytes": round(peak),
-            "full_kv_bytes": round(full),
-            "kv_share": peak / max(full, 1),
-            "kept_share": _mean(self.kept),
-            "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
-            "eviction_share": self.evict_s / max(self.seconds, 1e-9),
-        }
+    return EvalSpec(runs, budgets, tasks, limit, seed, prefill, int(batch_size), compare)
 
 
 def _mean(values) -> float | None:
@@ -148,24 +158,78 @@ def aggregate(rows: list[dict]) -> dict:
     return {k: _mean([row.get(k) for row in rows]) for k in keys}
 
 
-def check_budgets(task: Task, prompts: Sequence[Sample], spec: EvalSpec) -> None:
-    """Every (prompt, policy, budget) of the grid can run: a fraction resolves per prompt, and a policy whose
-    windows do not fit the resolved budget (e.g. `paged`'s two protected blocks in 25% of a short run) must fail
-    before the first decode, not after an hour of results. Raises ValueError naming the prompt."""
-    checked = set()
-    for sample in prompts:
-        full_length = sample.input_ids.shape[1] + task.max_new_tokens
+def _cost_row(result: GenerationResult, row: int, seconds: float) -> dict:
+    """One prompt's cost from its row of a batched run (``seconds``: its share of the batch's wall time)."""
+    return {"budget": result.budgets[row] if result.budgets else None, "peak": result.peak_kv_bytes_rows[row],
+            "full": result.full_kv_bytes_rows[row], "kept": result.kept_share(row),
+            "tokens": result.new_tokens[row], "seconds": seconds, "evict_s": result.eviction_share * seconds}
+
+
+def pool_cost(rows: list[dict]) -> dict:
+    """Pools per-prompt costs: mean resolved budget, mean peak and full KV bytes (``kv_share`` is their ratio;
+    the peak includes a prompt held before it is compressed), ``kept_share`` the mean over prompts of the tokens
+    held after each step over a full cache's, generated tokens per second of wall time (prefill included), and the
+    eviction share of that time."""
+    peak, full = _mean([r["peak"] for r in rows]), _mean([r["full"] for r in rows])
+    seconds = sum(r["seconds"] for r in rows)
+    return {
+        "budget_tokens": _mean([r["budget"] for r in rows]),
+        "peak_kv_bytes": round(peak),
+        "full_kv_bytes": round(full),
+        "kv_share": peak / max(full, 1),
+        "kept_share": _mean([r["kept"] for r in rows]),
+        "tokens_per_s": sum(r["tokens"] for r in rows) / max(seconds, 1e-9),
+        "eviction_share": sum(r["evict_s"] for r in rows) / max(seconds, 1e-9),
+    }
+
+
+def _budgets_for(run: PolicyRun, b, finals: list[int]) -> list[int | None]:
+    return [resolve_budget(b, f) if evicts(run.name) else None for f in finals]
+
+
+def _check(task: Task, spec: EvalSpec, run: PolicyRun, samples: list[Sample], budgets: list[int | None], b) -> None:
+    """Raise ValueError, naming the prompt, if a run cannot decode a prompt at its budget."""
+    for sample, tokens in zip(samples, budgets):
+        where = f"{task.name} prompt {sample.id} ({sample.input_ids.shape[1]} prompt tokens), budget {b} = {tokens} tokens"
+        try:
+            policy = resolve_policy(run.name, tokens, task.granularity, task.block_size, run.params)
+            if spec.prefill and policy.evicts:
+                resolve_policy(spec.prefill.name, tokens, task.granularity, task.block_size, spec.prefill.params)
+            elif error := blind_prefill_error(policy, sample.input_ids.shape[1], tokens or 0):
+                raise ValueError(error)
+        except ValueError as e:
+            raise ValueError(f"{where}, policy {run.label!r}: {e}") from None
+
+
+def check_grid(task: Task, prompts: Sequence[Sample], spec: EvalSpec) -> None:
+    """Before the first decode: every (prompt, policy, budget) that fails at every possible final length (a
+    fraction resolved at the prompt + ``max_new_tokens`` is the largest budget it can get) fails now, naming the
+    prompt, rather than after hours of results. What depends on the actual final length is checked batch by batch."""
+    for run in spec.runs:
         for b in spec.budgets:
-            for p in spec.policies:
-                tokens = resolve_budget(b, full_length) if evicts(p) else None
-                if (p, tokens) in checked:
-                    continue
-                try:
-                    resolve_policy(p, tokens, task.granularity, task.block_size, **spec.params[p])
-                except ValueError as e:
-                    raise ValueError(f"{task.name} prompt {sample.id} ({sample.input_ids.shape[1]} + "
-                                     f"{task.max_new_tokens} tokens), budget {b} = {tokens} tokens: {e}") from None
-                checked.add((p, tokens))
+            finals = [s.input_ids.shape[1] + task.max_new_tokens for s in prompts]
+            _check(task, spec, run, list(prompts), _budgets_for(run, b, finals), b)
+
+
+def _groups(run: PolicyRun, task: Task, budgets: list[int | None]) -> list[list[int]]:
+    """Rows that can share one batched decode: all of them, unless the policy resolves differently for their
+    budgets (a budget-dependent default, `learnkv.policies.base.resolve_rows`); then rows of equal resolution."""
+    if not evicts(run.name):
+        return [list(range(len(budgets)))]
+    try:
+        resolve_policy_rows(run.name, budgets, task.granularity, task.block_size, run.params)
+        return [list(range(len(budgets)))]
+    except ValueError:
+        keys: dict = {}
+        for i, b in enumerate(budgets):
+            p = resolve_policy(run.name, b, task.granularity, task.block_size, run.params)
+            keys.setdefault(repr({k: v for k, v in p.params().items() if k not in p.per_row_fields}), []).append(i)
+        return list(keys.values())
+
+
+def _batches(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
 
 
 def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None = None, progress: bool | None = None,
@@ -179,13 +243,14 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
     samples : sequence of Sample, optional
         Prompts to use for every task instead of each task's own (tests feed token ids to the tiny model).
     progress : bool or None
-        tqdm bar over prompts (None: only on a terminal).
+        A tqdm bar over prompts and runs (None: only on a terminal).
 
     Returns
     -------
     list of dict
-        One record per (policy, budget, task), task-major, then budget, then policy:
-        ``{"policy", "budget", "task", "metrics": {...}, "config": {...}}``.
+        One record per (policy, budget, task), task-major, then budget, then policy: ``{"policy": label,
+        "budget", "task", "metrics": {m, m_ci95, ..., cost}, "per_prompt": {m: [...]}, "config": {...}}``, with
+        ``config["policy_params"]`` the resolved parameters and ``config["n_prompts"]``.
     """
     from tqdm.auto import tqdm
 
@@ -196,41 +261,100 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         prompts = list(samples)[:limit] if samples is not None else task.load(tokenizer, limit, spec.seed)
         if not prompts:
             raise ValueError(f"task {task.name!r} found no prompts")
-        check_budgets(task, prompts, spec)
-        rows = {(p, b): [] for b in spec.budgets for p in spec.policies}
-        costs = {key: _Cost() for key in rows}
+        check_grid(task, prompts, spec)
+        keys = [(r, b) for b in spec.budgets for r in spec.runs]
+        per_prompt = {key: {} for key in keys}  # (run, budget) -> sample id -> metrics
+        costs = {key: {} for key in keys}
         first_params = {}
-        for sample in tqdm(prompts, desc=task.name, unit="prompt", disable=None if progress is None else not progress):
-            ref = task.reference(model, tokenizer, sample)
-            done = {}  # (policy, budget tokens) -> (metrics, result): full runs once, equal budgets once
-            for b in spec.budgets:
-                for p in spec.policies:
-                    tokens = resolve_budget(b, sample.input_ids.shape[1] + task.max_new_tokens) if evicts(p) else None
-                    if (p, tokens) not in done:
-                        done[p, tokens] = task.run(model, tokenizer, sample, ref, p, tokens, spec.params[p])
-                    metrics, result = done[p, tokens]
-                    rows[p, b].append(metrics)
-                    costs[p, b].add(result)
-                    first_params.setdefault((p, b), result.params)
-        for (p, b), per_prompt in rows.items():
-            pooled = aggregate(per_prompt)
-            metrics = {k: pooled.get(k) for k in task.metric_names()}  # every named metric, None if none had it
-            metrics.update(pooled)
-            metrics.update(costs[p, b].metrics())
-            config = {
-                "model": model_name or getattr(model.config, "name_or_path", None) or type(model).__name__,
-                "task_options": task.options(),
-                "n_prompts": len(prompts),
-                "prompt_ids": [s.id for s in prompts],
-                "seed": spec.seed,
-                "policy_params": first_params[p, b],
-                "device": str(next(model.parameters()).device),
-                "threads": torch.get_num_threads(),
-                "date": time.strftime("%Y-%m-%d"),
-            }
-            records.append({"policy": p, "budget": b, "task": task.name, "metrics": metrics, "config": config})
+        n_runs = len(prompts) * (1 + len({(r.label, b) if evicts(r.name) else r.label for r, b in keys}))
+        bar = tqdm(total=n_runs, desc=task.name, unit="run", disable=None if progress is None else not progress)
+        for batch in _batches(prompts, spec.batch_size):
+            refs = task.reference_batch(model, tokenizer, batch)
+            bar.update(len(batch))
+            finals = [task.final_length(s, r) for s, r in zip(batch, refs)]
+            done = {}  # (label, budget tokens per row) -> (metrics, costs, params): full once, equal budgets once
+            for run, b in keys:
+                budgets = _budgets_for(run, b, finals)
+                key = (run.label, tuple(budgets))
+                if key not in done:
+                    _check(task, spec, run, batch, budgets, b)
+                    metrics, row_costs = [None] * len(batch), [None] * len(batch)
+                    for group in _groups(run, task, budgets):
+                        cfg = RunConfig(run.name, run.params, [budgets[i] for i in group],
+                                        (spec.prefill.name, spec.prefill.params) if spec.prefill else None)
+                        t0 = time.perf_counter()
+                        m, result = task.run_batch(model, tokenizer, [batch[i] for i in group],
+                                                   [refs[i] for i in group], cfg)
+                        share = (time.perf_counter() - t0) / len(group)
+                        for j, i in enumerate(group):
+                            metrics[i], row_costs[i] = m[j], _cost_row(result, j, share)
+                        first_params.setdefault((run, b), result.params)
+                    done[key] = (metrics, row_costs)
+                    bar.update(len(batch))
+                metrics, row_costs = done[key]
+                for sample, m, c in zip(batch, metrics, row_costs):
+                    per_prompt[run, b][sample.id] = m
+                    costs[run, b][sample.id] = c
+        bar.close()
+        for run, b in keys:
+            records.append(_record(task, run, b, prompts, per_prompt[run, b], costs[run, b], first_params.get((run, b)),
+                                   spec, model, model_name))
     return records
 
 
-__all__ = ["EvalSpec", "build_spec", "evaluate", "aggregate", "parse_budget", "TASKS", "DEFAULT_POLICIES",
-           "DEFAULT_BUDGETS", "COST_METRICS"]
+def _record(task, run, b, prompts, per_prompt, costs, params, spec, model, model_name) -> dict:
+    rows = [per_prompt[s.id] for s in prompts]
+    names = list(task.metric_names()) + [k for k in dict.fromkeys(k for r in rows for k in r)
+                                          if k not in task.metric_names()]
+    metrics, series = {}, {}
+    for name in names:
+        values = [r.get(name) for r in rows]
+        series[name] = values
+        metrics[name] = _mean(values)
+        metrics[f"{name}_ci95"] = bootstrap_ci(values, seed=spec.seed)
+    if "generated_tokens" in series:
+        gen = sorted(v for v in series["generated_tokens"] if v is not None)
+        metrics["generated_tokens_median"] = float(gen[len(gen) // 2] if len(gen) % 2 else
+                                                   (gen[len(gen) // 2 - 1] + gen[len(gen) // 2]) / 2) if gen else None
+    metrics["n_prompts"] = len(prompts)
+    metrics.update(pool_cost([costs[s.id] for s in prompts]))
+    config = {
+        "model": model_name or getattr(model.config, "name_or_path", None) or type(model).__name__,
+        "policy_name": run.name,
+        "policy_params": params,
+        "prefill_policy": spec.prefill.label if spec.prefill and evicts(run.name) else None,
+        "task_options": task.options(),
+        "n_prompts": len(prompts),
+        "prompt_ids": [s.id for s in prompts],
+        "seed": spec.seed,
+        "batch_size": spec.batch_size,
+        "device": str(next(model.parameters()).device),
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    return {"policy": run.label, "budget": b, "task": task.name, "metrics": metrics, "per_prompt": series,
+            "config": config}
+
+
+def paired(records: list[dict], baseline: str, seed: int = 0) -> list[dict]:
+    """For every record of another policy, its paired difference to ``baseline`` (same task and budget) in every
+    per-prompt metric: ``{"task", "budget", "policy", "baseline", "metric", "mean_diff", "ci95", "n",
+    "excludes_zero"}`` (difference = policy - baseline, over the prompts both have)."""
+    base = {(r["task"], r["budget"]): r for r in records if r["policy"] == baseline}
+    out = []
+    for r in records:
+        ref = base.get((r["task"], r["budget"]))
+        if ref is None or r["policy"] == baseline:
+            continue
+        for metric, values in r["per_prompt"].items():
+            if metric not in ref["per_prompt"] or metric == "generated_tokens":
+                continue
+            d = paired_difference(values, ref["per_prompt"][metric], seed=seed)
+            if d is not None:
+                out.append({"task": r["task"], "budget": r["budget"], "policy": r["policy"], "baseline": baseline,
+                            "metric": metric, **d})
+    return out
+
+
+__all__ = ["EvalSpec", "PolicyRun", "build_spec", "evaluate", "paired", "aggregate", "parse_budget", "TASKS",
+           "DEFAULT_POLICIES", "DEFAULT_BUDGETS", "COST_METRICS"]

@@ -13,6 +13,7 @@ from learnkv.policies.learned import Learned
 from learnkv.policies.oracle import Oracle
 from learnkv.policies.paged import PagedEviction
 from learnkv.policies.random import RandomEviction
+from learnkv.policies.rkv import RKV
 from learnkv.policies.roco import RoCo
 from learnkv.policies.snapkv import SnapKV
 from learnkv.policies.streaming import StreamingLLM
@@ -29,6 +30,7 @@ POLICIES: dict[str, type[Policy]] = {
     "roco": RoCo,
     "lazy": LazyEviction,
     "paged": PagedEviction,
+    "rkv": RKV,
     "oracle": Oracle,
     "learned": Learned,
 }

@@ -12,11 +12,14 @@ Shapes use B (batch), H (KV heads), T (cached slots), D (head dim), W (observed 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import Tensor
+
+from learnkv.fields import check_fields, setting
 
 
 @dataclass
@@ -42,13 +45,14 @@ class LayerView:
         ``[B, H, T]`` the same attention summed over all of the step's (non-padding) query rows.
     attn_sq_sum : Tensor or None
         ``[B, H, T]`` sum of squared attention over the step's query rows (only if ``policy.needs_sq_sum``).
-    keep : int
-        How many slots the cache keeps if it evicts now.
+    keep : int or list[int]
+        How many slots each row keeps if it evicts now (one int for every row, or one per row). A row the cache
+        does not evict in this step has its live token count here, so it keeps all of them.
     state : dict[str, Tensor]
         The policy's own per-token tensors, token axis last.
-    n_dead : int
-        Slots already evicted but not yet compacted away (position -1, like padding; the cache's ``slack``). The
-        cache holds ``T - n_dead`` tokens (padding included), the same in every row.
+    live : list[int] or None
+        Live tokens per row (not padding, not an evicted slot awaiting compaction: both have position -1), the
+        same in every KV head of a row. None: count them from ``positions`` (`live_tokens`).
     """
 
     layer: int
@@ -60,14 +64,48 @@ class LayerView:
     attn: Tensor | None = None
     attn_sum: Tensor | None = None
     attn_sq_sum: Tensor | None = None
-    keep: int = 0
+    keep: int | list[int] = 0
     state: dict[str, Tensor] = field(default_factory=dict)
-    n_dead: int = 0
+    live: list[int] | None = None
 
     @property
     def valid(self) -> Tensor:
-        """``[B, H, T]`` bool, False on padding slots."""
+        """``[B, H, T]`` bool, False on padding and dead slots."""
         return self.positions >= 0
+
+    def keep_rows(self) -> list[int]:
+        """``keep`` as one int per row."""
+        B = self.positions.shape[0]
+        return [self.keep] * B if isinstance(self.keep, int) else list(self.keep)
+
+    def live_tokens(self) -> list[int]:
+        """Live tokens per row (`live`, or counted from the positions: the most any KV head of the row holds)."""
+        if self.live is not None:
+            return list(self.live)
+        return self.valid.sum(-1).amax(-1).tolist()
+
+
+def exact_map(fn: Callable[..., Tensor], *keys: Tensor) -> Tensor:
+    """``fn(*keys)`` evaluated once per distinct tuple of key values and gathered back, so equal keys give
+    bitwise-equal results at any slot index.
+
+    Why: CPU elementwise kernels compute a tensor's vectorised body and its scalar tail with different code
+    (SLEEF's ``exp`` against libm's), so the same transcendental function of the same value can differ in its last
+    bit depending on where the value sits. A score that is a function of discrete per-token state (LazyEviction's
+    steps since activation and recurrence interval) must tie exactly when the state ties, or the documented rule
+    "ties go to the more recent token" silently fails at the keep boundary.
+
+    Parameters
+    ----------
+    fn : callable
+        Elementwise function of the keys' values (called on 1-D tensors of the distinct values).
+    keys : Tensor
+        Tensors of one shape; their elementwise tuples are the function's arguments.
+    """
+    shape = keys[0].shape
+    stacked = torch.stack([k.reshape(-1) for k in keys])  # [n_keys, N]
+    distinct, inverse = torch.unique(stacked, dim=1, return_inverse=True)
+    return fn(*distinct)[inverse].view(shape)
 
 
 def window_tokens(value: int | float, budget: int) -> int:
@@ -92,10 +130,15 @@ class Policy:
     n_recent : int or float
         The ``n_recent`` most recent tokens are never evicted. A float is a fraction of the budget.
     interval : int
-        Evict every ``interval`` steps (lagged eviction). To keep the cache within the budget at the end of every
-        step, a lagged policy evicts down to ``budget - interval + 1`` slots.
+        Lagged eviction: the cache evicts only at a step where it would otherwise end over the budget, and then
+        down to ``budget - interval + 1`` slots (`keep_target`), so in steady state a lagged policy evicts every
+        ``interval`` steps, observing that many steps between decisions, and never exceeds the budget. 1 (the
+        default): evict down to the budget whenever it overflows, i.e. every step once full.
     block_size : int
         Evict whole blocks of this many consecutive slots (block score = mean of the token scores).
+
+    Every field is a hyperparameter declared with its range (`learnkv.fields.setting`) and checked when the policy
+    is built: a value of the wrong type, out of range or not finite is a ValueError naming it.
     """
 
     name: ClassVar[str] = ""
@@ -117,11 +160,27 @@ class Policy:
     #: True for the oracle: `generate` first decodes with the full cache, then replays those tokens under the
     #: budget with ``policy.with_future(model, input_ids, attention_mask, continuation)``
     needs_future: ClassVar[bool] = False
+    #: whether the policy has anything to decide on at the prefill. False for LazyEviction, which observes nothing
+    #: there (every prompt token scores the same): a prompt longer than the budget then needs a ``prefill_policy``
+    #: to compress it (`learnkv.generate`), rather than a decision on all-tied scores
+    scores_prefill: ClassVar[bool] = True
+    #: the fields that may differ between the rows of one batch once resolved for each row's budget: the cache
+    #: applies them per row (protected windows, the lagged headroom); every other field must be equal
+    per_row_fields: ClassVar[tuple[str, ...]] = ("n_sink", "n_recent", "interval")
 
-    n_sink: int | float = 0
-    n_recent: int | float = 0
-    interval: int = 1
-    block_size: int = 1
+    n_sink: int | float = setting(0, ge=0, fraction=True)
+    n_recent: int | float = setting(0, ge=0, fraction=True)
+    interval: int = setting(1, ge=1)
+    block_size: int = setting(1, ge=1)
+
+    def __post_init__(self):
+        try:
+            check_fields(self, declared_only=True)
+        except ValueError as e:
+            raise ValueError(f"policy {self.name or type(self).__name__!r}: parameter {e}") from None
+
+    def check_model(self, model) -> None:
+        """Refuse a model the policy is not for (a learned scorer trained for another); nothing by default."""
 
     # -- what the cache reads ------------------------------------------------------------------------------
 
@@ -167,10 +226,6 @@ class Policy:
         p = dataclasses.replace(self, **self.resolve_defaults(budget))
         p.n_sink = window_tokens(p.n_sink, budget)
         p.n_recent = window_tokens(p.n_recent, budget)
-        if p.interval < 1:
-            raise ValueError(f"{p.name}: interval must be >= 1, got {p.interval}")
-        if p.block_size < 1:
-            raise ValueError(f"{p.name}: block_size must be >= 1, got {p.block_size}")
         target = p.keep_target(budget)
         if p.block_size > 1:
             # when the cache overflows (target + 1 slots), one whole block must lie after the sink blocks and
@@ -194,14 +249,26 @@ class Policy:
         return dataclasses.asdict(self)
 
 
+def resolve_rows(policy: Policy, budgets: Sequence[int]) -> list[Policy]:
+    """The policy resolved for each row's budget, checked to be one policy for the whole batch.
+
+    Rows of a batch may have their own budgets; what the cache applies per row (the protected sinks and recent
+    window, and the lagged schedule's headroom) may then differ, but the scores must come from one policy. A
+    parameter whose default depends on the budget (e.g. LazyEviction's window, capped at a quarter of small
+    budgets) can break that: the error says which, so the rows can be decoded in separate calls.
+    """
+    rows = [policy.resolve(b) for b in budgets]
+    shared = [f.name for f in dataclasses.fields(rows[0]) if f.compare and f.name not in policy.per_row_fields]
+    first = rows[0]
+    for b, p in zip(budgets, rows):
+        diff = {k: (getattr(first, k), getattr(p, k)) for k in shared if getattr(first, k) != getattr(p, k)}
+        if diff:
+            raise ValueError(
+                f"policy {policy.name!r} resolves differently for budgets {budgets[0]} and {b} ({diff}): rows of one "
+                "batch must share its parameters; give them explicitly or decode these rows in separate calls")
+    return rows
+
+
 def reduce_heads(x: Tensor) -> Tensor:
     """Mean over the KV-head axis of a ``[B, H, ...]`` tensor, broadcast back to H (layer-wide decisions)."""
     return x.mean(dim=1, keepdim=True).expand_as(x)
-
-
-def new_slot_mask(view: LayerView) -> Tensor:
-    """``[T]`` bool, True for the slots appended in this step."""
-    T = view.positions.shape[-1]
-    m = torch.zeros(T, dtype=torch.bool, device=view.positions.device)
-    m[T - view.n_new :] = True
-    return m

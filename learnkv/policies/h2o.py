@@ -7,6 +7,7 @@ from torch import Tensor
 
 import kernels
 from learnkv.policies.base import LayerView, Policy
+from learnkv.fields import setting
 
 
 @dataclass
@@ -25,7 +26,7 @@ class H2O(Policy):
 
     name = "h2o"
     pooling = "mean_mass"  # accumulated attention: comparable across layers and heads
-    n_recent: int | float = 0.5
+    n_recent: int | float = setting(0.5, ge=0, fraction=True)
 
     def update(self, view: LayerView) -> None:
         acc = view.state.get("acc")

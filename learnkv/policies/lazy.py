@@ -6,7 +6,8 @@ import torch
 from torch import Tensor
 
 import kernels
-from learnkv.policies.base import LayerView, Policy
+from learnkv.policies.base import LayerView, Policy, exact_map
+from learnkv.fields import setting
 
 DEFAULT_WINDOW = 128  # `decoding_recent_size` argparse default of the official code
 VARIANTS = ("official", "paper")
@@ -24,12 +25,17 @@ class LazyEviction(Policy):
     - official code (default): ``2σ(-(1 + Δ/(m+1e-5))) + [m > 0]·2σ(1 - m)``
     - paper (arXiv v3):        ``2σ(-Δ/m) + [m ≠ 0]·2σ(-1/(m - 1))``
 
-    The window W is at once the eviction period and the protected recent span, as in the official code.
+    The window W is at once the eviction period and the protected recent span, as in the official code: the cache
+    evicts only when it would otherwise exceed the budget, so a prompt within the budget is never compressed at the
+    prefill and the first eviction comes after the decode has filled the budget, with those steps observed (the
+    official code, too, never evicts at the prefill). LazyEviction observes nothing at the prefill
+    (``scores_prefill = False``): a prompt longer than the budget needs a prefill policy (``prefill_policy``) to
+    compress it, instead of a decision on all-tied scores.
     Deviations, for equal KV bytes across policies: decisions are per KV head on the native GQA cache (the
     official code expands K/V to every query head, 7x the bytes on Qwen-7B), state is fp32 (the official
-    fp16 state rounds steps above 2048), ties prefer recent tokens, and the cache keeps ``budget - W + 1``
-    tokens at each eviction so it never exceeds the budget between evictions (the official cache keeps B and
-    grows to B + W).
+    fp16 state rounds steps above 2048), ties prefer recent tokens (exactly: the score is evaluated once per
+    distinct state, `exact_map`), and the cache keeps ``budget - W + 1`` tokens at each eviction so it never
+    exceeds the budget between evictions (the official cache keeps B and grows to B + W).
 
     Parameters
     ----------
@@ -43,16 +49,14 @@ class LazyEviction(Policy):
 
     name = "lazy"
     group_reduce = "max"
-    window: int | None = None
-    alpha: float = 1e-4
-    variant: str = "official"
+    scores_prefill = False
+    per_row_fields = ("n_sink", "n_recent", "interval", "window")  # the window only sets the schedule and protection
+    window: int | None = setting(None, ge=1)
+    alpha: float = setting(1e-4, ge=0.0, le=1.0)
+    variant: str = setting("official", choices=VARIANTS)
 
     def resolve_defaults(self, budget: int) -> dict:
-        if self.variant not in VARIANTS:
-            raise ValueError(f"lazy: variant must be one of {VARIANTS}, got {self.variant!r}")
         window = self.window if self.window is not None else min(DEFAULT_WINDOW, max(1, budget // 4))
-        if window < 1:
-            raise ValueError(f"lazy: window must be >= 1, got {window}")
         return {"window": window, "interval": window, "n_recent": window}
 
     def update(self, view: LayerView) -> None:
@@ -76,8 +80,11 @@ class LazyEviction(Policy):
         st["mri"] = torch.maximum(st["mri"], ts - prev)
 
     def score(self, view: LayerView) -> Tensor:
-        delta = view.step - view.state["ts"]
-        m = view.state["mri"]
+        # a function of integer state (steps since activation, recurrence interval): equal state, equal score
+        return exact_map(self._priority, view.step - view.state["ts"], view.state["mri"])
+
+    def _priority(self, delta: Tensor, m: Tensor) -> Tensor:
+        """The score from Δ = t - TS and m = MRI (elementwise)."""
         if self.variant == "official":
             h1 = 2 * torch.sigmoid(-(1 + delta / (m + 1e-5)))
             h2 = torch.where(m > 0, 2 * torch.sigmoid(1 - m), torch.zeros_like(m))

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
+from learnkv.fields import setting
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Oracle(Policy):
     pooling = "mean_mass"  # future attention mass: comparable across layers and heads
     needs_attention = False
     needs_future = True
-    horizon: int = 32
+    horizon: int = setting(32, ge=1)
     future: list | None = field(default=None, repr=False, compare=False)
 
     def params(self) -> dict:

@@ -6,6 +6,7 @@ from torch import Tensor
 
 import kernels
 from learnkv.policies.base import LayerView, Policy, reduce_heads
+from learnkv.fields import setting
 
 
 @dataclass
@@ -30,9 +31,10 @@ class PagedEviction(Policy):
 
     name = "paged"
     needs_attention = False
-    block_size: int = 16
-    n_sink: int | float | None = None
-    n_recent: int | float = 1  # protects the newest token, hence its block even when that block is full
+    block_size: int = setting(16, ge=1)
+    n_sink: int | float | None = setting(None, ge=0, fraction=True)
+    # protects the newest token, hence its block even when that block is full
+    n_recent: int | float = setting(1, ge=0, fraction=True)
 
     def resolve_defaults(self, budget: int) -> dict:
         return {"n_sink": self.block_size if self.n_sink is None else self.n_sink}

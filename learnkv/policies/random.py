@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
+from learnkv.fields import setting
 
 
 @dataclass
@@ -20,7 +21,7 @@ class RandomEviction(Policy):
 
     name = "random"
     needs_attention = False
-    seed: int = 0
+    seed: int = setting(0, ge=0)
 
     def score(self, view: LayerView) -> Tensor:
         gen = self.__dict__.get("_generator")

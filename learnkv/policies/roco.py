@@ -8,6 +8,7 @@ from torch import Tensor
 import kernels
 from kernels.reference import protected_slots
 from learnkv.policies.base import LayerView, Policy
+from learnkv.fields import setting
 
 
 @dataclass
@@ -37,8 +38,9 @@ class RoCo(Policy):
 
     name = "roco"
     needs_sq_sum = True
-    recent_ratio: float = 0.3
-    n_recent: int | float = 10
+    per_row_fields = ("interval",)  # its scope excludes the protected tokens itself, so they are one for the batch
+    recent_ratio: float = setting(0.3, ge=0.0, le=1.0)
+    n_recent: int | float = setting(10, ge=0, fraction=True)
 
     def update(self, view: LayerView) -> None:
         st = view.state
@@ -64,11 +66,13 @@ class RoCo(Policy):
         c = st["count"].clamp(min=1)
         mean = st["s1"] / c
         std = (st["s2"] / c - mean * mean).clamp(min=0).sqrt()
-        n_evict = max(mean.shape[-1] - view.n_dead - view.keep, 0)
-        scope_size = max(view.keep - int(self.recent_ratio * view.keep), n_evict)
+        # per row: E tokens to evict, scope = max(keep - r, E) with r = int(recent_ratio * keep)
+        keep = view.keep_rows()
+        scope_size = [max(k - int(self.recent_ratio * k), live - k, 0) for k, live in zip(keep, view.live_tokens())]
         out_of_scope = protected_slots(view.positions, self.n_sink, self.n_recent) | ~view.valid
         std = std.masked_fill(out_of_scope, float("inf"))
         rank = torch.argsort(std, dim=-1, stable=True)  # lowest std first; ties: older slot first
-        in_scope = torch.zeros_like(std, dtype=torch.bool).scatter(-1, rank[..., :scope_size], True)
+        order = torch.empty_like(rank).scatter_(-1, rank, torch.arange(rank.shape[-1], device=rank.device).expand_as(rank))
+        in_scope = order < torch.tensor(scope_size, device=rank.device).view(-1, 1, 1)
         in_scope &= ~out_of_scope
         return mean.masked_fill(~in_scope, float("inf"))

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
+from learnkv.fields import setting
 
 DEFAULT_WINDOW = 64
 
@@ -33,8 +34,8 @@ class SnapKV(Policy):
     name = "snapkv"
     pooling = "mean_mass"  # the window's attention: comparable across layers and heads
     needs_dense_slots = True  # its 1-D average pool mixes neighbouring slots; a dead slot between would change it
-    window: int | None = None
-    kernel_size: int = 5
+    window: int | None = setting(None, ge=1)
+    kernel_size: int = setting(5, ge=1)
 
     @property
     def obs_window(self) -> int:
@@ -42,8 +43,6 @@ class SnapKV(Policy):
 
     def resolve_defaults(self, budget: int) -> dict:
         window = self.window if self.window is not None else min(DEFAULT_WINDOW, max(1, budget // 4))
-        if window < 1:
-            raise ValueError(f"snapkv: window must be >= 1, got {window}")
         return {"window": window, "n_recent": window}
 
     def update(self, view: LayerView) -> None:

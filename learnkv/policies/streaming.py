@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
+from learnkv.fields import setting
 
 
 @dataclass
@@ -22,7 +23,7 @@ class StreamingLLM(Policy):
 
     name = "streaming"
     needs_attention = False
-    n_sink: int | float = 4
+    n_sink: int | float = setting(4, ge=0, fraction=True)
 
     def score(self, view: LayerView) -> Tensor:
         return view.positions.float()  # newer is better; sinks are protected by the cache

@@ -3,7 +3,10 @@ safetensors to load, so the `learned` policy and the serving runtime use it with
 
 The manifest holds the format version, the feature list and version, the model the scorer was trained for, its
 layer and KV-head counts, the training-config digest, metrics, and the sha256 of the weights file. Loading refuses
-another format or feature version, or a weights file whose checksum differs, with a message naming both sides.
+another format, feature version or pooling rule, a weights file whose checksum differs, tensors whose shapes
+disagree with the manifest, or non-finite weights, with a message naming both sides. `check_binding` is the one
+check of an artifact against the model it would run on (name, layers, KV heads): the `learned` policy and the
+serving runtime both call it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ def export_scorer(scorer: Scorer, out: str | Path, *, model: str, n_kv_heads: in
     """Write the artifact directory atomically (a temporary directory renamed into place)."""
     from safetensors.torch import save_file
 
+    bad = _non_finite(scorer.state_dict())
+    if bad:
+        raise ArtifactError(f"refusing to export a scorer with non-finite weights ({bad}): training diverged; "
+                            "lower train.lr and train again")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
@@ -86,11 +93,48 @@ def read_artifact_manifest(path: str | Path) -> dict:
             f"{path}: scorer was trained on feature version {manifest.get('feature_version')}, this learnkv computes "
             f"version {FEATURE_VERSION}; retrain it"
         )
+    pooling = manifest.get("pooling", POOLING)  # artifacts predating the field only had this rule
+    if pooling != POOLING:
+        raise ArtifactError(f"{path}: pooling rule {pooling!r}; this learnkv pools with {POOLING!r}")
     return manifest
 
 
-def load_scorer(path: str | Path, expect_model: str | None = None, expect_layers: int | None = None) -> tuple[Scorer, dict]:
-    """(scorer in eval mode, manifest); refuses a wrong version, a tampered weights file or another model."""
+def same_model(bound: str, model: str) -> bool:
+    """Whether an artifact bound to ``bound`` (the name it was trained with: a bundled alias, a hub id or a path)
+    belongs to ``model`` (the id or folder a model was loaded from): the same name, or ``model``'s folder name
+    (bundled models live in folders named by their alias), or, for a local path, the same folder name."""
+    bound_name, model_name = bound.rstrip("/"), model.rstrip("/")
+    if bound_name in (model_name, model_name.rsplit("/", 1)[-1]):
+        return True
+    return bound_name.startswith((".", "/", "~")) and Path(bound_name).name == Path(model_name).name
+
+
+def check_binding(manifest: dict, path: str | Path, *, model: str | None = None, n_layers: int | None = None,
+                  n_kv_heads: int | None = None) -> None:
+    """Refuse (`ArtifactError`) an artifact trained for another model: another name, layer or KV-head count.
+
+    Each given fact is checked; None skips it (a model without a name, such as a test model, cannot be bound by
+    name, but its shape still is)."""
+    if model and not same_model(str(manifest.get("model")), model):
+        raise ArtifactError(f"{path}: scorer was trained for model {manifest.get('model')!r}, not {model!r}")
+    if n_layers is not None and manifest.get("n_layers") != n_layers:
+        raise ArtifactError(f"{path}: scorer has {manifest.get('n_layers')} layers, the model has {n_layers}")
+    if n_kv_heads is not None and manifest.get("n_kv_heads") != n_kv_heads:
+        raise ArtifactError(f"{path}: scorer has {manifest.get('n_kv_heads')} KV heads, the model has {n_kv_heads}")
+
+
+def _non_finite(tensors: dict) -> str:
+    """Names of the tensors holding NaN or infinity, comma-separated ('' if none)."""
+    import torch
+
+    return ", ".join(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+
+
+def load_scorer(path: str | Path, expect_model: str | None = None, expect_layers: int | None = None,
+                expect_kv_heads: int | None = None) -> tuple[Scorer, dict]:
+    """(scorer in eval mode, manifest); refuses a wrong version, a tampered or inconsistent weights file, non-finite
+    weights, or another model (`check_binding`)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -101,11 +145,32 @@ def load_scorer(path: str | Path, expect_model: str | None = None, expect_layers
     digest = sha256_file(weights)
     if digest != manifest.get("weights_sha256"):
         raise ArtifactError(f"{weights}: sha256 {digest[:12]}… does not match the manifest's {str(manifest.get('weights_sha256'))[:12]}…; the file was altered")
-    if expect_model is not None and manifest.get("model") != expect_model:
-        raise ArtifactError(f"{path}: scorer was trained for model {manifest.get('model')!r}, not {expect_model!r}")
-    if expect_layers is not None and manifest.get("n_layers") != expect_layers:
-        raise ArtifactError(f"{path}: scorer has {manifest.get('n_layers')} layers, the model has {expect_layers}")
-    arch = manifest["architecture"]
-    scorer = Scorer(arch["n_layers"], arch["n_features"], arch["hidden"])
-    scorer.load_state_dict(load_file(weights))
+    check_binding(manifest, path, model=expect_model, n_layers=expect_layers, n_kv_heads=expect_kv_heads)
+    arch = manifest.get("architecture")
+    try:
+        scorer = Scorer(int(arch["n_layers"]), int(arch["n_features"]), int(arch["hidden"]),
+                        int(arch.get("content_dim", 0)), int(arch.get("n_heads", 0)))
+    except (TypeError, KeyError, ValueError, RuntimeError):
+        raise ArtifactError(
+            f"{path}: manifest 'architecture' {arch!r} is not n_layers, n_features, hidden >= 1") from None
+    declared = {"n_layers": manifest.get("n_layers"), "n_features": len(manifest["features"])}
+    for key, value in declared.items():
+        if arch[key] != value:
+            raise ArtifactError(f"{path}: architecture says {key}={arch[key]}, the manifest {value}; "
+                                "the artifact is inconsistent")
+    try:
+        tensors = load_file(weights)
+    except (SafetensorError, OSError) as e:
+        raise ArtifactError(f"{weights}: cannot be read as safetensors ({e})") from None
+    expected = {k: tuple(v.shape) for k, v in scorer.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in tensors.items()}
+    if found != expected:
+        diff = sorted(f"{k} {found.get(k, 'missing')} (expected {expected.get(k, 'none')})"
+                      for k in set(found) | set(expected) if found.get(k) != expected.get(k))
+        raise ArtifactError(f"{weights}: tensor shapes disagree with the manifest: {'; '.join(diff)}")
+    bad = _non_finite(tensors)
+    if bad:
+        raise ArtifactError(f"{weights}: non-finite weights in {bad} (a diverged training run); "
+                            "retrain with a lower train.lr")
+    scorer.load_state_dict(tensors)
     return scorer.eval(), manifest

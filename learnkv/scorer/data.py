@@ -11,24 +11,34 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from learnkv.features import N_FEATURES
+from learnkv.features import N_FEATURES, feature_index
 from learnkv.traces.store import TraceError, load_traces
 
-LABELS = ("future_sum", "future_max")
+#: what the scorer can be trained to rank by (`learnkv.traces.record` defines the recorded ones):
+#: ``future_attnv`` is future attention mass times the token's value norm (attention weighted by what the value
+#: contributes), computed from ``future_sum`` and the ``value_norm`` feature
+LABELS = ("future_sum", "future_max", "future_out", "future_attnv")
+DERIVED = {"future_attnv": "future_sum"}
 
 
 class TraceRows(Dataset):
     """Map-style view of trace rows: features [H, T, F], label [H, T], teachers [K, H, T], layer."""
 
-    def __init__(self, ds, label: str = "future_sum", teachers: tuple[str, ...] = ()):
+    def __init__(self, ds, label: str = "future_sum", teachers: tuple[str, ...] = (), values: bool = False):
         if label not in LABELS:
             raise ValueError(f"label must be one of {LABELS}, got {label!r}")
+        column = DERIVED.get(label, label)
+        if column not in ds.column_names:
+            raise TraceError(f"traces have no {column!r} column (label {label!r}); collect them again with this learnkv")
         missing = [t for t in teachers if f"teacher_{t}" not in ds.column_names]
         if missing:
             raise TraceError(f"traces have no teacher column for {missing}")
-        cols = ["layer", "n_heads", "n_tokens", "features", label] + [f"teacher_{t}" for t in teachers]
+        if values and "values" not in ds.column_names:
+            raise TraceError("traces have no value vectors (collect them with collect.record_values=true)")
+        cols = ["layer", "n_heads", "n_tokens", "features", column] + [f"teacher_{t}" for t in teachers]
+        cols += ["head_dim", "values"] if values else []
         self.ds = ds.with_format("numpy", columns=cols)
-        self.label, self.teachers = label, teachers
+        self.label, self.column, self.teachers, self.values = label, column, teachers, values
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -36,11 +46,13 @@ class TraceRows(Dataset):
     def __getitem__(self, i: int) -> dict:
         row = self.ds[int(i)]
         H, T = int(row["n_heads"]), int(row["n_tokens"])
-        item = {
-            "features": torch.from_numpy(np.asarray(row["features"], dtype=np.float32).reshape(H, T, N_FEATURES)),
-            "label": torch.from_numpy(np.asarray(row[self.label], dtype=np.float32).reshape(H, T)),
-            "layer": int(row["layer"]),
-        }
+        features = torch.from_numpy(np.asarray(row["features"], dtype=np.float32).reshape(H, T, N_FEATURES))
+        label = torch.from_numpy(np.asarray(row[self.column], dtype=np.float32).reshape(H, T))
+        if self.label == "future_attnv":
+            label = label * features[..., feature_index("value_norm")]
+        item = {"features": features, "label": label, "layer": int(row["layer"])}
+        if self.values:
+            item["values"] = torch.from_numpy(np.asarray(row["values"], dtype=np.float32).reshape(H, T, -1))
         if self.teachers:
             item["teachers"] = torch.stack([
                 torch.from_numpy(np.asarray(row[f"teacher_{t}"], dtype=np.float32).reshape(H, T)) for t in self.teachers
@@ -60,6 +72,8 @@ def collate(items: list[dict]) -> dict:
     }
     if "teachers" in items[0]:
         out["teachers"] = torch.zeros(N, items[0]["teachers"].shape[0], H, T)
+    if "values" in items[0]:
+        out["values"] = torch.zeros(N, H, T, items[0]["values"].shape[-1])
     for n, it in enumerate(items):
         t = it["features"].shape[1]
         out["features"][n, :, :t] = it["features"]
@@ -67,6 +81,8 @@ def collate(items: list[dict]) -> dict:
         out["mask"][n, :t] = True
         if "teachers" in it:
             out["teachers"][n, :, :, :t] = it["teachers"]
+        if "values" in it:
+            out["values"][n, :, :t] = it["values"]
     return out
 
 
@@ -105,21 +121,36 @@ def feature_stats(rows: TraceRows, max_rows: int = 256, seed: int = 0) -> tuple[
     return mean.float(), std.float()
 
 
-class TraceDataModule(L.LightningDataModule):
-    """Train / validation splits of a trace directory (split = the prompt's hashed split, stored per row)."""
+def load_union(trace_dirs: list[str], split: str):
+    """One split of several trace directories, as one dataset (the union of rounds of collection)."""
+    import datasets
 
-    def __init__(self, trace_dir: str, label: str = "future_sum", teachers: tuple[str, ...] = (), batch_size: int = 8,
-                 seed: int = 0, num_workers: int = 0):
+    parts = [load_traces(d, split=split) for d in trace_dirs]
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+class TraceDataModule(L.LightningDataModule):
+    """Train / validation splits of one or several trace directories (their union; split = the prompt's hashed
+    split, stored per row)."""
+
+    def __init__(self, trace_dir: str | list[str], label: str = "future_sum", teachers: tuple[str, ...] = (),
+                 batch_size: int = 8, seed: int = 0, num_workers: int = 0, values: bool = False):
         super().__init__()
-        self.trace_dir, self.label, self.teachers = trace_dir, label, tuple(teachers)
+        self.values = values
+        self.trace_dirs = [str(d) for d in trace_dir] if isinstance(trace_dir, (list, tuple)) else [str(trace_dir)]
+        self.label, self.teachers = label, tuple(teachers)
         self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
         self.train_rows = self.val_rows = None
+
+    @property
+    def trace_dir(self) -> str:
+        return ", ".join(map(str, self.trace_dirs))
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is not None:
             return
-        self.train_rows = TraceRows(load_traces(self.trace_dir, split="train"), self.label, self.teachers)
-        self.val_rows = TraceRows(load_traces(self.trace_dir, split="validation"), self.label, self.teachers)
+        self.train_rows = TraceRows(load_union(self.trace_dirs, "train"), self.label, self.teachers, self.values)
+        self.val_rows = TraceRows(load_union(self.trace_dirs, "validation"), self.label, self.teachers, self.values)
         if len(self.train_rows) == 0 or len(self.val_rows) == 0:
             raise TraceError(f"{self.trace_dir}: need rows in both the train ({len(self.train_rows)}) and validation "
                              f"({len(self.val_rows)}) splits; collect more prompts (collect.prompts / collect.val_prompts)")

@@ -1,12 +1,24 @@
-"""The training pipeline behind `python train.py`: traces (collected if missing) -> fit -> budget recall -> export."""
+"""The training pipeline behind `python train.py`: traces (collected if missing) -> fit -> budget recall -> export,
+round after round (`PipelineConfig.rounds`), then the decode-time comparison (`learnkv.scorer.report`).
+
+Round 1 collects under ``collect.policy`` (the full cache, or any evicting policy: traces under eviction) into
+``trace_dir`` and trains. Each later round r collects under the previous round's learned scorer into
+``trace_dir-round<r>`` (the states the learned policy itself reaches, labelled by branches of them) and trains on
+the union of every round's traces, as DAgger does. Rounds before the last export into ``out_dir/round-<r>``; the
+last one into ``out_dir``. Every round resumes like a single run: finished shards and rounds are never redone.
+"""
 
 from __future__ import annotations
 
 import json
 import netrc
 import os
+import sys
 from pathlib import Path
 
+from lightning.pytorch.callbacks import Callback
+
+from learnkv.atomic import write_json_atomic
 from learnkv.config import PipelineConfig, save_config, to_dict
 from learnkv.scorer.module import BUDGETS, MONITOR
 
@@ -34,37 +46,105 @@ def make_logger(cfg: PipelineConfig, out_dir: Path):
 
 
 def ensure_traces(cfg: PipelineConfig, progress: bool = True) -> dict:
-    """The trace manifest, collecting traces first if the trace directory lacks a complete set."""
-    from learnkv.traces.collect import collect
-    from learnkv.traces.store import read_manifest
+    """The trace manifest, collecting traces first if the trace directory lacks a complete set. Traces of another
+    format, feature version or collection config are refused, saying what differs."""
+    from learnkv.traces.collect import check_same_config, collect
+    from learnkv.traces.store import MANIFEST, read_manifest
 
-    manifest_path = Path(cfg.trace_dir) / "manifest.json"
-    if manifest_path.exists() and json.loads(manifest_path.read_text()).get("complete"):
-        return read_manifest(cfg.trace_dir)
+    if (Path(cfg.trace_dir) / MANIFEST).exists():
+        manifest = read_manifest(cfg.trace_dir)
+        check_same_config(manifest, cfg.collect, f"trace_dir {cfg.trace_dir}",
+                          "set collect.* to the settings it was collected with, or use another trace_dir")
+        if manifest["complete"]:
+            return manifest
     print(f"collecting traces into {cfg.trace_dir}")
     manifest, stats = collect(cfg.trace_dir, cfg.collect, progress=progress)
+    for line in stats.problems:
+        print(f"note: {line}")
     print(stats.line())
     return read_manifest(cfg.trace_dir)
 
 
-def check_resumable(cfg: PipelineConfig, out: Path) -> None:
-    """A rerun resumes from ``out``'s last checkpoint; refuse one whose scorer or data would not match it.
+#: what a checkpoint records of the run that wrote it (`RunIdentity`), and what a resumed run must share
+IDENTITY_KEY = "learnkv_run"
 
-    Epochs, patience and the learning rate may change between runs (to extend a run); the model shape, the label
-    and the traces may not.
-    """
-    from learnkv.traces.collect import CollectConfig
 
-    identity = {"hidden": cfg.train.hidden, "label": cfg.train.label, "trace_dir": str(Path(cfg.trace_dir).resolve()),
-                "collect": CollectConfig.digest(cfg.collect)}
-    path = out / "run.json"
-    if path.exists() and (out / "checkpoints" / "last.ckpt").exists():
-        previous = json.loads(path.read_text())
-        changed = sorted(k for k in identity if previous.get(k) != identity[k])
-        if changed:
-            raise ValueError(f"{out} holds a run with another {', '.join(changed)}; resume it with the same settings, "
-                             "or use another out_dir")
-    path.write_text(json.dumps(identity, indent=1))
+def run_identity(cfg: PipelineConfig, trace_dirs: list[str] | None = None) -> dict:
+    """Epochs, patience and the learning rate may change between runs (to extend a run); the scorer's shape, the
+    label and the traces may not. ``trace_dirs``: every trace directory the run trains on (default: ``trace_dir``),
+    each identified by the digest of its collection config."""
+    from learnkv.traces.store import read_manifest
+
+    dirs = trace_dirs or [cfg.trace_dir]
+    digests = [cfg.collect.digest() if d == cfg.trace_dir else read_manifest(d).get("config_digest") for d in dirs]
+    identity = {"hidden": cfg.train.hidden, "label": cfg.train.label}
+    if cfg.train.content:
+        identity["content"] = True
+    if len(dirs) == 1:
+        return {**identity, "trace_dir": str(Path(dirs[0]).resolve()), "collect": digests[0]}
+    return {**identity, "trace_dir": [str(Path(d).resolve()) for d in dirs], "collect": digests}
+
+
+class RunIdentity(Callback):
+    """Stores the run's identity in every checkpoint it writes, so the checkpoint itself says what it can resume."""
+
+    def __init__(self, identity: dict):
+        self.identity = identity
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint[IDENTITY_KEY] = self.identity
+
+
+def check_resumable(cfg: PipelineConfig, last: Path, identity: dict | None = None) -> None:
+    """A rerun resumes from the checkpoint ``last``; refuse one whose scorer or data would not match it (read from
+    the checkpoint itself, so nothing is written before it has been checked)."""
+    import torch
+
+    if not last.exists():
+        return
+    try:
+        previous = torch.load(last, map_location="cpu", weights_only=False).get(IDENTITY_KEY)
+    except Exception as e:  # torch raises several types on a damaged file
+        raise ValueError(f"checkpoint {last} cannot be read ({type(e).__name__}); "
+                         "delete it to start this run over") from None
+    if previous is None:
+        raise ValueError(f"checkpoint {last} does not record the run it belongs to; delete it to start this run over")
+    identity = identity or run_identity(cfg)
+    changed = sorted(k for k in identity if previous.get(k) != identity[k])
+    if changed:
+        raise ValueError(f"{last.parent.parent} holds a run with another {', '.join(changed)}; resume it with the same "
+                         "settings, or use another out_dir")
+
+
+#: marks a finished run: the config it ran with and its artifact (a rerun of the same command then does nothing)
+DONE = "done.json"
+
+
+def _finish_config(cfg: PipelineConfig, identity: dict | None = None) -> dict:
+    done = {k: v for k, v in to_dict(cfg).items() if k not in ("wandb", "report")}
+    if identity is not None:  # the traces trained on, by config digest (a learned acting policy's weights included)
+        done["traces"] = identity["collect"]
+    return done
+
+
+def finished_run(cfg: PipelineConfig, out: Path, identity: dict | None = None):
+    """(artifact, metrics, teachers) if ``out`` holds a finished run of exactly this config, else None."""
+    from learnkv.scorer.artifact import ArtifactError, load_scorer
+
+    path = out / DONE
+    if not path.is_file():
+        return None
+    try:
+        done = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # not a record of a finished run: train (resuming) and export again
+    if done.get("config") != _finish_config(cfg, identity):
+        return None
+    try:
+        _, manifest = load_scorer(done["artifact"])
+    except (ArtifactError, KeyError):
+        return None  # the export is gone or damaged: train (resuming) and export again
+    return Path(done["artifact"]), manifest["metrics"], manifest["teachers"]
 
 
 def recall_table(metrics: dict, teachers: list[str]) -> str:
@@ -76,45 +156,90 @@ def recall_table(metrics: dict, teachers: list[str]) -> str:
     return "\n".join(lines)
 
 
+def round_config(cfg: PipelineConfig, r: int, previous: Path | None) -> PipelineConfig:
+    """Round ``r``'s pipeline config (1-based): its trace and output directories and what it collects under."""
+    import dataclasses
+
+    trace_dir = cfg.trace_dir if r == 1 else f"{cfg.trace_dir}-round{r}"
+    out_dir = cfg.out_dir if r == cfg.rounds else str(Path(cfg.out_dir) / f"round-{r}")
+    collect = cfg.collect
+    if r > 1:
+        collect = dataclasses.replace(collect, policy="learned", policy_params={"scorer": str(previous)})
+    return dataclasses.replace(cfg, trace_dir=trace_dir, out_dir=out_dir, collect=collect)
+
+
 def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
-    """Run the pipeline; returns (artifact path, validation metrics, recall table)."""
+    """Run the pipeline, every round; returns (artifact path, validation metrics, recall table) of the last round."""
+    trace_dirs, artifact = [], None
+    for r in range(1, cfg.rounds + 1):
+        rcfg = round_config(cfg, r, artifact)
+        if cfg.rounds > 1:
+            print(f"round {r}/{cfg.rounds}: traces under {rcfg.collect.policy} in {rcfg.trace_dir}, "
+                  f"training on {len(trace_dirs) + 1} trace director{'ies' if trace_dirs else 'y'}")
+        trace_dirs.append(rcfg.trace_dir)
+        artifact, metrics, table = train_round(rcfg, list(trace_dirs), progress)
+    return artifact, metrics, table
+
+
+def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = True) -> tuple[Path, dict, str]:
+    """One round: collect ``cfg.trace_dir`` if incomplete, train on ``trace_dirs`` (the earlier rounds' and this
+    one's), export into ``cfg.out_dir``."""
     import lightning as L
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     from learnkv.scorer.artifact import export_scorer
     from learnkv.scorer.data import TraceDataModule, feature_stats
     from learnkv.scorer.module import ScorerModule
-    from learnkv.traces.collect import CollectConfig
 
     L.seed_everything(cfg.seed, verbose=False)
-    manifest = ensure_traces(cfg, progress)
-    teachers = manifest["teachers"]
     out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir {out} is a file; give a directory")
+    earlier = trace_dirs[:-1]  # finished rounds: their manifests identify them
+    if all((Path(d) / "manifest.json").exists() for d in earlier):
+        finished = finished_run(cfg, out, run_identity(cfg, trace_dirs))
+        if finished is not None:
+            artifact, metrics, teachers = finished
+            print(f"{out} holds this run, finished: nothing to do (raise train.max_epochs to extend it, or use another "
+                  "out_dir)")
+            return artifact, metrics, recall_table(metrics, teachers)
+    ckpt_dir = out / "checkpoints"
+    last = ckpt_dir / "last.ckpt"
+    if len(trace_dirs) == 1:
+        check_resumable(cfg, last)  # before any collection: a run that cannot resume fails now
+    manifest = ensure_traces(cfg, progress)
+    identity = run_identity(cfg, trace_dirs)
+    if len(trace_dirs) > 1:
+        check_resumable(cfg, last, identity)
+    teachers = manifest["teachers"]
     out.mkdir(parents=True, exist_ok=True)
-    check_resumable(cfg, out)
     save_config(cfg, out / "config.yaml")
 
     t = cfg.train
-    dm = TraceDataModule(cfg.trace_dir, label=t.label, teachers=tuple(teachers), batch_size=t.batch_size, seed=cfg.seed)
+    dm = TraceDataModule(trace_dirs, label=t.label, teachers=tuple(teachers), batch_size=t.batch_size, seed=cfg.seed,
+                         values=t.content)
     dm.setup()
+    content_dim = int(dm.train_rows.ds[0]["head_dim"]) if t.content else 0
     module = ScorerModule(manifest["n_layers"], hidden=t.hidden, lr=t.lr, weight_decay=t.weight_decay,
                           temperature=t.temperature, membership_weight=t.membership_weight,
-                          membership_budget=t.membership_budget, distill=dict(t.distill), teachers=tuple(teachers))
+                          membership_budget=t.membership_budget, distill=dict(t.distill), teachers=tuple(teachers),
+                          content_dim=content_dim, n_heads=manifest["n_kv_heads"] if t.content else 0)
     module.scorer.set_normalization(*feature_stats(dm.train_rows, seed=cfg.seed))
     n_params = module.scorer.n_params()
     print(f"scorer: {n_params} parameters ({n_params // manifest['n_layers']} per layer), "
           f"{len(dm.train_rows)} train rows, {len(dm.val_rows)} validation rows")
 
     logger = make_logger(cfg, out)
-    ckpt_dir = out / "checkpoints"
-    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=MONITOR, mode="max", save_last=True)
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=MONITOR, mode="max")
+    # every epoch, improved or not: a killed run resumes from its last epoch (the best one may be long before)
+    every_epoch = ModelCheckpoint(dirpath=ckpt_dir, filename="last", monitor=None, enable_version_counter=False)
     trainer = L.Trainer(
         max_epochs=t.max_epochs, accelerator=t.accelerator, devices=t.devices, strategy=t.strategy,
-        logger=logger, callbacks=[checkpoint, EarlyStopping(MONITOR, mode="max", patience=t.patience)],
+        logger=logger, callbacks=[checkpoint, every_epoch, EarlyStopping(MONITOR, mode="max", patience=t.patience),
+                                  RunIdentity(identity)],
         default_root_dir=str(out), log_every_n_steps=1, num_sanity_val_steps=0, deterministic=True,
-        enable_progress_bar=progress, enable_model_summary=False,
+        enable_progress_bar=progress and sys.stderr.isatty(), enable_model_summary=False,
     )
-    last = ckpt_dir / "last.ckpt"
     trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.exists() else None)
     best = ScorerModule.load_from_checkpoint(checkpoint.best_model_path) if checkpoint.best_model_path else module
     metrics = {k: float(v) for k, v in trainer.validate(best, datamodule=dm, verbose=False)[0].items()}
@@ -123,8 +248,9 @@ def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
 
         wandb.finish()  # so a second run in the same process starts its own
     table = recall_table(metrics, teachers)
-    digest = CollectConfig.digest(cfg.collect)
     artifact = export_scorer(best.scorer.cpu(), out / "scorer", model=manifest["model"], n_kv_heads=manifest["n_kv_heads"],
-                             config_digest=digest, metrics=metrics,
-                             extra={"trace_dir": str(cfg.trace_dir), "teachers": teachers, "train": to_dict(cfg.train)})
+                             config_digest=manifest["config_digest"], metrics=metrics,
+                             extra={"trace_dir": [str(d) for d in trace_dirs] if len(trace_dirs) > 1 else
+                                    str(cfg.trace_dir), "teachers": teachers, "train": to_dict(cfg.train)})
+    write_json_atomic(out / DONE, {"config": _finish_config(cfg, identity), "artifact": str(artifact)})
     return artifact, metrics, table

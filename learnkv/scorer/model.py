@@ -25,11 +25,22 @@ class Scorer(nn.Module):
         Length of the feature list.
     hidden : int
         Hidden width.
+    content_dim : int
+        0, or the head dimension D of the tokens' value vectors: a linear gate per layer and KV head on each token's
+        value (its content at creation, a projection of its hidden state: TRIM-KV's signal) is added to the score.
+    n_heads : int
+        KV heads (for the content gate).
     """
 
-    def __init__(self, n_layers: int, n_features: int = N_FEATURES, hidden: int = 32):
+    def __init__(self, n_layers: int, n_features: int = N_FEATURES, hidden: int = 32, content_dim: int = 0,
+                 n_heads: int = 0):
         super().__init__()
         self.n_layers, self.n_features, self.hidden = n_layers, n_features, hidden
+        self.content_dim, self.n_heads = content_dim, n_heads
+        if content_dim:
+            if n_heads < 1:
+                raise ValueError("a scorer with content features needs n_heads >= 1")
+            self.wc = nn.Parameter(torch.zeros(n_layers, n_heads, content_dim))
         self.w1 = nn.Parameter(torch.randn(n_layers, n_features, hidden) * n_features**-0.5)
         self.b1 = nn.Parameter(torch.zeros(n_layers, hidden))
         self.w2 = nn.Parameter(torch.randn(n_layers, hidden) * hidden**-0.5)
@@ -38,14 +49,30 @@ class Scorer(nn.Module):
         self.register_buffer("std", torch.ones(n_features))
 
     def config(self) -> dict:
-        return {"n_layers": self.n_layers, "n_features": self.n_features, "hidden": self.hidden}
+        cfg = {"n_layers": self.n_layers, "n_features": self.n_features, "hidden": self.hidden}
+        if self.content_dim:
+            cfg.update(content_dim=self.content_dim, n_heads=self.n_heads)
+        return cfg
 
     def set_normalization(self, mean: Tensor, std: Tensor) -> None:
         self.mean.copy_(mean)
         self.std.copy_(std.clamp(min=1e-6))
 
-    def forward(self, features: Tensor, layer: int | Tensor) -> Tensor:
-        """``features [..., F]`` of tokens of ``layer`` (an int, or a LongTensor broadcastable to ``[...]``) -> ``[...]``."""
+    def forward(self, features: Tensor, layer: int | Tensor, values: Tensor | None = None) -> Tensor:
+        """``features [..., F]`` of tokens of ``layer`` (an int, or a LongTensor broadcastable to ``[...]``) -> ``[...]``.
+
+        A scorer with content features also needs ``values [B, H, T, D]`` (features then ``[B, H, T, F]``; ``layer``
+        an int, or ``[B, 1, 1]`` in training)."""
+        score = self._mlp(features, layer)
+        if not self.content_dim:
+            return score
+        if values is None:
+            raise ValueError("this scorer reads the tokens' value vectors (content features): pass values")
+        if isinstance(layer, int):
+            return score + torch.einsum("...htd,hd->...ht", values.float(), self.wc[layer])
+        return score + torch.einsum("nhtd,nhd->nht", values.float(), self.wc[layer.reshape(-1)])
+
+    def _mlp(self, features: Tensor, layer: int | Tensor) -> Tensor:
         import kernels
 
         if isinstance(layer, int) and not torch.is_grad_enabled() and kernels.use_triton(features):

@@ -26,6 +26,10 @@ BUDGETS = (0.1, 0.25, 0.5)
 MONITOR = "val/recall@25"
 
 
+class TrainingDiverged(ValueError):
+    """The loss became NaN or infinite: the run stops instead of exporting meaningless weights."""
+
+
 def _masked_log_softmax(scores: Tensor, mask: Tensor) -> Tensor:
     return torch.log_softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).masked_fill(~mask, 0.0)
 
@@ -65,17 +69,18 @@ class ScorerModule(L.LightningModule):
 
     def __init__(self, n_layers: int, hidden: int = 32, lr: float = 3e-3, weight_decay: float = 1e-4,
                  temperature: float = 1.0, membership_weight: float = 0.5, membership_budget: float = 0.25,
-                 distill: dict[str, float] | None = None, teachers: tuple[str, ...] = ()):
+                 distill: dict[str, float] | None = None, teachers: tuple[str, ...] = (), content_dim: int = 0,
+                 n_heads: int = 0):
         super().__init__()
         self.save_hyperparameters()
-        self.scorer = Scorer(n_layers, hidden=hidden)
+        self.scorer = Scorer(n_layers, hidden=hidden, content_dim=content_dim, n_heads=n_heads)
         self.teachers = tuple(teachers)
         unknown = set(distill or {}) - set(self.teachers)
         if unknown:
             raise ValueError(f"distillation weights for teachers not in the traces: {sorted(unknown)}")
 
     def forward(self, batch: dict) -> Tensor:
-        return self.scorer(batch["features"], batch["layer"][:, None, None])  # [N, H, T]
+        return self.scorer(batch["features"], batch["layer"][:, None, None], batch.get("values"))  # [N, H, T]
 
     def _step(self, batch: dict, stage: str) -> Tensor:
         hp = self.hparams
@@ -98,6 +103,9 @@ class ScorerModule(L.LightningModule):
             term = listwise_loss(scores, torch.exp(rank_percentile(teacher, mask) / 0.1), mask)
             loss = loss + weight * term
             logs[f"{stage}/distill_{name}"] = term.detach()
+        if not bool(torch.isfinite(loss)):
+            raise TrainingDiverged(f"training diverged: {stage} loss is {loss.item()} at epoch {self.current_epoch}, "
+                                   f"step {self.global_step} (train.lr={hp.lr}); lower train.lr and run again")
         logs[f"{stage}/loss"] = loss.detach()
         n = batch["mask"].shape[0]
         if stage == "val":
@@ -113,6 +121,12 @@ class ScorerModule(L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._step(batch, "val")
+
+    def on_train_start(self) -> None:
+        # a resumed run restores the optimiser's state, learning rate included: the configured values win
+        for optimizer in self.trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"], group["weight_decay"] = self.hparams.lr, self.hparams.weight_decay
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)

@@ -3,7 +3,7 @@
 An engine (the paged simulator, the vLLM adapter) shows the runtime what the decode loop's `learned` policy sees:
 for every request and layer, the attention of the step's new queries over the request's resident tokens, and the
 new tokens' keys and values. The runtime keeps the `learnkv.features.FeatureTracker` state of the resident tokens,
-scores them with the exported `learnkv.scorer.model.Scorer` (batched over requests, one call per layer), pools the
+scores them with the exported `learnkv.scorer.model.Scorer` (one call per layer, as the decode loop does), pools the
 scores of every layer and KV head into one per token (`learnkv.pooling`, the rule the artifact declares) and picks
 whole blocks to free with `learnkv.pooling.shared_keep_slots`, the function the decode loop's block mode calls.
 So, fed the same attention, it frees exactly the blocks that ``generate(..., policy="learned", granularity="block")``
@@ -14,7 +14,14 @@ request's tokens ``[i * block_size, (i + 1) * block_size)``); an engine maps the
 torch and safetensors only. Memory per request is bounded: only resident tokens carry state, and after every
 decision at most ``budget`` of them remain. A finished or aborted request frees everything (`finish`).
 
-Shapes: H KV heads, G query heads per KV head, q new tokens this step, T resident tokens, D head dim, F features.
+Two phases per request. While its prompt is written (one or more prefill chunks) its state is its own, as in the
+decode loop. After the step that completes the prompt it joins a `learnkv.serving.batch.DecodeBatch`: from then on
+one batched `FeatureTracker` update per engine step covers every decoding request and every layer, and an engine
+can show a layer's attention for all of them at once (`observe_batch`), or every layer's (`observe_step`). Only a
+decision (a request over its budget, about once per block of new tokens) reads a request on its own.
+
+Shapes: H KV heads, G query heads per KV head, q new tokens this step, T resident tokens, D head dim, F features,
+L layers, R requests.
 """
 
 from __future__ import annotations
@@ -26,15 +33,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from learnkv.features import FeatureTracker
-from learnkv.pooling import POOLING, shared_keep_slots
-from learnkv.scorer.artifact import ArtifactError, load_scorer
+from learnkv.features import FEATURES, FeatureTracker
+from learnkv.pooling import shared_keep_slots
+from learnkv.scorer.artifact import load_scorer
+from learnkv.serving.batch import DecodeBatch
 
 
 @dataclass
 class _Request:
-    """One request's resident tokens and their state, token axis last (``[1, H, T]``)."""
+    """One request. Until its prompt is complete its resident tokens and their state live here, token axis last
+    (``[1, H, T]``); afterwards in the runtime's `DecodeBatch` (``state`` is then empty and ``positions`` reads the
+    batch)."""
 
+    req_id: str
     policy: object  # the resolved `Learned` policy: sinks, recent window, block size
     budget: int
     n_tokens: int = 0  # logical length written so far
@@ -42,11 +53,23 @@ class _Request:
     prefilled: bool = False
     final: bool = True  # whether the current step ends the prefill (decisions start then)
     n_new: int = 0
-    positions: Tensor | None = None  # [1, H, T] int64, ascending
+    own_positions: Tensor | None = None  # [1, H, T] int64, ascending (prompt phase)
+    batch: DecodeBatch | None = None  # set once the request decodes in the batch
     state: list[dict[str, Tensor]] = field(default_factory=list)  # per layer: tracker state + key/value norms
     last_row: list[Tensor | None] = field(default_factory=list)  # per layer: this step's attention [1, H, G, 1, T]
     evicted: list[int] = field(default_factory=list)  # logical blocks freed so far
     full_context_tokens: int | None = None  # tokens written before the first eviction (prefix-cache rule)
+
+    @property
+    def positions(self) -> Tensor | None:
+        """``[1, H, T]`` (prompt phase) or ``[1, 1, T]`` (decoding) positions of the resident tokens, ascending."""
+        if self.batch is not None:
+            return self.batch.resident_positions(self.req_id)[None, None]
+        return self.own_positions
+
+    @positions.setter
+    def positions(self, value: Tensor | None) -> None:
+        self.own_positions = value
 
 
 @dataclass
@@ -57,6 +80,7 @@ class Decision:
     blocks: list[int]  # logical blocks to free now, ascending
     resident_tokens: int  # tokens left after freeing them
     budget: int
+    n_tokens: int = 0  # tokens the request has written (its logical length)
 
 
 class ServingRuntime:
@@ -84,12 +108,9 @@ class ServingRuntime:
                  n_kv_heads: int | None = None, device: str | torch.device = "cpu"):
         from learnkv.policies.learned import Learned
 
-        self.model, self.manifest = load_scorer(scorer, expect_model=expect_model, expect_layers=n_layers)
-        pooling = self.manifest.get("pooling", POOLING)  # artifacts predating the field only had this rule
-        if pooling != POOLING:
-            raise ArtifactError(f"{scorer}: pooling rule {pooling!r}; this learnkv pools with {POOLING!r}")
-        if n_kv_heads is not None and self.manifest.get("n_kv_heads") != n_kv_heads:
-            raise ArtifactError(f"{scorer}: scorer has {self.manifest.get('n_kv_heads')} KV heads, the model has {n_kv_heads}")
+        # the same checks as the decode loop's `learned` policy (`learnkv.scorer.artifact.check_binding`)
+        self.model, self.manifest = load_scorer(scorer, expect_model=expect_model, expect_layers=n_layers,
+                                                expect_kv_heads=n_kv_heads)
         self.model = self.model.to(device)
         self.n_layers = self.model.n_layers
         self.tracker = FeatureTracker(self.n_layers)
@@ -101,6 +122,7 @@ class ServingRuntime:
         self._resolved: dict[int, object] = {}
         self.policy = self._policy(budget)  # refuses an infeasible default budget at start-up
         self.requests: dict[str, _Request] = {}
+        self.batch = DecodeBatch(self.tracker, self.n_layers, self._device)
         self.decide_s = 0.0  # host time spent deciding (overhead accounting)
 
     # -- request lifecycle -----------------------------------------------------------------------------------
@@ -115,12 +137,14 @@ class ServingRuntime:
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already tracked")
         budget = self.budget if budget is None else int(budget)
-        self.requests[req_id] = _Request(policy=self._policy(budget), budget=budget, state=[{} for _ in range(self.n_layers)],
+        self.requests[req_id] = _Request(req_id, policy=self._policy(budget), budget=budget,
+                                         state=[{} for _ in range(self.n_layers)],
                                          last_row=[None] * self.n_layers)
 
     def finish(self, req_id: str) -> None:
         """Forget a finished or aborted request entirely (unknown ids are ignored: aborts may race finishes)."""
         self.requests.pop(req_id, None)
+        self.batch.remove(req_id)
 
     def begin_step(self, req_id: str, n_new: int, final: bool = True) -> None:
         """The next forward pass writes ``n_new`` tokens of ``req_id``; ``final`` is False for a prefill chunk
@@ -128,7 +152,14 @@ class ServingRuntime:
         req = self.requests[req_id]
         if n_new < 1:
             raise ValueError(f"a step writes at least one token, got {n_new}")
-        req.step = req.step + 1 if req.prefilled else 0
+        if req.prefilled:
+            if n_new != 1:
+                raise ValueError(f"request {req_id!r}: a decode step writes one token, got {n_new}")
+            req.step, req.n_new, req.final = req.step + 1, 1, True
+            req.n_tokens += 1
+            self.batch.begin(req_id)
+            return
+        req.step = 0
         req.n_new = n_new
         req.final = final
         new = torch.arange(req.n_tokens, req.n_tokens + n_new, device=self._device)
@@ -157,6 +188,12 @@ class ServingRuntime:
         """
         req = self.requests[req_id]
         H, _, q, T = attn.shape
+        if req.prefilled:
+            if q != 1:
+                raise ValueError(f"request {req_id!r} layer {layer}: a decode step has one query, got {q}")
+            self.batch.observe_one(layer, req_id, attn[:, :, 0], keys[:, 0].float().norm(dim=-1),
+                                   values[:, 0].float().norm(dim=-1))
+            return
         if q != req.n_new or T != req.positions.shape[-1]:
             raise ValueError(f"request {req_id!r} layer {layer}: attention {tuple(attn.shape)} does not match "
                              f"{req.n_new} new tokens over {req.positions.shape[-1]} resident ones")
@@ -176,83 +213,126 @@ class ServingRuntime:
         state.update(tracker_state)
         req.last_row[layer] = a[:, :, :, -1:, :]
 
+    def observe_batch(self, layer: int, req_ids: list[str], attn: Tensor, k_norm: Tensor, v_norm: Tensor,
+                      lens: Tensor | None = None) -> None:
+        """One layer's view of several decoding requests at once (each past its prompt, one new token).
+
+        Parameters
+        ----------
+        attn : Tensor
+            ``[R, H, G, Tb]`` each request's new query over its resident tokens in ascending position,
+            left-aligned (request r's T_r tokens, then zeros up to the widest request's Tb).
+        k_norm, v_norm : Tensor
+            ``[R, H]`` norms of the new tokens' keys (after RoPE) and values.
+        lens : Tensor, optional
+            ``[R]`` the engine's T_r; a mismatch with the runtime's resident count is an error at `decide`.
+        """
+        self.batch.observe(layer, req_ids, attn, k_norm, v_norm, lens)
+
+    def observe_step(self, req_ids: list[str], attn: Tensor, k_norm: Tensor, v_norm: Tensor,
+                     lens: Tensor | None = None) -> None:
+        """`observe_batch` for every layer at once: ``attn [L, R, H, G, Tb]``, ``k_norm, v_norm [L, R, H]``."""
+        self.batch.observe_all(req_ids, attn, k_norm, v_norm, lens)
+
     # -- the decision ----------------------------------------------------------------------------------------
 
     def decide(self, req_ids: list[str] | None = None) -> list[Decision]:
         """End the step of ``req_ids`` (default: all) and return the blocks each must free now.
 
-        Every layer of a request must have been observed this step. Scoring is batched: one scorer call per layer
-        over the resident tokens of every request that is over its budget.
+        Every layer of a request must have been observed this step. The decoding requests' attention is folded
+        in first, in one batched update; then each request over its budget is scored (one scorer call per layer)
+        and loses its lowest-scoring whole blocks.
         """
         t0 = time.perf_counter()
         req_ids = list(self.requests) if req_ids is None else req_ids
-        due = []
-        for rid in req_ids:
-            req = self.requests[rid]
-            if any(row is None for row in req.last_row):
-                raise RuntimeError(f"request {rid!r}: every layer must be observed before deciding")
-            if req.final and req.positions.shape[-1] > self._keep(req):
-                due.append(rid)
-        scores = self._score(due)
+        self.batch.fold()
         decisions = []
         for rid in req_ids:
             req = self.requests[rid]
-            blocks = self._evict(req, scores[rid]) if rid in scores else []
-            if req.final:
-                req.prefilled = True
-            req.last_row = [None] * self.n_layers
-            decisions.append(Decision(rid, blocks, req.positions.shape[-1], req.budget))
+            if req.prefilled:
+                blocks = self._decide_decoding(rid, req)
+            else:
+                blocks = self._decide_prefill(rid, req)
+            decisions.append(Decision(rid, blocks, self._n_resident(rid, req), req.budget, req.n_tokens))
         self.decide_s += time.perf_counter() - t0
         return decisions
+
+    def _n_resident(self, rid: str, req: _Request) -> int:
+        return self.batch.n_resident(rid) if rid in self.batch else req.positions.shape[-1]
+
+    def _decide_prefill(self, rid: str, req: _Request) -> list[int]:
+        """A prompt chunk's step: decide (if the prompt is complete) on the request's own state, then move the
+        request into the decode batch."""
+        if any(row is None for row in req.last_row):
+            raise RuntimeError(f"request {rid!r}: every layer must be observed before deciding")
+        blocks = []
+        if req.final and req.positions.shape[-1] > self._keep(req):
+            scores = []
+            for layer in range(self.n_layers):
+                state = req.state[layer]
+                # key_norm / value_norm: the norm of a one-element vector is its absolute value, so the stored
+                # norms stand in for the full keys and values the decode loop hands the same function
+                f = self.tracker.features(req.last_row[layer], state["norm.k"][..., None], state["norm.v"][..., None],
+                                          req.positions, layer, req.step, _tracker_state(state))
+                with torch.no_grad():
+                    scores.append(self.model(f, layer))
+            index = self._keep_index(req, scores, req.positions)
+            blocks = self._dropped_blocks(req, req.positions, index)
+            if blocks:
+                req.positions = req.positions[..., index]
+                for state in req.state:
+                    for name, t in state.items():
+                        state[name] = t[..., index]
+        req.last_row = [None] * self.n_layers
+        if req.final:
+            req.prefilled = True
+            self.batch.add(rid, req.positions[0, 0], req.state, req.n_tokens)
+            req.positions, req.state, req.last_row, req.batch = None, [], [], self.batch
+        return blocks
+
+    def _decide_decoding(self, rid: str, req: _Request) -> list[int]:
+        """A decoding request: score its resident tokens in every layer if it is over budget."""
+        if self.batch.n_resident(rid) <= self._keep(req):
+            return []
+        positions, state, attn, step = self.batch.extract(rid)  # layers on the batch axis
+        norms = state.pop("norm.k")[..., None], state.pop("norm.v")[..., None]
+        feats = self.tracker.features(attn, norms[0], norms[1], positions, 0, step, state)  # [L, H, T, F]
+        # the layer column, which `features` fills with one layer's value: every layer's own, computed as the
+        # decode loop computes it (a Python float per layer, rounded once to float32)
+        layer_col = torch.tensor([i / max(self.n_layers - 1, 1) for i in range(self.n_layers)], dtype=torch.float64)
+        feats[..., FEATURES.index("layer")] = layer_col.to(feats)[:, None, None]
+        with torch.no_grad():
+            scores = [self.model(feats[i:i + 1], i) for i in range(self.n_layers)]
+        index = self._keep_index(req, scores, positions[:1])
+        blocks = self._dropped_blocks(req, positions[:1], index)
+        if blocks:
+            self.batch.compact(rid, index)
+        return blocks
 
     @staticmethod
     def _keep(req: _Request) -> int:
         return req.policy.keep_target(req.budget)
 
-    def _score(self, req_ids: list[str]) -> dict[str, list[Tensor]]:
-        """Per request, per layer ``[1, H, T]`` scores; one scorer call per layer for all requests."""
-        out: dict[str, list[Tensor]] = {rid: [] for rid in req_ids}
-        if not req_ids:
-            return out
-        for layer in range(self.n_layers):
-            feats = []
-            for rid in req_ids:
-                req = self.requests[rid]
-                state = req.state[layer]
-                # key_norm / value_norm: the norm of a one-element vector is its absolute value, so the stored
-                # norms stand in for the full keys and values the decode loop hands the same function
-                f = self.tracker.features(req.last_row[layer], state["norm.k"][..., None], state["norm.v"][..., None],
-                                          req.positions, layer, req.step,
-                                          {k: v for k, v in state.items() if not k.startswith("norm.")})
-                feats.append(f)
-            flat = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
-            with torch.no_grad():
-                s = self.model(flat, layer)
-            for rid, f, part in zip(req_ids, feats, s.split([f.shape[:-1].numel() for f in feats])):
-                out[rid].append(part.view(f.shape[:-1]))
-        return out
-
-    def _evict(self, req: _Request, scores: list[Tensor]) -> list[int]:
+    def _keep_index(self, req: _Request, scores: list[Tensor], positions: Tensor) -> Tensor:
+        """``[K]`` kept slots (ascending) of the per-layer ``[1, H, T]`` scores over ``positions [1, H, T]``."""
         p = req.policy
-        index = shared_keep_slots(scores, req.positions, self._keep(req), p.n_sink, p.n_recent, self.block_size,
-                                  p.pooling)[0, 0]
-        T = req.positions.shape[-1]
+        return shared_keep_slots(scores, positions, self._keep(req), p.n_sink, p.n_recent, self.block_size,
+                                 p.pooling)[0, 0]
+
+    def _dropped_blocks(self, req: _Request, positions: Tensor, index: Tensor) -> list[int]:
+        """Logical blocks of the slots not in ``index``; records them as evicted."""
+        T = positions.shape[-1]
         dropped = torch.ones(T, dtype=torch.bool, device=index.device)
         dropped[index] = False
         if not bool(dropped.any()):
             return []
-        pos = req.positions[0, 0][dropped]
+        pos = positions[0, 0][dropped.to(positions.device)]
         blocks = torch.unique(pos // self.block_size)
         # whole blocks by construction (resident slots stay block-aligned): check it, an engine frees whole blocks
         if pos.numel() != blocks.numel() * self.block_size:
             raise RuntimeError(f"eviction of {pos.numel()} tokens is not whole blocks of {self.block_size}")
         if req.full_context_tokens is None:
             req.full_context_tokens = req.n_tokens
-        index = index.to(req.positions.device)
-        req.positions = req.positions[..., index]
-        for state in req.state:
-            for name, t in state.items():
-                state[name] = t[..., index]
         freed = blocks.tolist()
         req.evicted.extend(freed)
         return freed
@@ -262,7 +342,18 @@ class ServingRuntime:
     def resident_blocks(self, req_id: str) -> list[int]:
         """Logical blocks of ``req_id`` still holding tokens."""
         req = self.requests[req_id]
-        return [] if req.positions is None else torch.unique(req.positions[0, 0] // self.block_size).tolist()
+        if req_id in self.batch:
+            positions = self.batch.resident_positions(req_id)
+        elif req.positions is None:
+            return []
+        else:
+            positions = req.positions[0, 0]
+        return torch.unique(positions // self.block_size).tolist()
+
+    def resident_positions(self, req_id: str) -> Tensor:
+        """``[T]`` positions of ``req_id``'s resident tokens, ascending."""
+        req = self.requests[req_id]
+        return self.batch.resident_positions(req_id) if req_id in self.batch else req.positions[0, 0]
 
     def cacheable_blocks(self, req_id: str) -> int:
         """How many leading full blocks may be published to a prefix cache: those written before the first
@@ -274,6 +365,8 @@ class ServingRuntime:
     def state_bytes(self, req_id: str) -> int:
         """Bytes of state held for ``req_id`` (bounded by the budget after every decision)."""
         req = self.requests[req_id]
+        if req_id in self.batch:  # its share of the batch: the padding columns are the batch's, not its
+            return self.batch.n_resident(req_id) * self.batch.bytes_per_token()
         tensors = [req.positions] + [t for s in req.state for t in s.values()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -298,3 +391,7 @@ def _bound_name(scorer: str, served_model: str) -> str:
     candidates = {served_model, served_model.rstrip("/").rsplit("/", 1)[-1]}
     return bound if bound in candidates else served_model
 
+
+def _tracker_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The `FeatureTracker` entries of a layer's state (without the stored key and value norms)."""
+    return {k: v for k, v in state.items() if not k.startswith("norm.")}

@@ -1,21 +1,32 @@
-"""Recorder: rides along a full-cache decode and snapshots, at sampled decision steps, every cached token's
-features, each teacher's score, and (``horizon`` steps later) its oracle future utility.
+"""Recording a decode for training: at sampled decision steps, every resident token's features, each teacher's
+score, and its future utility over the next ``horizon`` steps.
 
-It is a non-evicting policy with ``group_reduce = "none"``: the attention function hands it the unreduced
-attention of all the step's query rows, from which it rebuilds exactly the view each teacher would get if it ran
-alone (mean or max over the group, its own observation window, sums and squares), so teacher scores in the traces
-are the teachers' real scores. Teacher and tracker state live in the layer's state dict under prefixed names, so
-the cache keeps them aligned like any policy state.
+The pieces both recorders share live here:
 
-Labels of a decision at step t, per (layer, KV head, token), over the next ``horizon`` steps:
+- `Riders`: the `FeatureTracker` and the teacher policies, fed the attention of the cache they ride on. They see
+  the unreduced attention of every query row of the step (``group_reduce = "none"``), from which each teacher's own
+  view is rebuilt exactly (mean or max over the group, its observation window, sums and squares), so teacher scores
+  are the teachers' real scores on the resident tokens. Their state lives in the layer's state dict under prefixed
+  names, so the cache keeps it aligned (and evicts it) like any policy state.
+- `step_labels`: what one future query contributes to each label of every slot.
+- `Recorder`: the off-policy recorder, a non-evicting observer of a full-cache decode; labels accumulate online,
+  from the same run's next ``horizon`` steps. (`learnkv.traces.onpolicy` records under eviction.)
+
+Labels of a decision at step t, per (layer, KV head, token), over the steps t+1 .. t+horizon:
 ``future_sum`` (attention mass received, group mean), ``future_max`` (max over the steps and the group's heads),
-``reenter`` (whether the token is ever in the top ``label_budget`` share of the step's attention).
+``future_out`` (how much dropping the token would move each step's attention output: per query head g,
+``a_g |v - o_g| / (1 - a_g)`` with ``o_g`` the head's attention output, group mean, summed over the steps),
+``reenter`` (whether the token is ever in the top ``label_budget`` share of a step's attention).
+
+Rows of a batch record exactly what each records alone: everything is per row (live tokens, label shares), padding
+slots are dropped when a decision is extracted (`Decision`), and a decision whose horizon runs past the row's own end
+(its EOS) is dropped, as it is alone, even while other rows of the batch go on decoding.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -24,37 +35,176 @@ from learnkv.features import FeatureTracker
 from learnkv.policies import make_policy
 from learnkv.policies.base import LayerView, Policy
 
+#: the budget teachers are resolved for (their budget-dependent windows), whatever the row: so a row's teacher scores
+#: never depend on the other rows of its batch
+TEACHER_BUDGET = 64
+#: float labels, in trace-column order (``reenter`` is the boolean one)
+FLOAT_LABELS = ("future_sum", "future_max", "future_out")
 
-def teacher_view(view: LayerView, teacher: Policy, state: dict[str, Tensor], keep: int) -> LayerView:
-    """The view ``teacher`` would get from the attention function, rebuilt from an unreduced view."""
+
+def teacher_view(view: LayerView, teacher: Policy, state: dict[str, Tensor], keep) -> LayerView:
+    """The view ``teacher`` would get from the attention function, rebuilt from an unreduced view
+    (``attn [B, H, G, W, T]``)."""
     attn = attn_sum = attn_sq = None
     if teacher.needs_attention:
-        rows = view.attn.amax(dim=2) if teacher.group_reduce == "max" else view.attn.mean(dim=2)  # [B, H, q, T]
-        attn = rows[:, :, -min(teacher.obs_window, rows.shape[2]) :, :]
-        attn_sum = rows.sum(dim=2)
-        attn_sq = (rows * rows).sum(dim=2) if teacher.needs_sq_sum else None
+        if teacher.group_reduce == "none":
+            attn = view.attn[:, :, :, -min(teacher.obs_window, view.attn.shape[3]):, :]
+            attn_sum = view.attn.sum(dim=3)
+        else:
+            rows = view.attn.amax(dim=2) if teacher.group_reduce == "max" else view.attn.mean(dim=2)  # [B, H, q, T]
+            attn = rows[:, :, -min(teacher.obs_window, rows.shape[2]):, :]
+            attn_sum = rows.sum(dim=2)
+            attn_sq = (rows * rows).sum(dim=2) if teacher.needs_sq_sum else None
     return LayerView(layer=view.layer, step=view.step, keys=view.keys, values=view.values, positions=view.positions,
-                     n_new=view.n_new, attn=attn, attn_sum=attn_sum, attn_sq_sum=attn_sq, keep=keep, state=state)
+                     n_new=view.n_new, attn=attn, attn_sum=attn_sum, attn_sq_sum=attn_sq, keep=keep, state=state,
+                     live=view.live)
+
+
+def label_keep(live: list[int], label_budget: float) -> list[int]:
+    """Per row, the label budget's share of its live tokens (at least one)."""
+    return [max(1, math.ceil(label_budget * n)) for n in live]
+
+
+def step_labels(attn: Tensor, values: Tensor, keep: list[int]) -> dict[str, Tensor]:
+    """What one step's query gives each label, for every slot.
+
+    Parameters
+    ----------
+    attn : Tensor
+        ``[B, H, G, T]`` the step's query row, per query head of each KV head (0 on padding and dead slots).
+    values : Tensor
+        ``[B, H, T, D]`` the cached values.
+    keep : list of int
+        Per row, how many top slots count as re-entering (`label_keep`).
+
+    Returns
+    -------
+    dict
+        ``future_sum``, ``future_max``, ``future_out`` (float32) and ``reenter`` (bool), each ``[B, H, T]``.
+    """
+    mean, gmax = attn.mean(dim=2), attn.amax(dim=2)
+    v = values.float()
+    out = attn @ v  # [B, H, G, D] each query head's attention output (before the output projection)
+    # the difference itself, not |v|^2 - 2 v.o + |o|^2, which cancels catastrophically where v ~ o (a ~ 1)
+    dist = (v[:, :, None, :, :] - out[:, :, :, None, :]).norm(dim=-1)  # [B, H, G, T]
+    delta = (attn * dist / (1 - attn).clamp(min=1e-6)).mean(dim=2)
+    k = min(max(keep), mean.shape[-1])
+    top = torch.zeros_like(mean, dtype=torch.bool)
+    counted = torch.arange(k, device=mean.device) < torch.tensor(keep, device=mean.device)[:, None, None]
+    top.scatter_(-1, mean.topk(k, dim=-1).indices, counted.expand(*mean.shape[:2], k))
+    return {"future_sum": mean, "future_max": gmax, "future_out": delta, "reenter": top}
+
+
+def new_labels(shape, device) -> dict[str, Tensor]:
+    zeros = torch.zeros(shape, dtype=torch.float32, device=device)
+    return {"future_sum": zeros, "future_max": zeros.clone(), "future_out": zeros.clone(),
+            "reenter": zeros.bool()}
+
+
+def add_labels(acc: dict[str, Tensor], step: dict[str, Tensor], T: int) -> None:
+    """Fold one step's labels of the first ``T`` slots into ``acc`` (in place)."""
+    acc["future_sum"] += step["future_sum"][..., :T]
+    acc["future_out"] += step["future_out"][..., :T]
+    torch.maximum(acc["future_max"], step["future_max"][..., :T], out=acc["future_max"])
+    acc["reenter"] |= step["reenter"][..., :T]
+
+
+class Riders:
+    """The feature tracker and the teachers riding on a cache: state under ``f.`` (tracker) and ``t.NAME.``."""
+
+    def __init__(self, n_layers: int, teachers: tuple[str, ...], label_budget: float):
+        self.tracker = FeatureTracker(n_layers)
+        self.names = tuple(teachers)
+        self.teachers = {name: make_policy(name).resolve(TEACHER_BUDGET) for name in teachers}
+        self.label_budget = label_budget
+        self._views: dict[str, LayerView] = {}
+
+    def update(self, view: LayerView) -> None:
+        """Fold the step's attention (``view.attn [B, H, G, W, T]``, every query row) into every rider's state."""
+        st = view.state
+        self.tracker.update(view.attn, view.positions, view.n_new, view.step, st)
+        keep = label_keep(view.live_tokens(), self.label_budget)
+        for name, teacher in self.teachers.items():
+            prefix = f"t.{name}."
+            sub = {k[len(prefix):]: v for k, v in st.items() if k.startswith(prefix)}
+            tv = teacher_view(view, teacher, sub, keep)
+            teacher.update(tv)
+            for k, v in sub.items():
+                st[prefix + k] = v
+            self._views[name] = tv
+
+    def snapshot(self, view: LayerView) -> tuple[Tensor, dict[str, Tensor]]:
+        """Right after `update` of the same view: ``[B, H, T, F]`` features and each teacher's ``[B, H, T]`` scores."""
+        feats = self.tracker.features(view.attn, view.keys, view.values, view.positions, view.layer, view.step,
+                                      view.state)
+        T = view.positions.shape[-1]
+        # a teacher whose observation window covers every slot protects them all: no preference (zeros), instead
+        # of its score of an empty prefix (only in caches smaller than the window, e.g. tiny test prompts)
+        scores = {name: t.score(self._views[name]).float() if t.obs_window < T else view.positions.new_zeros(
+            view.positions.shape, dtype=torch.float32) for name, t in self.teachers.items()}
+        return feats, scores
+
+
+@dataclass
+class Decision:
+    """One recorded decision of one prompt in one layer: the resident tokens (padding dropped), per KV head.
+
+    ``positions [H, n]``, ``features [H, n, F]``, ``teachers`` and ``labels``: name -> ``[H, n]``; ``evicts``:
+    whether the acting policy evicted at this step; ``budget``: the row's budget (None: full cache); ``values``:
+    the tokens' value vectors ``[H, n, D]`` (their content at creation, TRIM-KV's signal), if recorded.
+    """
+
+    step: int
+    layer: int
+    positions: Tensor
+    features: Tensor
+    teachers: dict[str, Tensor]
+    labels: dict[str, Tensor]
+    evicts: bool = False
+    budget: int | None = None
+    values: Tensor | None = None
+
+
+def resident(x: Tensor, valid: Tensor) -> Tensor:
+    """``x [H, T, ...]`` at the slots where ``valid [H, T]`` holds, as ``[H, n, ...]`` (every head has n of them)."""
+    H = valid.shape[0]
+    return x[valid].reshape(H, -1, *x.shape[2:])
+
+
+def row_steps(decision_steps, B: int) -> list[frozenset]:
+    """Per row, its decision steps (one set for every row, or one per row)."""
+    if isinstance(decision_steps, (frozenset, set)):
+        return [frozenset(decision_steps)] * B
+    steps = [frozenset(s) for s in decision_steps]
+    if len(steps) != B:
+        raise ValueError(f"{len(steps)} decision-step sets for a batch of {B} rows")
+    return steps
+
+
+def horizon_fits(step: int, horizon: int, new_tokens: int) -> bool:
+    """Whether decision ``step`` has ``horizon`` steps of future inside its row's own generation (the last step fed
+    is ``new_tokens - 1``: the row's EOS, or its last token, is never fed)."""
+    return step + horizon <= new_tokens - 1
 
 
 @dataclass
 class Pending:
-    """A decision snapshot waiting for its future attention."""
+    """A decision snapshot of a whole batch (the rows that decide here), waiting for its future."""
 
     step: int
     layer: int
+    rows: list[int]
     positions: Tensor  # [B, H, T]
     features: Tensor  # [B, H, T, F]
     teachers: dict[str, Tensor]  # name -> [B, H, T]
-    future_sum: Tensor
-    future_max: Tensor
-    reenter: Tensor
+    labels: dict[str, Tensor] = field(default_factory=dict)  # name -> [B, H, T]
+    values: Tensor | None = None  # [B, H, T, D], if recorded
     seen: int = 0
 
 
 @dataclass
 class Recorder(Policy):
-    """Observer policy for trace collection (never evicts).
+    """Observer policy for off-policy trace collection (never evicts): the full cache decodes.
 
     Parameters
     ----------
@@ -62,12 +212,14 @@ class Recorder(Policy):
         Decoder layers of the model.
     teachers : tuple[str, ...]
         Registered policy names whose scores are recorded.
-    decision_steps : frozenset[int]
-        Decode steps at which to snapshot.
+    decision_steps : frozenset[int] or sequence of them
+        Decode steps at which to snapshot, for every row or per row of the batch.
     horizon : int
         H, the label horizon in decode steps.
     label_budget : float
-        Budget, as a share of the cached tokens, that defines ``reenter`` and the teachers' ``keep``.
+        Share of the cached tokens that defines ``reenter`` and the teachers' ``keep``.
+    record_values : bool
+        Also record each token's value vector (`Decision.values`).
     """
 
     name = "recorder"
@@ -77,15 +229,19 @@ class Recorder(Policy):
 
     n_layers: int = 1
     teachers: tuple[str, ...] = ()
-    decision_steps: frozenset = frozenset()
+    decision_steps: frozenset | tuple = frozenset()
     horizon: int = 32
     label_budget: float = 0.25
+    record_values: bool = False
 
     def __post_init__(self):
-        self.tracker = FeatureTracker(self.n_layers)
-        self._teachers: dict[str, Policy] = {}
-        self.rows: list[Pending] = []  # finished decisions
+        self.riders = Riders(self.n_layers, self.teachers, self.label_budget)
+        self.rows: list[Pending] = []  # decisions whose horizon is complete
         self._pending: list[Pending] = []
+
+    @property
+    def tracker(self) -> FeatureTracker:
+        return self.riders.tracker
 
     def params(self) -> dict:
         return {"teachers": list(self.teachers), "horizon": self.horizon, "label_budget": self.label_budget}
@@ -94,58 +250,41 @@ class Recorder(Policy):
     def obs_window(self) -> int:
         return 1 << 30  # every query row of the step (the prefill's too): teachers' stats are rebuilt from them
 
-    def _teacher(self, name: str, keep: int) -> Policy:
-        # teachers are resolved against the label budget of the first decision; windows stay fixed after that
-        if name not in self._teachers:
-            self._teachers[name] = make_policy(name).resolve(max(keep, 64))
-        return self._teachers[name]
-
     def update(self, view: LayerView) -> None:
-        st = view.state
-        T = view.positions.shape[-1]
-        keep = max(1, math.ceil(self.label_budget * T))
-        self.tracker.update(view.attn, view.positions, view.n_new, view.step, st)
-        teacher_states = {}
-        for name in self.teachers:
-            teacher = self._teacher(name, keep)
-            prefix = f"t.{name}."
-            sub = {k[len(prefix):]: v for k, v in st.items() if k.startswith(prefix)}
-            teacher.update(teacher_view(view, teacher, sub, keep))
-            for k, v in sub.items():
-                st[prefix + k] = v
-            teacher_states[name] = sub
-        if view.step > 0:
-            self._accumulate_labels(view, keep)
-        if view.step in self.decision_steps:
-            feats = self.tracker.features(view.attn, view.keys, view.values, view.positions, view.layer, view.step, st)
-            scores = {
-                name: self._teachers[name].score(teacher_view(view, self._teachers[name], teacher_states[name], keep)).float()
-                for name in self.teachers
-            }
-            zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
-            self._pending.append(Pending(view.step, view.layer, view.positions.clone(), feats, scores, zeros.clone(),
-                                         zeros.clone(), zeros.bool()))
+        self.riders.update(view)
+        if view.step > 0 and self._pending:
+            self._accumulate_labels(view)
+        rows = [b for b, steps in enumerate(row_steps(self.decision_steps, view.positions.shape[0]))
+                if view.step in steps]
+        if rows:
+            feats, scores = self.riders.snapshot(view)
+            self._pending.append(Pending(view.step, view.layer, rows, view.positions.clone(), feats, scores,
+                                         new_labels(view.positions.shape, view.keys.device),
+                                         view.values.clone() if self.record_values else None))
 
-    def _accumulate_labels(self, view: LayerView, keep: int) -> None:
-        row = view.attn[:, :, :, -1, :]  # [B, H, G, T] the current query
-        mean, gmax = row.mean(dim=2), row.amax(dim=2)
-        top = torch.zeros_like(mean, dtype=torch.bool).scatter(-1, mean.topk(min(keep, mean.shape[-1]), dim=-1).indices, True)
-        still = []
-        for p in self._pending:
-            if p.layer != view.layer or p.step >= view.step:
-                still.append(p)
-                continue
-            T = p.positions.shape[-1]  # full cache: slots never move, the first T are the decision's tokens
-            p.future_sum += mean[..., :T]
-            p.future_max = torch.maximum(p.future_max, gmax[..., :T])
-            p.reenter |= top[..., :T]
+    def _accumulate_labels(self, view: LayerView) -> None:
+        mine = [p for p in self._pending if p.layer == view.layer and p.step < view.step]
+        if not mine:
+            return
+        labels = step_labels(view.attn[:, :, :, -1, :], view.values,
+                             label_keep(view.live_tokens(), self.label_budget))
+        for p in mine:
+            # full cache: slots never move, the first T are the decision's tokens
+            add_labels(p.labels, labels, p.positions.shape[-1])
             p.seen += 1
             if p.seen >= self.horizon:
                 self.rows.append(p)
-            else:
-                still.append(p)
-        self._pending = still
+                self._pending.remove(p)
 
-    def unfinished(self) -> int:
-        """Decisions whose horizon ran past the end of the generation (dropped)."""
-        return len(self._pending)
+    def decisions(self, row: int, new_tokens: int) -> list[Decision]:
+        """The finished decisions of batch row ``row`` (generated ``new_tokens``), in (step, layer) order."""
+        out = []
+        for p in sorted(self.rows, key=lambda r: (r.step, r.layer)):
+            if row not in p.rows or not horizon_fits(p.step, self.horizon, new_tokens):
+                continue
+            valid = p.positions[row] >= 0
+            out.append(Decision(p.step, p.layer, resident(p.positions[row], valid), resident(p.features[row], valid),
+                                {k: resident(v[row], valid) for k, v in p.teachers.items()},
+                                {k: resident(v[row], valid) for k, v in p.labels.items()},
+                                values=None if p.values is None else resident(p.values[row], valid)))
+        return out

@@ -88,7 +88,7 @@ def observe_recurrence(model, tokenizer, inputs: list[torch.Tensor], max_new_tok
         result = generate(model, tokenizer, input_ids=ids, policy=obs, max_new_tokens=max_new_tokens,
                           stop_at_eos=True, progress=progress)
         run = obs.tokens(result.prompt_tokens)
-        run["generated"] = int(result.tokens.shape[1])
+        run["generated"] = int(result.new_tokens[0])
         runs.append(run)
     return runs
 

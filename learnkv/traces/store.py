@@ -3,12 +3,16 @@
 Layout of a trace directory::
 
     manifest.json            header (model, features + version, horizon, split, seed, config) and `shards`
-    shard-00000.arrow        one row per (prompt, decision step, layer); list columns hold [H, T(, F)] tensors
-    shard-00000.json         the shard's sidecar: {"path", "rows", "sha256", "prompts"}
+    shard-00000.arrow        one row per (prompt, decision step, layer); list columns hold [H, n(, F)] tensors of
+                             the n resident tokens (positions included: on-policy, KV heads hold different tokens)
+    shard-00000.json         the shard's sidecar: {"path", "rows", "sha256", "prompts", "feature_version",
+                             "config_digest"}
 
 Everything is written to a temporary name and renamed, so a killed writer never leaves a file under a final name
 that could be read: a shard counts as done only once its sidecar exists, and the manifest is rebuilt from the
-sidecars. Loading checks every shard's sha256 and the manifest's format and feature version.
+sidecars. Each sidecar records the feature version and collection-config digest its shard was made with, so a
+shard of another version or config is refused by name wherever the directory is read, extended or merged, never
+relabelled. Loading checks every shard's sha256 and the manifest's format and feature version.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from learnkv.atomic import sha256_file, write_json_atomic
 from learnkv.features import FEATURE_VERSION, FEATURES
 
 FORMAT = "learnkv-traces"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: positions per KV head [H, n] (on-policy caches differ by head), future_out, policy/budget
 MANIFEST = "manifest.json"
 
 
@@ -33,8 +37,9 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
 
-def write_shard(out_dir: Path, index: int, columns: dict[str, list], prompts: list[str]) -> dict:
-    """Write one shard atomically (Arrow IPC stream, the format `datasets` memory-maps) and its sidecar."""
+def write_shard(out_dir: Path, index: int, columns: dict[str, list], prompts: list[str], config_digest: str) -> dict:
+    """Write one shard atomically (Arrow IPC stream, the format `datasets` memory-maps) and its sidecar, which
+    records the feature version and the digest of the collection config (`CollectConfig.digest`)."""
     import pyarrow as pa
 
     table = pa.table(columns)
@@ -44,29 +49,64 @@ def write_shard(out_dir: Path, index: int, columns: dict[str, list], prompts: li
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     os.replace(tmp, final)
-    entry = {"path": final.name, "rows": table.num_rows, "sha256": sha256_file(final), "prompts": prompts}
+    entry = {"path": final.name, "rows": table.num_rows, "sha256": sha256_file(final), "prompts": prompts,
+             "feature_version": FEATURE_VERSION, "config_digest": config_digest}
     write_json_atomic(out_dir / f"{name}.json", entry)  # the shard is done once this exists
     return entry
 
 
-def finished_shards(out_dir: Path) -> dict[int, dict]:
-    """Sidecars of shards that are complete and intact (a shard whose file is missing or altered is redone)."""
-    done = {}
+def check_shard_identity(entry: dict, name: str, config_digest: str | None) -> None:
+    """Refuse (`TraceError`) a shard made with another feature version or collection config than ``config_digest``."""
+    version, digest = entry.get("feature_version"), entry.get("config_digest")
+    if version is None:
+        raise TraceError(f"{name}: shard records no feature version (written before learnkv recorded it), so it cannot "
+                         "be checked; collect into another directory (or delete this one)")
+    if version != FEATURE_VERSION:
+        raise TraceError(f"{name}: shard of feature version {version}, this learnkv computes version "
+                         f"{FEATURE_VERSION}; collect into another directory (or delete this one)")
+    if digest != config_digest:
+        raise TraceError(f"{name}: shard collected with config digest {digest}, this directory's is {config_digest}; "
+                         "collect into another directory (or delete this one)")
+
+
+def finished_shards(out_dir: Path, config_digest: str | None) -> tuple[dict[int, dict], dict[str, str]]:
+    """Sidecars of shards that are complete and intact, and ``{file: why not}`` for those that are not (a shard
+    whose file is missing or altered is redone). A shard of another feature version or config is refused."""
+    done, problems = {}, {}
     for side in sorted(out_dir.glob("shard-*.json")):
         try:
             entry = json.loads(side.read_text())
             index = int(side.stem.split("-")[1])
         except (ValueError, json.JSONDecodeError):
+            problems[side.name] = "unreadable sidecar"
             continue
+        check_shard_identity(entry, side.name, config_digest)
         path = out_dir / entry.get("path", "")
-        if path.is_file() and sha256_file(path) == entry.get("sha256"):
+        if not path.is_file():
+            problems[path.name] = "missing"
+        elif sha256_file(path) != entry.get("sha256"):
+            problems[path.name] = "checksum differs from its sidecar"
+        else:
             done[index] = entry
-    return done
+    return done, problems
 
 
-def write_manifest(out_dir: Path, header: dict, n_planned: int) -> dict:
-    """Rebuild the manifest from the finished sidecars (safe to call from any collector process)."""
-    done = finished_shards(out_dir)
+def remove_stale_temps(out_dir: Path, indices) -> list[str]:
+    """Delete the temporary files a killed writer of these shards left behind; returns their names. (Only the
+    collector that owns a shard writes it, so its temporaries are stale whenever that collector starts.)"""
+    removed = []
+    for index in indices:
+        for tmp in out_dir.glob(f"{shard_name(index)}.*.tmp-*"):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp.name)
+    return removed
+
+
+def write_manifest(out_dir: Path, header: dict, n_planned: int, done: dict[int, dict] | None = None) -> dict:
+    """Rebuild the manifest from the finished sidecars (safe to call from any collector process); ``done`` is what
+    `finished_shards` returned, if the caller has it."""
+    if done is None:
+        done, _ = finished_shards(out_dir, header.get("config_digest"))
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -94,9 +134,11 @@ def read_manifest(trace_dir: str | Path) -> dict:
         raise TraceError(f"{path}: format {manifest.get('format')!r} v{manifest.get('format_version')}, expected {FORMAT!r} v{FORMAT_VERSION}")
     if manifest.get("feature_version") != FEATURE_VERSION or manifest.get("features") != list(FEATURES):
         raise TraceError(
-            f"{path}: traces have feature version {manifest.get('feature_version')}, this learnkv reads version "
-            f"{FEATURE_VERSION}; collect them again"
+            f"{path}: traces have feature version {manifest.get('feature_version')}, this learnkv computes version "
+            f"{FEATURE_VERSION}; they cannot be used or extended: collect into another directory (or delete this one)"
         )
+    for entry in manifest.get("shards", []):
+        check_shard_identity(entry, f"{path}: {entry.get('path')}", manifest.get("config_digest"))
     return manifest
 
 

@@ -5,10 +5,11 @@ to `TASKS`; `python evaluate.py --task NAME` then runs it against every policy a
   length against the full cache, teacher-forced along its continuation (model-agnostic).
 * ``reasoning`` (`reasoning.py`): GSM8K accuracy and agreement with the full cache's answer.
 * ``needle`` (`needle.py`): needle-in-a-haystack retrieval over context lengths and depths.
-* ``chain`` (`chain.py`): chains of word problems whose late answers need early tokens (1,000+ generated tokens):
-  per-problem and final accuracy, agreement with the full cache, and the fidelity metrics.
-* ``gsm8k``, ``math500``, ``aime24``, ``champ`` (`math.py`): the math benchmarks, loaded by hub id (or
-  ``data_file``; ``champ`` from its PyPI package), answers in ``\\boxed{}`` graded by math-verify.
+* ``chain`` (`chain.py`): chains of word problems whose late answers need early tokens (long outputs):
+  per-problem and final accuracy of a free run, agreement with the full cache, and the fidelity metrics of a
+  teacher-forced run (`Chain` subclasses `Fidelity`).
+* ``gsm8k``, ``math500``, ``aime24``, ``champ`` (`math.py`): the math benchmarks, loaded by hub id (or a local
+  copy, ``--data-file``; ``champ`` from its PyPI package), answers in ``\\boxed{}`` graded by math-verify.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """The task contract: what an evaluation task loads, what it computes once per prompt, what it scores per run.
 
 A task knows its prompts and its metrics; it knows nothing about the list of policies or budgets, results files
-or plots (`learnkv.eval.run` owns those). `run` is called once per prompt, policy and budget and returns the
-prompt's metrics and the `GenerationResult` whose cost (KV bytes, tokens/s, eviction time) the runner pools.
+or plots (`learnkv.eval.run` owns those). The runner hands it batches of prompts: `reference_batch` once per batch
+(the full-cache work every policy is compared with), then `run_batch` once per policy and budget, which returns
+each prompt's metrics and the batch's `GenerationResult` (its per-row cost: KV bytes, kept share, time). Rows of
+a batch decode exactly as each would alone (`learnkv.generate`), so the batch size changes speed, not metrics.
+A task that only implements the per-prompt `reference` and `run` is run one prompt at a time.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from torch import Tensor
+
+import torch
 
 from learnkv.decode import GRANULARITIES, GenerationResult, encode_prompts, generate
 from learnkv.policies import POLICIES
@@ -54,6 +59,37 @@ class Sample:
 
 
 @dataclass
+class RunConfig:
+    """One decode configuration of the grid, applied to a batch of prompts.
+
+    Attributes
+    ----------
+    policy : str
+        A registered policy name; ``params`` its parameters.
+    budgets : list of int or None
+        Per prompt of the batch: the budget in tokens (None for a policy that never evicts).
+    prefill : tuple of (str, dict), optional
+        The prefill policy and its parameters (`learnkv.generate`'s ``prefill_policy``).
+    """
+
+    policy: str
+    params: dict
+    budgets: list[int | None]
+    prefill: tuple[str, dict] | None = None
+
+
+def left_pad(samples: list[Sample], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch ``(input_ids [B, L], attention_mask [B, L])`` of samples' token ids."""
+    L = max(s.input_ids.shape[1] for s in samples)
+    ids = torch.full((len(samples), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(samples), L, dtype=torch.long)
+    for i, s in enumerate(samples):
+        n = s.input_ids.shape[1]
+        ids[i, L - n :], mask[i, L - n :] = s.input_ids[0], 1
+    return ids, mask
+
+
+@dataclass
 class Task:
     """Base class of evaluation tasks: subclass, set ``name`` and ``metrics``, implement `load` and `run`.
 
@@ -89,48 +125,59 @@ class Task:
     def decode(self, model, tokenizer, sample: Sample, policy: str, budget: int | None, params: dict,
                **options) -> GenerationResult:
         """`learnkv.generate` on one sample with this task's length and granularity (``options`` go through)."""
-        return generate(model, tokenizer, input_ids=sample.input_ids, policy=policy, budget=budget,
-                        max_new_tokens=self.max_new_tokens, policy_params=params, granularity=self.granularity,
-                        block_size=self.block_size, **options)
+        return self.decode_batch(model, tokenizer, [sample], RunConfig(policy, params, [budget]), **options)
+
+    def decode_batch(self, model, tokenizer, samples: list[Sample], run: RunConfig, **options) -> GenerationResult:
+        """`learnkv.generate` on a left-padded batch of samples with this task's length and granularity."""
+        pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        ids, mask = left_pad(samples, pad_id or 0)
+        budget = run.budgets if POLICIES[run.policy].evicts else None
+        prefill = dict(prefill_policy=run.prefill[0], prefill_params=run.prefill[1]) if run.prefill else {}
+        return generate(model, tokenizer, input_ids=ids, attention_mask=mask, policy=run.policy, budget=budget,
+                        max_new_tokens=self.max_new_tokens, policy_params=run.params, granularity=self.granularity,
+                        block_size=self.block_size, **prefill, **options)
+
+    def final_length(self, sample: Sample, ref: Any) -> int:
+        """The full length a budget fraction is a share of: the prompt plus what the full cache generated on it,
+        where the task has a full-cache run (override), else the prompt plus ``max_new_tokens``."""
+        return sample.input_ids.shape[1] + self.max_new_tokens
 
     def load(self, tokenizer, limit: int | None, seed: int) -> list[Sample]:
         """The task's held-out prompts, deterministic for a seed."""
         raise NotImplementedError
 
-    def reference(self, model, tokenizer, sample: Sample) -> Any:
-        """Full-cache work shared by every policy and budget on this prompt (None if the task needs none)."""
-        return None
+    def reference_batch(self, model, tokenizer, samples: list[Sample]) -> list[Any]:
+        """Full-cache work shared by every policy and budget on each sample (None where the task needs none)."""
+        return [None] * len(samples)
 
-    def run(self, model, tokenizer, sample: Sample, ref: Any, policy: str, budget: int | None,
-            params: dict) -> tuple[dict[str, float | None], GenerationResult]:
-        """Decode one prompt under one policy and budget.
+    def reference(self, model, tokenizer, sample: Sample) -> Any:
+        """`reference_batch` of one sample."""
+        return self.reference_batch(model, tokenizer, [sample])[0]
+
+    def run_batch(self, model, tokenizer, samples: list[Sample], refs: list[Any],
+                  run: RunConfig) -> tuple[list[dict[str, float | None]], GenerationResult]:
+        """Decode a batch of prompts under one configuration.
 
         Parameters
         ----------
-        ref
-            What `reference` returned for this sample.
-        policy : str
-            A registered policy name; ``params`` its parameters.
-        budget : int or None
-            Tokens per layer and KV head, already resolved for this prompt (None for a policy that never evicts).
+        samples, refs
+            The prompts and what `reference_batch` returned for them.
+        run : RunConfig
+            Policy, parameters, each prompt's budget (already resolved), prefill policy.
 
         Returns
         -------
-        (dict, GenerationResult)
-            This prompt's metrics (None where a metric does not apply) and the run whose cost is reported.
+        (list of dict, GenerationResult)
+            Each prompt's metrics (None where a metric does not apply) and the batch's run, whose per-row cost is
+            reported.
         """
         raise NotImplementedError
 
-    def pool(self, rows: list[dict]) -> dict[str, float | None]:
-        """Per-prompt metric dicts -> this task's figures: by default each metric's mean over the prompts that
-        have it (None if none has). A task that also reports another statistic (``chain``: the median generated
-        length) overrides this."""
-        keys = list(dict.fromkeys(k for row in rows for k in row))
-        pooled = {}
-        for k in keys:
-            values = [row[k] for row in rows if row.get(k) is not None]
-            pooled[k] = float(sum(values) / len(values)) if values else None
-        return pooled
+    def run(self, model, tokenizer, sample: Sample, ref: Any, policy: str, budget: int | None,
+            params: dict) -> tuple[dict[str, float | None], GenerationResult]:
+        """`run_batch` on one prompt: its metrics and its run."""
+        metrics, result = self.run_batch(model, tokenizer, [sample], [ref], RunConfig(policy, params, [budget]))
+        return metrics[0], result
 
     def metric_names(self) -> tuple[str, ...]:
         """The metrics this task reports, in table and plot order."""
@@ -155,11 +202,12 @@ def replays(policy: str) -> bool:
 def capture_logits(model):
     """A forward hook on ``model.lm_head`` that keeps the last position's logits of the latest forward pass.
 
-    Returns ``(latest, handle)``: ``latest["logits"]`` is ``[V]`` float32; remove the hook with ``handle.remove()``.
+    Returns ``(latest, handle)``: ``latest["logits"]`` is ``[B, V]`` float32 (CPU); remove the hook with
+    ``handle.remove()``.
     """
     latest: dict[str, Tensor] = {}
 
     def hook(module, inputs, output):
-        latest["logits"] = output[0, -1].detach().float().cpu()
+        latest["logits"] = output[:, -1].detach().float().cpu()
 
     return latest, model.lm_head.register_forward_hook(hook)

@@ -2,8 +2,8 @@
 
 Each held-out prompt (`learnkv.prompts`, source ``chain``; `learnkv.chains`) states four facts and 24 small
 word problems, later ones using earlier answers and the facts; the model solves them in order, ending each with
-``Answer k: N`` and the last with ``#### N``. With the full cache the bundled models write over 1,000 tokens
-(docs/tasks-notes.md has the measurement). Per prompt, two decodes under each policy:
+``Answer k: N`` and the last with ``#### N``. With the full cache the bundled SmolLM2 writes about 1,000 tokens or
+more per prompt (docs/tasks-notes.md has the measurement). Per batch of prompts, under each policy and budget:
 
 * a free-running greedy decode under the budget, graded:
 
@@ -11,33 +11,30 @@ word problems, later ones using earlier answers and the facts; the model solves 
   - ``final_accuracy``: the last problem's answer (``#### N``, else its ``Answer k:`` line) is right;
   - ``answer_agreement``: share of problems whose answer equals the full cache's (both missing counts as equal);
 
-* a decode teacher-forced along the full cache's continuation: ``kl``, ``top1_agreement``, ``ppl_ratio``,
-  ``attention_recall`` and ``agreement_length``, exactly as the ``fidelity`` task computes them (`Fidelity`).
+* a decode teacher-forced along the full cache's continuation, which is `Fidelity`'s own run: ``kl``,
+  ``top1_agreement``, ``ppl_ratio``, ``attention_recall``, ``agreement_length`` and ``generated_tokens`` (the full
+  cache's output length; the runner reports its mean and ``generated_tokens_median``).
 
-``generated_tokens`` is the full cache's output length on the prompt (the same under every policy: it says how
-long the chains are); the task pools it as a mean and as ``generated_tokens_median`` (`pool`).
+A policy that never evicts (``full``) gets only the forced decode: its free run is the full cache's by
+construction, so it is graded on the reference text. ``oracle`` replays the full cache's output, so it gets only
+the forced decode too and its accuracy and agreement are None. The cost reported for a prompt is that of its free
+run (the forced one for those two); its time covers both decodes, so ``tokens_per_s`` is about half a single
+decode's rate.
 
-Memory: the full-cache reference keeps its logits (``[N, V]`` fp32) and only the decode steps' rows of its
-attention, in fp16 (``[layers, H, N, P + N]``: about 470 MB for SmolLM2 at P + N = 2,000), not ``[layers, H, L,
-L]`` fp32; the teacher-forced run's attention recall is accumulated step by step (`RecallMeter`), so what each
-cache kept is never stored. ``oracle`` replays the full cache's output, so its accuracy and agreement are None.
-For a policy that never evicts both decodes equal the reference, so they are not rerun.
+Memory: the full-cache reference (`Fidelity.reference_batch`) keeps each prompt's logits (``[N, V]`` fp32, 390 MB
+for SmolLM2 at N = 2,000) and the decode steps' rows of its attention in fp16 (``[layers, H_kv, N - 1, P + N - 1]``);
+building them holds one prompt's whole ``[layers, H_kv, L, L]`` fp32 attention for a moment (3.2 GB for SmolLM2 at
+L = 3,000, twice while it is aligned by position).
 """
 
 from __future__ import annotations
 
-import statistics
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, field
 
 from learnkv import chains
-from learnkv.decode import GenerationResult
-from learnkv.eval.tasks.base import Sample, evicts, replays
+from learnkv.eval.tasks.base import RunConfig, Sample, evicts, replays
 from learnkv.eval.tasks.fidelity import Fidelity, FullRun
 from learnkv.prompts import load_prompts
-
-FIDELITY_METRICS = Fidelity.metrics
 
 
 def grade_chain(text: str, gold: list[str], reference: list[str | None] | None = None) -> dict:
@@ -82,20 +79,12 @@ def encode_chain(tokenizer, texts: list[str], response_prefix: str = chains.RESP
     return enc["input_ids"], enc["attention_mask"]
 
 
-def generated_tokens(tokens: torch.Tensor, eos_ids) -> int:
-    """Tokens one row ``[N]`` of `GenerationResult.tokens` generated: up to and including its first EOS (a batch
-    pads the rows that stopped early), else all of them."""
-    hits = torch.isin(tokens, torch.as_tensor(list(eos_ids), dtype=tokens.dtype)).nonzero()
-    return int(hits[0, 0]) + 1 if len(hits) else int(tokens.shape[0])
-
-
 @dataclass
-class ChainReference:
-    """The full cache's work on one chain prompt: its run for fidelity, its output and its parsed answers."""
+class ChainRun(FullRun):
+    """The full cache's run on one chain prompt (`FullRun`), with its text and its parsed answer per problem."""
 
-    full: FullRun
-    result: GenerationResult
-    answers: list[str | None]
+    text: str = ""
+    answers: list[str | None] = field(default_factory=list)
 
 
 @dataclass
@@ -105,14 +94,13 @@ class Chain(Fidelity):
     Parameters
     ----------
     max_new_tokens : int
-        Room for the whole chain (the full cache stops at EOS well before it, docs/tasks-notes.md).
+        Room for the whole chain (the full cache stops at EOS before it on most prompts, docs/tasks-notes.md).
     n_problems, n_facts : int
         Problems per prompt and facts stated at its top (`learnkv.chains`).
     """
 
     name = "chain"
-    metrics = ("problem_accuracy", "final_accuracy", "answer_agreement", "generated_tokens",
-               "generated_tokens_median") + FIDELITY_METRICS
+    metrics = ("problem_accuracy", "final_accuracy", "answer_agreement") + Fidelity.metrics
     default_limit = 4
 
     max_new_tokens: int = 2048
@@ -121,51 +109,43 @@ class Chain(Fidelity):
     n_facts: int = chains.N_FACTS
 
     def __post_init__(self):
+        self.source = "chain"  # always: --source is the fidelity task's, one set of flags serves every task
         super().__post_init__()
         chains.chain_problem(0, 0, self.n_problems, self.n_facts)  # validates both
 
     def load(self, tokenizer, limit: int | None, seed: int) -> list[Sample]:
         if tokenizer is None:
-            raise ValueError("the chain task needs a tokenizer")
+            raise ValueError("the chain task needs a tokenizer (or pass token-id samples with meta['answers'])")
         prompts = load_prompts("chain", n=limit, seed=seed, split="test", n_problems=self.n_problems,
                                n_facts=self.n_facts)
         return [Sample(p.id, encode_chain(tokenizer, [p.text])[0], p.answer, dict(p.meta)) for p in prompts]
 
-    def reference(self, model, tokenizer, sample: Sample) -> ChainReference:
-        full, result = self.full_run(model, tokenizer, sample, decode_rows_only=True, dtype=torch.float16)
-        return ChainReference(full, result, grade_chain(self.text_of(tokenizer, result), self.gold(sample))["parsed"])
+    def reference_batch(self, model, tokenizer, samples: list[Sample]) -> list[ChainRun]:
+        refs = []
+        for sample, full in zip(samples, super().reference_batch(model, tokenizer, samples)):
+            text = _decode(tokenizer, full.tokens[0])
+            refs.append(ChainRun(full.tokens, full.logits, full.attention, full.prompt_len, text,
+                                 grade_chain(text, self.gold(sample))["parsed"]))
+        return refs
 
-    def run(self, model, tokenizer, sample, ref: ChainReference, policy, budget, params):
-        if evicts(policy):
-            free = self.decode(model, tokenizer, sample, policy, budget, params)
-            fidelity, _ = self.fidelity(model, tokenizer, sample, ref.full, policy, budget, params)
-        else:  # both decodes would repeat the reference exactly
-            free = ref.result
-            n = ref.full.tokens.shape[1]
-            fidelity = {"kl": 0.0, "top1_agreement": 1.0, "ppl_ratio": 1.0, "attention_recall": 1.0,
-                        "agreement_length": n}
-        metrics = self.grade(self.text_of(tokenizer, free), sample, ref, policy)
-        metrics["generated_tokens"] = ref.full.tokens.shape[1]
-        metrics.update(fidelity)
-        return metrics, free
+    def run_batch(self, model, tokenizer, samples: list[Sample], refs: list[ChainRun], run: RunConfig):
+        metrics, result = super().run_batch(model, tokenizer, samples, refs, run)  # teacher-forced: fidelity
+        if evicts(run.policy) and not replays(run.policy):
+            result = self.decode_batch(model, tokenizer, samples, run)  # free-running: graded
+            texts = result.texts or [""] * len(samples)
+        else:
+            texts = [ref.text for ref in refs]
+        for row, sample, ref, text in zip(metrics, samples, refs, texts):
+            row.update(self.grade(text, sample, ref, run.policy))
+        return metrics, result
 
-    def grade(self, text: str, sample: Sample, ref: ChainReference, policy: str) -> dict[str, float | None]:
+    def grade(self, text: str, sample: Sample, ref: ChainRun, policy: str) -> dict[str, float | None]:
         """Accuracy and agreement of one free-running completion (None for a policy that replays the full run)."""
         if replays(policy):
             return {"problem_accuracy": None, "final_accuracy": None, "answer_agreement": None}
         g = grade_chain(text, self.gold(sample), ref.answers)
         return {"problem_accuracy": g["correct"] / len(g["parsed"]), "final_accuracy": float(g["final_correct"]),
                 "answer_agreement": g["agreement"]}
-
-    def pool(self, rows: list[dict]) -> dict[str, float | None]:
-        pooled = super().pool(rows)
-        lengths = [r["generated_tokens"] for r in rows if r.get("generated_tokens") is not None]
-        pooled["generated_tokens_median"] = float(statistics.median(lengths)) if lengths else None
-        return pooled
-
-    def reference_length(self, sample: Sample, ref: ChainReference) -> int:
-        """The full cache's final length, prompt plus output: what a LazyEviction-style budget ratio is of."""
-        return sample.input_ids.shape[1] + ref.full.tokens.shape[1]
 
     @staticmethod
     def gold(sample: Sample) -> list[str]:
@@ -174,8 +154,7 @@ class Chain(Fidelity):
             raise ValueError(f"chain sample {sample.id} has no per-problem answers (meta['answers'])")
         return list(answers)
 
-    @staticmethod
-    def text_of(tokenizer, result: GenerationResult) -> str:
-        if result.texts is not None:
-            return result.texts[0]
-        return "" if tokenizer is None else tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+
+def _decode(tokenizer, tokens) -> str:
+    """A row of generated ids -> text, as `learnkv.generate` decodes it ("" without a tokenizer)."""
+    return "" if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)

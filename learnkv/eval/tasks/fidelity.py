@@ -11,20 +11,24 @@ teacher-forced along that continuation, so every step compares the two caches on
 * ``agreement_length``: tokens a free-running greedy budgeted decode produces before it first differs from the
   full-cache output. Read off the forced run: greedy decoding is deterministic, so a free run feeds exactly
   the forced tokens until its own choice first differs, which is the first step whose argmax differs from the
-  reference token (tested against a separate free run). None for ``oracle``, which replays the full output.
+  reference token (tested against a separate free run). None for ``oracle``, which replays the full output;
+* ``generated_tokens``: the length of the full-cache continuation (the regime: how long the decode ran).
+
+A budget fraction is a share of the final length of the full-cache run (prompt + its continuation), as
+LazyEviction sets its budgets. Prompts are decoded in batches; every metric is accumulated per row, step by step
+(no budgeted logits or kept sets are stored), so a batch gives each prompt exactly its metrics alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from learnkv.decode import GenerationResult
 from learnkv.eval import metrics as M
-from learnkv.eval.tasks.base import Sample, Task, capture_logits, replays
-from learnkv.policies.base import LayerView, Policy
+from learnkv.eval.tasks.base import RunConfig, Sample, Task, capture_logits, left_pad, replays
+from learnkv.policies.oracle import full_attention
 from learnkv.prompts import load_prompts
 
 
@@ -35,118 +39,107 @@ class FullRun:
     Attributes
     ----------
     tokens : Tensor
-        ``[1, N]`` the greedy continuation.
+        ``[1, N]`` the greedy continuation (up to and including EOS).
     logits : Tensor
         ``[N, V]`` float32, the logits each continuation token was chosen from.
     attention : list of Tensor
-        Per layer ``[H, R, L]`` group-mean attention of prompt + continuation (all but the last token,
-        L = P + N - 1), rows from query position ``row_offset`` on (R = L - row_offset), indexed by key position.
-    row_offset : int
-        Query position of the first stored row: 0 stores every row; the prompt length P stores only the decode
-        steps' rows, all that attention recall reads (what long runs use: ``[layers, H, L, L]`` fp32 is 600 MB at
-        L = 1300 on SmolLM2).
+        Per layer ``[H, N - 1, L]`` float16: the group-mean attention of each decode step's query (positions
+        ``P .. P + N - 2``) over the keys of prompt + continuation (``L = P + N - 1``), indexed by key position.
+    prompt_len : int
+        P.
     """
 
     tokens: Tensor
     logits: Tensor
     attention: list[Tensor]
-    row_offset: int = 0
-
-
-class RecallMeter:
-    """Attention recall accumulated pass by pass, so a long run never stores what its cache kept.
-
-    Decode step s (query at position P + s - 1) saw what pass s - 1 kept, plus itself; its recall is the share of
-    its full-cache attention on those tokens, per layer and KV head. `value` is the mean over layers, heads and
-    decode steps (1.0 if nothing was decoded).
-
-    Parameters
-    ----------
-    attention : list of Tensor
-        Per layer ``[H, R, L]`` full-cache attention rows from query position ``row_offset`` on (`FullRun`).
-    prompt_len : int
-        P.
-    """
-
-    def __init__(self, attention: list[Tensor], prompt_len: int, row_offset: int = 0):
-        self.attention, self.prompt_len, self.row_offset = attention, prompt_len, row_offset
-        self.passes, self.total, self.count = 0, 0.0, 0
-
-    def add(self, kept: list[Tensor]) -> None:
-        """The positions each layer's cache held after the next forward pass, per layer ``[H, T]``."""
-        query = self.prompt_len + self.passes  # the query of the next decode step, which sees this pass's cache
-        self.passes += 1
-        row = query - self.row_offset
-        for layer, attn in enumerate(self.attention):
-            if row >= attn.shape[1]:
-                return  # the last pass: no later query sees its cache
-            visible = M.visible_mask([kept[layer]], [query], attn.shape[-1])
-            self.total += float(M.attention_recall(attn[:, row: row + 1, :], visible).sum())
-            self.count += visible.shape[0]
+    prompt_len: int
 
     @property
-    def value(self) -> float:
-        return self.total / self.count if self.count else 1.0
+    def final_length(self) -> int:
+        return self.prompt_len + self.tokens.shape[1]
 
 
-def recall_of_run(attention: list[Tensor], kept: list, prompt_len: int) -> float:
-    """Attention recall of a run: decode step s (query at position P + s - 1) saw what pass s - 1 kept, plus
-    itself. ``attention`` per layer ``[H, L, L]``, ``kept`` as from `decode_traced`. 1.0 if nothing was decoded."""
-    meter = RecallMeter([a[:, : prompt_len + len(kept) - 2 + 1] for a in attention], prompt_len)
-    for per_layer in kept:
-        meter.add(per_layer)
-    return meter.value
+def _pad_tokens(refs: list[FullRun], pad_id: int) -> Tensor:
+    n = max(r.tokens.shape[1] for r in refs)
+    out = torch.full((len(refs), n), pad_id, dtype=torch.long)
+    for i, r in enumerate(refs):
+        out[i, : r.tokens.shape[1]] = r.tokens[0]
+    return out
 
 
-@dataclass
-class _RowCapture(Policy):
-    """Non-evicting observer that keeps rows ``first_row:`` of each layer's prefill attention, cast to ``dtype``."""
+class _Tracker:
+    """Accumulates each row's fidelity metrics during a teacher-forced budgeted run, one forward pass at a time."""
 
-    name = "capture-rows"
-    evicts = False
-    group_reduce = "mean"
-    first_row: int = 0
-    dtype: torch.dtype = torch.float32
-    rows: dict = field(default_factory=dict, repr=False)
+    def __init__(self, refs: list[FullRun], latest: dict):
+        self.refs, self.latest = refs, latest
+        B = len(refs)
+        self.kl, self.top1, self.nll = ([[] for _ in range(B)] for _ in range(3))
+        self.agree: list[int | None] = [None] * B  # first step whose argmax differs from the reference token
+        self.recall = [[] for _ in range(B)]  # per decode step: mean over layers and heads
+        self.step = 0
 
-    @property
-    def obs_window(self) -> int:
-        return 1 << 30
+    def __call__(self, cache) -> None:
+        i, logits = self.step, self.latest.pop("logits")  # [B, V] of forward pass i
+        self.step += 1
+        for b, ref in enumerate(self.refs):
+            n = ref.tokens.shape[1]
+            if i >= n:
+                continue
+            q = logits[b : b + 1]
+            self.kl[b].append(float(M.kl_divergence(ref.logits[i : i + 1], q)[0]))
+            self.top1[b].append(float(q.argmax(-1)[0] == ref.logits[i].argmax()))
+            target = ref.tokens[0, i]
+            self.nll[b].append(float(-q.double().log_softmax(-1)[0, target]))
+            if self.agree[b] is None and int(q.argmax(-1)[0]) != int(target):
+                self.agree[b] = i
+            if i < n - 1:  # what this pass kept is what decode step i + 1's query (position P + i) attends to
+                self.recall[b].append(self._recall(cache, b, i))
 
-    def update(self, view: LayerView) -> None:
-        if view.step == 0:
-            self.rows[view.layer] = view.attn[0, :, self.first_row:, :].to(self.dtype).cpu()
+    def _recall(self, cache, b: int, i: int) -> float:
+        ref = self.refs[b]
+        per_layer = [M.step_recall(attn[:, i, :], layer.positions[b], ref.prompt_len + i)
+                     for layer, attn in zip(cache.layers, ref.attention)]
+        return sum(per_layer) / len(per_layer)
 
-
-def capture_attention(model, seq: Tensor, first_row: int = 0, dtype: torch.dtype = torch.float32) -> list[Tensor]:
-    """Per layer ``[H, L - first_row, L]`` group-mean attention of one full-cache forward over ``seq`` ``[1, L]``:
-    the rows of query positions ``first_row`` on, cast to ``dtype`` layer by layer (so the whole ``[layers, H, L,
-    L]`` stack is never held)."""
-    from learnkv.decode import generate
-
-    capture = _RowCapture(first_row=first_row, dtype=dtype)
-    generate(model, input_ids=seq.to(next(model.parameters()).device), policy=capture, max_new_tokens=1)
-    return [capture.rows[layer] for layer in range(len(capture.rows))]
+    def metrics(self, b: int, policy: str) -> dict:
+        ref = self.refs[b]
+        n = ref.tokens.shape[1]
+        ref_nll = -ref.logits.double().log_softmax(-1).gather(-1, ref.tokens[0, :, None]).squeeze(-1)
+        return {
+            "kl": sum(self.kl[b]) / n,
+            "top1_agreement": sum(self.top1[b]) / n,
+            "ppl_ratio": float(torch.tensor(sum(self.nll[b]) / n - float(ref_nll.mean())).exp()),
+            "attention_recall": sum(self.recall[b]) / len(self.recall[b]) if self.recall[b] else 1.0,
+            "agreement_length": None if replays(policy) else (n if self.agree[b] is None else self.agree[b]),
+            "generated_tokens": float(n),
+        }
 
 
 @dataclass
 class Fidelity(Task):
-    """Fidelity to the full cache on held-out ``gsm_symbolic`` prompts (test split).
+    """Fidelity to the full cache on held-out prompts (test split) of a prompt source.
 
     Parameters
     ----------
     max_new_tokens : int
-        Length of the full-cache continuation each budgeted run is forced along.
+        The most tokens the full-cache continuation (that each budgeted run is forced along) may have.
     source : str
         Prompt source (`learnkv.prompts.SOURCES`).
     """
 
     name = "fidelity"
-    metrics = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length")
+    metrics = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length", "generated_tokens")
     default_limit = 8
 
     max_new_tokens: int = 24
     source: str = "gsm_symbolic"
+
+    def __post_init__(self):
+        super().__post_init__()
+        from learnkv.prompts import SOURCES
+
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown prompt source {self.source!r}; known: {', '.join(sorted(SOURCES))}")
 
     def load(self, tokenizer, limit: int | None, seed: int) -> list[Sample]:
         if tokenizer is None:
@@ -154,65 +147,39 @@ class Fidelity(Task):
         prompts = load_prompts(self.source, n=limit, seed=seed, split="test", tokenizer=tokenizer)
         return [Sample.from_prompt(p, tokenizer) for p in prompts]
 
-    def decode_traced(self, model, tokenizer, sample: Sample, policy: str, budget: int | None, params: dict,
-                      forced: Tensor | None = None, meter: RecallMeter | None = None
-                      ) -> tuple[Tensor, list, GenerationResult]:
-        """A greedy (or teacher-forced) decode of one sample that records every forward pass.
+    def final_length(self, sample: Sample, ref: FullRun) -> int:
+        return ref.final_length
 
-        Returns
-        -------
-        logits : Tensor
-            ``[N, V]`` float32, the logits of each forward pass (prefill first), i.e. of each generated token.
-        kept : list
-            Per forward pass, per layer, the ``[H, T]`` positions the cache held after that pass; empty when a
-            ``meter`` is given, which is fed them instead.
-        result : GenerationResult
-        """
-        logits, kept = [], []
+    def reference_batch(self, model, tokenizer, samples: list[Sample]) -> list[FullRun]:
         latest, handle = capture_logits(model)
-
-        def observe(cache):
-            logits.append(latest.pop("logits"))
-            held = [layer.positions[0].detach().cpu().clone() for layer in cache.layers]
-            if meter is None:
-                kept.append(held)
-            else:
-                meter.add(held)
-
+        steps = []
         try:
-            result = self.decode(model, tokenizer, sample, policy, budget, params, forced_tokens=forced,
-                                 observer=observe)
+            result = self.decode_batch(model, tokenizer, samples, RunConfig("full", {}, [None] * len(samples)),
+                                       observer=lambda cache: steps.append(latest.pop("logits")))
         finally:
             handle.remove()
-        return torch.stack(logits), kept, result
+        logits = torch.stack(steps, dim=1)  # [B, N, V]
+        device = next(model.parameters()).device
+        refs = []
+        for b, sample in enumerate(samples):
+            n, P = result.new_tokens[b], sample.input_ids.shape[1]
+            tokens = result.tokens[b : b + 1, :n]
+            seq = torch.cat([sample.input_ids, tokens[:, :-1]], dim=1).to(device)
+            attention = [a[0, :, P:, :].to(torch.float16).cpu()  # the decode steps' query rows only
+                         for a in full_attention(model, seq, torch.ones_like(seq))]
+            refs.append(FullRun(tokens, logits[b, :n].clone(), attention, P))
+        return refs
 
-    def reference(self, model, tokenizer, sample: Sample) -> FullRun:
-        return self.full_run(model, tokenizer, sample)[0]
+    def run_batch(self, model, tokenizer, samples: list[Sample], refs: list[FullRun], run: RunConfig):
+        pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        latest, handle = capture_logits(model)
+        tracker = _Tracker(refs, latest)
+        try:
+            result = self.decode_batch(model, tokenizer, samples, run, forced_tokens=_pad_tokens(refs, pad_id or 0),
+                                       observer=tracker)
+        finally:
+            handle.remove()
+        return [tracker.metrics(b, run.policy) for b in range(len(samples))], result
 
-    def full_run(self, model, tokenizer, sample: Sample, decode_rows_only: bool = False,
-                 dtype: torch.dtype = torch.float32) -> tuple[FullRun, GenerationResult]:
-        """The full cache's greedy run and its attention (`FullRun`); ``decode_rows_only`` keeps only the rows of
-        the decode steps' queries, in ``dtype``."""
-        logits, _, result = self.decode_traced(model, tokenizer, sample, "full", None, {})
-        seq = torch.cat([sample.input_ids, result.tokens[:, :-1]], dim=1)
-        first = sample.input_ids.shape[1] if decode_rows_only else 0
-        return FullRun(result.tokens, logits, capture_attention(model, seq, first, dtype), first), result
 
-    def run(self, model, tokenizer, sample, ref: FullRun, policy, budget, params):
-        return self.fidelity(model, tokenizer, sample, ref, policy, budget, params)
-
-    def fidelity(self, model, tokenizer, sample: Sample, ref: FullRun, policy: str, budget: int | None,
-                 params: dict) -> tuple[dict[str, float | None], GenerationResult]:
-        """The five fidelity metrics of one teacher-forced run along ``ref``, and that run."""
-        meter = RecallMeter(ref.attention, sample.input_ids.shape[1], ref.row_offset)
-        logits, _, result = self.decode_traced(model, tokenizer, sample, policy, budget, params, forced=ref.tokens,
-                                               meter=meter)
-        targets = ref.tokens[0]
-        free = None if replays(policy) else M.agreement_length(targets.tolist(), logits.argmax(-1).tolist())
-        return {
-            "kl": float(M.kl_divergence(ref.logits, logits).mean()),
-            "top1_agreement": M.top1_agreement(ref.logits, logits),
-            "ppl_ratio": M.ppl_ratio(ref.logits, logits, targets),
-            "attention_recall": meter.value,
-            "agreement_length": free,
-        }, result
+__all__ = ["Fidelity", "FullRun", "left_pad"]

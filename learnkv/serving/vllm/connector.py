@@ -3,19 +3,19 @@
 Load it with ``--kv-transfer-config '{"kv_connector": "LearnKVConnector", "kv_connector_module_path":
 "learnkv.serving.vllm.connector", "kv_role": "kv_both", "kv_connector_extra_config": {...}}'``; the extra config takes
 the keys of `learnkv.serving.config.ServingConfig` and overrides ``LEARNKV_*`` variables. Everything here uses the
-connector API (``KVConnectorBase_V1``, official, marked experimental), vLLM 0.33:
+connector API (``KVConnectorBase_V1``, official, marked experimental), vLLM 0.32 (CPU) and 0.33 (CUDA):
 
 - scheduler half, ``build_connector_meta``: for every scheduled request it tracks, the number of new tokens, whether
   they complete the prompt, its per-request budget (``vllm_xargs={"learnkv_budget": N, "learnkv_enable": 0/1}``) and
   the physical slot of its newest token (from ``KVCacheManager.get_block_ids``), which lets the worker find the
   request's row in the batch without reading the model runner's input batch (`paged.row_requests`);
-- worker half: ``bind_connector_metadata`` starts the step in the runtime, the ``CUSTOM`` backend calls `attend` per
-  layer, ``wait_for_save`` (once per step, after the forward) asks the runtime which blocks to free and, in evict
-  mode, marks them in the worker's evicted-block mask before the next forward; ``build_connector_worker_meta``
-  sends the decisions and their host-time overhead back;
-- scheduler half, ``update_connector_output``: shadow mode logs the decisions; evict mode hands them to
-  `manager.EvictableFullAttentionManager.evict_blocks`, which frees the blocks (the mask was set first, so a freed
-  block is never read again by its old request).
+- worker half (`learnkv.serving.vllm.worker.WorkerHalf`): ``bind_connector_metadata`` starts the step, the learnkv
+  attention backend shows it every layer, ``wait_for_save`` (after the forward) asks the runtime which blocks to
+  free and masks them from the next forward on; ``build_connector_worker_meta`` sends the decisions and their
+  host-time overhead back;
+- scheduler half, ``update_connector_output``: logs the decisions; evict mode hands them to
+  `manager.EvictableFullAttentionManager.evict_blocks`, which frees the blocks (the worker's mask was set first, so
+  a freed block is never read again by its old request).
 
 Not tracked (decode as stock vLLM): requests with a prefix-cache hit (the runtime never saw the hit tokens' attention)
 and requests resumed after preemption (recomputed from scratch; their runtime state is dropped).
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -37,14 +35,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.platforms import current_platform
 
 from learnkv.serving.config import merge_config
 from learnkv.serving.runtime import runtime_for
-from learnkv.serving.vllm import compat, hooks
-from learnkv.serving.vllm.paged import masked_paged_attention, row_requests
+from learnkv.serving.vllm import compat, hooks, layouts
+from learnkv.serving.vllm.worker import WorkerHalf
 
 logger = logging.getLogger("learnkv.serving")
-_LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 @dataclass
@@ -58,9 +56,10 @@ class LearnKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class LearnKVWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one per step: (request, logical blocks, resident tokens, budget, cacheable blocks)."""
+    """Worker -> scheduler, one per step: (request, logical blocks, resident tokens, budget, cacheable blocks,
+    tokens written)."""
 
-    decisions: list[tuple[str, list[int], int, int, int]] = field(default_factory=list)
+    decisions: list[tuple[str, list[int], int, int, int, int]] = field(default_factory=list)
     overhead_s: float = 0.0
 
     def aggregate(self, other):
@@ -71,33 +70,36 @@ class LearnKVWorkerMetadata(KVConnectorWorkerMetadata):
 class LearnKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
-        compat.check_version(vllm.__version__)
+        device_type = current_platform.device_type
+        compat.check_version(vllm.__version__, device_type)
         self.config = merge_config(self._kv_transfer_config.kv_connector_extra_config)
         if self.config is None:
             raise RuntimeError("LearnKVConnector needs a scorer: LEARNKV_SCORER or kv_connector_extra_config.scorer")
-        compat.refuse(vllm_config, self.config.mode)
+        compat.refuse(vllm_config, self.config.mode, device_type)
         block_size = vllm_config.cache_config.block_size
         if block_size != self.config.block_size:
-            raise RuntimeError(f"learnkv block_size {self.config.block_size} differs from vLLM's --block-size {block_size}")
+            raise RuntimeError(f"learnkv block_size {self.config.block_size} differs from vLLM's --block-size "
+                               f"{block_size} (set LEARNKV_BLOCK_SIZE or kv_connector_extra_config.block_size)")
+        _check_backend_registered(device_type)
         hf = vllm_config.model_config.hf_config
-        device = "cpu" if role == KVConnectorRole.SCHEDULER else torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cpu" if role == KVConnectorRole.SCHEDULER else device_type)
         # both halves load and check the artifact: a wrong version, checksum or model stops the engine at start-up
         self.runtime = runtime_for(self.config, n_layers=hf.num_hidden_layers, n_kv_heads=hf.num_key_value_heads,
                                    served_model=vllm_config.model_config.model, device=device)
         self.evict = self.config.mode == "evict"
+        self.device_type = device_type
         # scheduler half
         self.prompt_len: dict[str, int] = {}
         self.finished: list[str] = []
         self.log = open(self.config.log, "a") if self.config.log and role == KVConnectorRole.SCHEDULER else None
         # worker half
-        self.evicted: dict[str, set[int]] = {}
-        self.last_slots: dict[str, int] = {}
-        self.rows: dict[int, str] | None = None
-        self.observed = 0
+        self.worker: WorkerHalf | None = None
         self.decisions: list = []
-        self.overhead_s = 0.0
         if role == KVConnectorRole.WORKER:
-            hooks.set_worker(self)
+            head_size = vllm_config.model_config.get_head_size()
+            layout = layouts.CPULayout(head_size) if device_type == "cpu" else layouts.TritonLayout(head_size)
+            self.worker = WorkerHalf(self.runtime, layout, block_size, self.evict)
+            hooks.set_worker(self.worker)
 
     # -- scheduler half --------------------------------------------------------------------------------------
 
@@ -113,7 +115,7 @@ class LearnKVConnector(KVConnectorBase_V1):
         computed = {}
         for req in scheduler_output.scheduled_new_reqs:
             extra = (req.sampling_params.extra_args or {}) if req.sampling_params is not None else {}
-            if req.num_computed_tokens > 0 or str(extra.get("learnkv_enable", 1)) in ("0", "false", "False"):
+            if req.num_computed_tokens > 0 or str(extra.get("learnkv_enable", 1)).lower() in ("0", "false"):
                 continue  # prefix-cache hit or opted out: stock decoding
             self.prompt_len[req.req_id] = len(req.prompt_token_ids or ())
             meta.new[req.req_id] = int(extra.get("learnkv_budget", self.config.budget))
@@ -143,11 +145,17 @@ class LearnKVConnector(KVConnectorBase_V1):
         if not isinstance(meta, LearnKVWorkerMetadata):
             return
         manager = self._kv_cache_manager.coordinator.single_type_managers[0] if self.evict else None
-        for rid, blocks, resident, budget, cacheable in meta.decisions:
+        pool = self._kv_cache_manager.block_pool
+        for rid, blocks, resident, budget, cacheable, n_tokens in meta.decisions:
+            free_before = pool.get_num_free_blocks()
             freed = manager.evict_blocks(rid, blocks, cacheable) if manager is not None and blocks else 0
             if blocks or self.log is not None:
+                held = self._kv_cache_manager.coordinator.single_type_managers[0].held_blocks(rid) \
+                    if manager is not None else None
                 self._log({"request": rid, "mode": self.config.mode, "blocks": blocks, "freed": freed,
-                           "resident_tokens": resident, "budget": budget, "overhead_s": meta.overhead_s})
+                           "free_before": free_before, "free_after": pool.get_num_free_blocks(), "held_blocks": held,
+                           "resident_tokens": resident, "budget": budget, "tokens": n_tokens,
+                           "overhead_s": meta.overhead_s})
 
     def _log(self, record: dict) -> None:
         if self.log is not None:
@@ -158,45 +166,28 @@ class LearnKVConnector(KVConnectorBase_V1):
 
     # -- worker half -----------------------------------------------------------------------------------------
 
+    def register_kv_caches(self, kv_caches):
+        """At start-up, once the caches exist: prove the CPU cache layout for the kernels vLLM chose."""
+        if self.device_type != "cpu" or not kv_caches:
+            return
+        from vllm import _custom_ops as ops
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        layers = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
+        isas = {getattr(layer, "isa", None) for layer in layers.values()}
+        if len(isas) != 1 or None in isas:
+            raise RuntimeError("learnkv: cannot tell which CPU attention kernels vLLM uses "
+                               f"(ISA {sorted(map(str, isas))})")
+        cache = next(iter(kv_caches.values()))
+        _, n_heads, block_size, _ = cache.shape
+        self.worker.layout = layouts.probe_cpu_layout(ops.cpu_attn_reshape_and_cache, isas.pop(), cache.dtype,
+                                                      block_size, n_heads, self.worker.layout.head_size)
+
     def bind_connector_metadata(self, connector_metadata):
         super().bind_connector_metadata(connector_metadata)
         meta = connector_metadata
-        for rid in meta.finished:
-            self.runtime.finish(rid)
-            self.evicted.pop(rid, None)
-        for rid, budget in meta.new.items():
-            self.runtime.add_request(rid, budget)
-            self.evicted[rid] = set()
-        steps = {rid: step for rid, step in meta.steps.items() if rid in self.runtime.requests}
-        for rid, (n_new, final, _) in steps.items():
-            self.runtime.begin_step(rid, n_new, final)
-        self.last_slots = {rid: slot for rid, (_, _, slot) in steps.items()}
-        self.rows, self.observed = None, 0
-
-    def attend(self, impl, layer, query, key, value, kv_cache, attn_metadata, output) -> None:
-        """Called by the backend after the stock kernel, once per layer: show the runtime every tracked row."""
-        if not self.last_slots:
-            return
-        t0 = time.perf_counter()
-        if self.rows is None:
-            self.rows = row_requests(attn_metadata.slot_mapping, attn_metadata.query_start_loc, self.last_slots)
-        layer_idx = int(_LAYER.search(layer.layer_name).group(1))
-        kv = kv_cache.transpose(1, 2)  # [num_blocks, bs, H, 2 * D], as the Triton backend reads it
-        key_cache, value_cache = kv.split(impl.head_size, dim=-1)
-        qsl = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
-        for row, rid in self.rows.items():
-            lo, hi = qsl[row], qsl[row + 1]
-            n_blocks = attn_metadata.block_table.shape[1]
-            mask = torch.zeros(n_blocks, dtype=torch.bool, device=query.device)
-            mask[list(b for b in self.evicted[rid] if b < n_blocks)] = True
-            out, probs = masked_paged_attention(query[lo:hi], key_cache, value_cache, attn_metadata.block_table[row],
-                                                seq_lens[row], mask, impl.scale)
-            if self.evict and self.evicted[rid]:
-                output[lo:hi].copy_(out.reshape(output[lo:hi].shape))
-            self.runtime.observe(rid, layer_idx, probs, key[lo:hi].transpose(0, 1), value[lo:hi].transpose(0, 1))
-        self.observed += 1
-        self.overhead_s += time.perf_counter() - t0
+        self.worker.begin(meta.new, meta.steps, meta.finished)
 
     def start_load_kv(self, forward_context, **kwargs):
         return None
@@ -208,27 +199,30 @@ class LearnKVConnector(KVConnectorBase_V1):
         return None  # the backend shows the runtime the attention; nothing is saved anywhere
 
     def wait_for_save(self):
-        if not self.last_slots:
-            return
-        if self.observed == 0:
-            raise RuntimeError("learnkv: no attention was observed; start vLLM with --attention-backend CUSTOM")
-        t0 = time.perf_counter()
-        seen = set((self.rows or {}).values())
-        for rid in set(self.last_slots) - seen:  # not found in the batch: stop tracking rather than guess
-            self.runtime.finish(rid)
-            self.evicted.pop(rid, None)
-        tracked = [rid for rid in self.last_slots if rid in seen]
-        for d in self.runtime.decide(tracked):
-            if self.evict:
-                self.evicted[d.req_id].update(d.blocks)  # masked from the next forward on, before the block is freed
+        for d in self.worker.end():
             self.decisions.append((d.req_id, d.blocks, d.resident_tokens, d.budget,
-                                   self.runtime.cacheable_blocks(d.req_id)))
-        self.last_slots = {}
-        self.overhead_s += time.perf_counter() - t0
+                                   self.runtime.cacheable_blocks(d.req_id), d.n_tokens))
 
     def build_connector_worker_meta(self):
         if not self.decisions:
             return None
-        meta = LearnKVWorkerMetadata(self.decisions, self.overhead_s)
-        self.decisions, self.overhead_s = [], 0.0
+        meta = LearnKVWorkerMetadata(self.decisions, self.worker.overhead_s)
+        self.decisions, self.worker.overhead_s = [], 0.0
         return meta
+
+
+def _check_backend_registered(device_type: str) -> None:
+    """The learnkv attention backend must be in vLLM's registry in this process: it is what shows the runtime the
+    attention. The plugin registers it when LEARNKV_SCORER is in the environment."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from learnkv.serving.vllm.plugin import backend_for
+
+    enum_name, path = backend_for(device_type)
+    registered = getattr(AttentionBackendEnum, enum_name).get_path()
+    if registered != path:
+        raise RuntimeError(
+            f"learnkv: vLLM's {enum_name} attention backend is {registered}, not learnkv's; the plugin registers it "
+            "only when LEARNKV_SCORER is set in the environment of every vLLM process (kv_connector_extra_config "
+            "alone is read too late)"
+        )

@@ -1,7 +1,7 @@
 """Tier B's block manager: `FullAttentionManager` plus "free these logical blocks of a running request".
 
 Patched internal (subclassed, selected through ``KVCacheSpecRegistry.register_role_manager`` for the default
-KV-cache group role, so vLLM itself is not modified), vLLM 0.33:
+KV-cache group role, so vLLM itself is not modified), vLLM 0.32 and 0.33 (the same code in both):
 
 - ``SingleTypeKVCacheManager.req_to_blocks[req_id][i]`` is overwritten with ``block_pool.null_block`` and the
   physical block goes back through ``block_pool.free_blocks``: the same move ``_remove_blocks_in_range`` makes for
@@ -45,6 +45,10 @@ class EvictableFullAttentionManager(FullAttentionManager):
         if freed:
             self.block_pool.free_blocks(freed)
         return len(freed)
+
+    def held_blocks(self, request_id: str) -> int:
+        """Physical blocks ``request_id`` holds now (its null entries excluded)."""
+        return sum(b is not self._null_block for b in self.req_to_blocks.get(request_id, ()))
 
     def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries):
         limit = self.publish_limit.get(request.request_id)

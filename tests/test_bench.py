@@ -1,0 +1,27 @@
+"""bench/decode.py runs and writes the throughput records its README and RESULTS figures come from."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_decode_benchmark_batch_sizes_and_json(smollm2, tmp_path):
+    out = tmp_path / "decode.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "bench/decode.py", "--policies", "full,h2o,lazy", "--batch-sizes", "1,2",
+                          "--new-tokens", "6", "--budget", "96", "--threads", "1", "--json", str(out)],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    records = json.loads(out.read_text())
+    assert [(r["policy"], r["batch_size"]) for r in records] == [
+        ("full", 1), ("full", 2), ("h2o", 1), ("h2o", 2), ("lazy", 1), ("lazy", 2)]
+    assert all(r["tokens_per_s"] > 0 for r in records)
+    assert all(r["ratio_to_batch_1"] == 1.0 for r in records if r["batch_size"] == 1)
+    assert "| h2o |" in res.stdout and "batch 2 / batch 1" in res.stdout
