@@ -131,6 +131,18 @@ def _said(text: str) -> str | None:
     return words[-1].lower() if words else None
 
 
+def data_format(name: str, path: str | Path) -> str:
+    """The `datasets` loader of a local data file (``json``, ``csv``, ``parquet``); raises ValueError, naming the
+    task and the file, when it does not exist or has another suffix."""
+    path = Path(path)
+    fmt = DATA_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"{name}: data file {path} must be one of {', '.join(DATA_FORMATS)}")
+    if not path.is_file():
+        raise ValueError(f"{name}: data file {path} does not exist")
+    return fmt
+
+
 def load_records(dataset: Dataset, name: str, data_file: str | None = None) -> list[dict[str, Any]]:
     """The benchmark's records, from the hub by id or from a local file in the same format.
 
@@ -141,12 +153,7 @@ def load_records(dataset: Dataset, name: str, data_file: str | None = None) -> l
 
     if data_file is not None:
         path = Path(data_file)
-        fmt = DATA_FORMATS.get(path.suffix.lower())
-        if fmt is None:
-            raise ValueError(f"{name}: data file {path} must be one of {', '.join(DATA_FORMATS)}")
-        if not path.is_file():
-            raise ValueError(f"{name}: data file {path} does not exist")
-        ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
+        ds = datasets.load_dataset(data_format(name, path), data_files=str(path), split="train")
         where = str(path)
     else:
         try:
@@ -193,6 +200,11 @@ class MathTask(Task):
 
     max_new_tokens: int = 1024
     data_file: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.data_file is not None:  # a wrong path fails with the grid, before any model loads
+            data_format(self.name, self.data_file)
 
     def items(self) -> list[tuple[str, str, list[str]]]:
         """(id, question, acceptable gold answers) per problem, in the dataset's order."""
