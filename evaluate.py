@@ -1,4 +1,4 @@
-r"""Evaluate eviction policies against the full cache: fidelity, reasoning, needle retrieval, and what each costs.
+r"""Evaluate eviction policies against the full cache: fidelity, reasoning, needle, chains, math, and what each costs.
 
     python evaluate.py                     # the baselines at 25% and 50% budget, fidelity, 8 held-out prompts
     python evaluate.py --policy full,streaming,h2o,tova,snapkv,roco,lazy,paged --budget 0.25,0.5 --task fidelity \
@@ -13,6 +13,10 @@ r"""Evaluate eviction policies against the full cache: fidelity, reasoning, need
                                            # variants as rows; paired differences to lazy with 95% intervals
     python evaluate.py --policy full,lazy,h2o --budget 0.25 --prefill-policy snapkv --task needle
                                            # prompts over the budget: snapkv compresses them, then each policy decodes
+    python evaluate.py --task chain --policy full,h2o,tova,snapkv,lazy --budget 0.5 --limit 4 --batch-size 4
+                                           # 24 linked word problems per prompt, 1,000+ generated tokens
+    python evaluate.py --task gsm8k --data-file gsm8k-test.jsonl --max-new-tokens 1024
+                                           # math benchmarks (gsm8k, math500, aime24, champ), graded by math-verify
     python evaluate.py --config configs/eval-r1-distill-qwen-7b-math500.yaml     # every option from a YAML file
 
 A policy item is NAME[:key=value]...: its own row, labelled by the item as written. Writes DIR/results.json
@@ -60,17 +64,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paired differences of every other policy to this one, with 95%% intervals")
     p.add_argument("--budget", default=",".join(map(str, DEFAULT_BUDGETS)),
                    help="B[,B...] tokens (64) or fractions of the full length (0.25)")
-    p.add_argument("--task", default="fidelity", help="TASK[,TASK...]: fidelity, reasoning, needle")
+    p.add_argument("--task", default="fidelity",
+                   help="TASK[,TASK...]: fidelity, reasoning, needle, chain, gsm8k, math500, aime24, champ")
     p.add_argument("--model", default=None, help="bundled alias, local folder or hub id (default: SmolLM2-135M)")
     p.add_argument("--scorer", default=None, help="exported scorer for --policy learned (train.py prints its path)")
     p.add_argument("--limit", type=int, default=None,
-                   help="prompts per task (default: fidelity 8, reasoning all of the split, needle 9)")
+                   help="prompts per task (default: fidelity 8, reasoning all of the split, needle 9, chain 4, "
+                        "math benchmarks all)")
     p.add_argument("--output", default="runs/eval", help="output directory")
     p.add_argument("--seed", type=int, default=0, help="data and torch seed")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="per run (default: fidelity 24, reasoning 256, needle 16)")
+                   help="per run (default: fidelity 24, reasoning 256, needle 16, chain 2048, math 1024)")
     p.add_argument("--split", default=None, choices=["test", "all"], help="reasoning: held-out GSM8K items or all 100")
     p.add_argument("--source", default=None, help="fidelity: prompt source (gsm_symbolic, gsm8k, needle, ...)")
+    p.add_argument("--data-file", default=None, metavar="PATH",
+                   help="gsm8k, math500, aime24: a local JSON/JSONL/CSV/parquet copy of the hub dataset (offline); "
+                        "champ: its v0.json")
     p.add_argument("--context-tokens", type=_numbers(int), default=None,
                    help="needle: prompt lengths L[,L...] (default 1024,2048,4096)")
     p.add_argument("--depths", type=_numbers(float), default=None,
@@ -108,23 +117,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--config {args.config}: unknown option(s) {', '.join(unknown)}; options: {', '.join(sorted(known))}")
     lists = ("policy", "budget", "task")  # comma-separated on the command line, YAML lists in a file
-    parser.set_defaults(**{k: ",".join(map(str, v)) if k in lists and isinstance(v, list) else v
+    parser.set_defaults(**{k: (",".join(map(str, v)) if isinstance(v, list) else str(v)) if k in lists else v
                            for k, v in values.items()})
     return parser.parse_args(argv)
+
+
+def spec_of(args: argparse.Namespace):
+    """The validated grid (`learnkv.eval.build_spec`) of parsed options; raises ValueError on bad input."""
+    from learnkv.eval import build_spec
+
+    return build_spec(args.policy, args.budget, args.task, scorer=args.scorer, limit=args.limit, seed=args.seed,
+                      prefill_policy=args.prefill_policy, batch_size=args.batch_size, compare=args.compare,
+                      max_new_tokens=args.max_new_tokens, split=args.split, context_tokens=args.context_tokens,
+                      depths=args.depths, granularity=args.granularity, block_size=args.block_size,
+                      source=args.source, data_file=args.data_file)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        from learnkv.eval import build_spec, evaluate, markdown_table, write_results
+        from learnkv.eval import evaluate, markdown_table, write_results
         from learnkv.eval.report import paired_table
         from learnkv.eval.run import paired
 
-        spec = build_spec(args.policy, args.budget, args.task, scorer=args.scorer, limit=args.limit, seed=args.seed,
-                          prefill_policy=args.prefill_policy, batch_size=args.batch_size, compare=args.compare,
-                          max_new_tokens=args.max_new_tokens, split=args.split, context_tokens=args.context_tokens,
-                          depths=args.depths, granularity=args.granularity, block_size=args.block_size,
-                          source=args.source)
+        spec = spec_of(args)
         from learnkv.eval.report import prepare_output
 
         note = prepare_output(args.output)  # before any decode: a bad --output must not cost a finished run

@@ -6,6 +6,7 @@
     python -m learnkv collect --out traces-rkv/ --policy rkv --budget 0.25,0.5     # under eviction (on-policy)
     python -m learnkv merge traces/
     python -m learnkv recurrence traces/
+    python -m learnkv recurrence --source chain --prompts 4 --max-new-tokens 2048 --out docs/
 
 `generate` prints the continuation(s), then one JSON line: policy, budget, max_kept_tokens, peak_kv_bytes,
 tokens_per_s and the rest of `GenerationResult.summary()`.
@@ -71,9 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     mrg = sub.add_parser("merge", help="rebuild a trace manifest after n collectors ran with --shard i/n")
     mrg.add_argument("dir")
 
-    rec = sub.add_parser("recurrence", help="token importance recurrence table + PNG from collected traces")
-    rec.add_argument("dir")
-    rec.add_argument("--png", default=None, help="plot path (default: DIR/recurrence.png)")
+    rec = sub.add_parser("recurrence", help="token importance recurrence table + PNG, from collected traces or "
+                                            "from live full-cache decodes (--source)")
+    rec.add_argument("dir", nargs="?", default=None, help="trace directory (or give --source)")
+    rec.add_argument("--png", default=None, help="plot path (default: DIR/recurrence.png, or OUT/recurrence.png)")
+    rec.add_argument("--source", default=None,
+                     help="decode prompts of this source live instead of reading traces (e.g. chain)")
+    rec.add_argument("--prompts", type=int, default=4, help="with --source: held-out (test split) prompts")
+    rec.add_argument("--max-new-tokens", type=int, default=2048, help="with --source: cap per prompt (stops at EOS)")
+    rec.add_argument("--model", default=None, help="with --source: bundled alias, local folder or hub id")
+    rec.add_argument("--seed", type=int, default=0, help="with --source: data seed")
+    rec.add_argument("--out", default=".", help="with --source: folder for recurrence.png and mri.png")
+    rec.add_argument("--threads", type=int, default=None)
     return parser
 
 
@@ -208,6 +218,46 @@ def cmd_generate(args) -> None:
     print(json.dumps(result.summary()))
 
 
+def cmd_recurrence(args) -> None:
+    if (args.dir is None) == (args.source is None):
+        raise ValueError("recurrence takes a trace directory or --source SOURCE (a live decode), not both")
+    if args.dir is not None:
+        from learnkv.traces.recurrence import report
+
+        table, png = report(args.dir, args.png)
+        print(table)
+        print(f"plot: {png}")
+        return
+    from pathlib import Path
+
+    import torch
+
+    from learnkv.model import DEFAULT_MODEL, load_model
+    from learnkv.prompts import load_prompts
+    from learnkv.traces.recurrence import live_report, observe_recurrence
+
+    if args.prompts < 1 or args.max_new_tokens < 2:
+        raise ValueError("--prompts must be >= 1 and --max-new-tokens >= 2")
+    prompts = load_prompts(args.source, args.prompts, seed=args.seed, split="test")  # fails fast on a bad source
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model(args.model or DEFAULT_MODEL)
+    from learnkv.decode import encode_prompts
+    from learnkv.eval.tasks.chain import encode_chain
+
+    # a chain prompt starts the reply as the chain task does (`learnkv.chains.RESPONSE_PREFIX`)
+    inputs = [encode_chain(tokenizer, [p.text], p.meta["response_prefix"])[0] if "response_prefix" in p.meta
+              else encode_prompts(tokenizer, p.text)[0] for p in prompts]
+    runs = observe_recurrence(model, tokenizer, inputs, args.max_new_tokens, progress=sys.stderr.isatty())
+    for p, run in zip(prompts, runs):
+        print(f"{p.id}: {run['generated']} generated tokens", flush=True)
+    text, png, mri = live_report(runs, args.png or out / "recurrence.png", out / "mri.png")
+    print(text)
+    print(f"plots: {png} {mri}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -229,11 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.dir}/manifest.json: {len(manifest['shards'])}/{manifest['n_shards_planned']} shards, {rows} rows"
                   + ("" if manifest["complete"] else " (incomplete: run the missing collectors)"))
         elif args.command == "recurrence":
-            from learnkv.traces.recurrence import report
-
-            table, png = report(args.dir, args.png)
-            print(table)
-            print(f"plot: {png}")
+            cmd_recurrence(args)
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

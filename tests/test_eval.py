@@ -362,6 +362,8 @@ BAD = [
     (["--limit", "four"], "argument --limit: invalid int value"),
     (["--task", "reasoning", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
     (["--task", "needle", "--depths", "0.5,2"], "needle depths must be fractions in [0, 1]"),
+    (["--task", "gsm8k", "--data-file", "no/such.jsonl"], "gsm8k: data file no/such.jsonl does not exist"),
+    (["--task", "chain", "--max-new-tokens", "0"], "chain: max_new_tokens must be an integer >= 1"),
     (["--granularity", "page"], "argument --granularity: invalid choice: 'page'"),
     (["--granularity", "block", "--block-size", "0"], "block size must be an integer >= 1"),
 ]
@@ -390,7 +392,8 @@ def test_bad_input_subprocess_exit_code_and_no_traceback():
     out = subprocess.run([sys.executable, "evaluate.py", "--task", "fidelity,nope"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr == "error: unknown task 'nope'; known tasks: fidelity, reasoning, needle\n"
+    assert out.stderr == ("error: unknown task 'nope'; known tasks: fidelity, reasoning, needle, chain, gsm8k, math500, "
+                          "aime24, champ\n")
 
 
 # -- the real model -----------------------------------------------------------------------------------------------

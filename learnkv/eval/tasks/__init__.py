@@ -5,6 +5,11 @@ to `TASKS`; `python evaluate.py --task NAME` then runs it against every policy a
   length against the full cache, teacher-forced along its continuation (model-agnostic).
 * ``reasoning`` (`reasoning.py`): GSM8K accuracy and agreement with the full cache's answer.
 * ``needle`` (`needle.py`): needle-in-a-haystack retrieval over context lengths and depths.
+* ``chain`` (`chain.py`): chains of word problems whose late answers need early tokens (long outputs):
+  per-problem and final accuracy of a free run, agreement with the full cache, and the fidelity metrics of a
+  teacher-forced run (`Chain` subclasses `Fidelity`).
+* ``gsm8k``, ``math500``, ``aime24``, ``champ`` (`math.py`): the math benchmarks, loaded by hub id (or a local
+  copy, ``--data-file``; ``champ`` from its PyPI package), answers in ``\\boxed{}`` graded by math-verify.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 
 from learnkv.eval.tasks.base import Sample, Task
+from learnkv.eval.tasks.chain import Chain
 from learnkv.eval.tasks.fidelity import Fidelity
+from learnkv.eval.tasks.math import AIME24, GSM8K, MATH500, Champ
 from learnkv.eval.tasks.needle import Needle
 from learnkv.eval.tasks.reasoning import Reasoning
 
@@ -20,6 +27,11 @@ TASKS: dict[str, type[Task]] = {
     "fidelity": Fidelity,
     "reasoning": Reasoning,
     "needle": Needle,
+    "chain": Chain,
+    "gsm8k": GSM8K,
+    "math500": MATH500,
+    "aime24": AIME24,
+    "champ": Champ,
 }
 
 

@@ -1,0 +1,241 @@
+"""Chains of word problems: one prompt, many small problems, later ones built on earlier answers and facts.
+
+What LazyEviction targets: in a long chain of thought, a token written hundreds of steps ago (an earlier answer, a
+condition stated at the start) becomes important again much later. Here that is built in. A prompt opens with a
+few *facts* (``Fact A: each box holds 6 pens.``), then states ``n_problems`` one- or two-step word problems. Problem
+k may use "the answer to Problem j" for some j well before k, and a fact from the top of the prompt, so a correct
+answer late in the output needs tokens written (or read) long before. The model is told to solve them in order,
+writing for each a ``Problem k`` line, then Question, Needed, Work and ``Answer k: N`` lines (one worked example
+shows the format), and a last ``#### N`` line; its reply is started with ``Problem 1`` (`RESPONSE_PREFIX`).
+
+Everything is seeded (`random.Random` of a hash of the seed and index) and integer-valued; the generator computes
+every gold answer. Numbers stay small (answers 2-400) so a 0.5B model can do the arithmetic: what is measured is
+whether it can still find the operands.
+
+    >>> from learnkv.chains import chain_problem
+    >>> p = chain_problem(seed=0, index=3)
+    >>> p.answers  # gold answer per problem, in order
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+
+#: problems per prompt and facts stated at its top, by default (chosen by measurement: docs/tasks-notes.md)
+N_PROBLEMS = 24
+N_FACTS = 4
+MAX_ANSWER = 400
+
+NAMES = ("Ava", "Ben", "Chloe", "Dan", "Ema", "Finn", "Gia", "Hugo", "Ines", "Jon", "Kira", "Liam", "Mia", "Noah",
+         "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Yara", "Zoe")
+ITEMS = ("apples", "pencils", "marbles", "stickers", "books", "cookies", "stamps", "shells", "cards", "beads",
+         "flowers", "coins", "eggs", "candles", "buttons")
+# (fact text with {v} and {item}, the unit a problem counts, what one unit is worth, lowest and highest value)
+FACTS = (
+    ("Each box holds {v} {item}.", "boxes of {item}", "{item}", 3, 9),
+    ("Each bag holds {v} {item}.", "bags of {item}", "{item}", 2, 8),
+    ("A ticket to the fair costs {v} dollars.", "tickets to the fair", "dollars", 2, 9),
+    ("Each shelf in the library has {v} books.", "shelves", "books", 3, 9),
+    ("A bus has {v} seats.", "buses", "seats", 4, 9),
+    ("Each tray holds {v} cupcakes.", "trays of cupcakes", "cupcakes", 3, 8),
+    ("A week has 7 days.", "weeks", "days", 7, 7),
+)
+FACT_LETTERS = "ABCDEFGH"
+
+INSTRUCTION = """Solve all {n} problems above in order, from Problem 1 to Problem {n}. Some use a fact from the \
+list and some use the answer to an earlier problem: look it up in your own earlier work. For every problem write \
+its number, then four lines: Question (copy the problem's text), Needed (each number it needs and where it comes \
+from), Work (the calculation) and Answer. For example, for "Lena gets as many boxes of pears as the answer to Problem 9. Using \
+Fact X, how many pears is that?" you would write:
+
+Problem 0
+Question: Lena gets as many boxes of pears as the answer to Problem 9. Using Fact X, how many pears is that?
+Needed: the answer to Problem 9 was 12. Fact X says each box holds 5 pears.
+Work: 12 * 5 = 60.
+Answer 0: 60
+
+After the last problem, write one more line "#### " followed by the answer to Problem {n}. Start with Problem 1."""
+
+#: the start of the model's reply, fed after the chat template's assistant header: small models otherwise copy the
+#: problem list or jump to the last line; with it, both bundled models write the format above problem by problem
+RESPONSE_PREFIX = "Problem 1\nQuestion:"
+
+# "Answer 3: ...", "**Answer:** ...", not "the answer to Problem 3: ..." (a later problem citing it)
+_ANSWER_LINE = re.compile(r"\banswer\s*(\d+)?\s*\**\s*[:=]([^\n]*)", re.I)
+_HEADER = re.compile(r"^\W*problem\s*(\d+)\b", re.I)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+@dataclass(frozen=True)
+class ChainProblem:
+    """One chain prompt.
+
+    Attributes
+    ----------
+    text : str
+        The user message: instruction, facts, problems.
+    answers : tuple of str
+        Gold answer of each problem, in order (integers as strings).
+    depends : tuple of int or None
+        For each problem, the (1-based) problem whose answer it uses, or None.
+    facts : tuple of int or None
+        For each problem, the (0-based) fact it uses, or None.
+    """
+
+    text: str
+    answers: tuple[str, ...]
+    depends: tuple[int | None, ...]
+    facts: tuple[int | None, ...]
+
+
+def _rng(*parts: object) -> random.Random:
+    return random.Random(hashlib.sha256(":".join(map(str, ("chain",) + parts)).encode()).digest())
+
+
+def _pick_facts(rng: random.Random, n_facts: int) -> list[tuple[str, str, str, int]]:
+    """``n_facts`` distinct facts as (text, unit, what a unit holds, value)."""
+    chosen = rng.sample(range(len(FACTS)), n_facts)
+    out = []
+    for i in chosen:
+        text, unit, qty, lo, hi = FACTS[i]
+        item = rng.choice(ITEMS)
+        v = rng.randint(lo, hi)
+        out.append((text.format(v=v, item=item), unit.format(item=item), qty.format(item=item), v))
+    return out
+
+
+def _base_problem(rng: random.Random, name: str, item: str) -> tuple[str, int]:
+    """A problem that needs nothing earlier: one or two steps on numbers in the text."""
+    a, b = rng.randint(12, 60), rng.randint(3, 11)
+    kind = rng.randrange(3)
+    if kind == 0:
+        return f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", a + b
+    if kind == 1:
+        c = rng.randint(2, 9)
+        return (f"{name} buys {c} packs of {b} {item} each and already had {a % 20 + 2}. How many {item} does "
+                f"{name} have in total?", c * b + a % 20 + 2)
+    return f"{name} has {a + b} {item} and gives {b} away. How many {item} are left?", a
+
+
+def _linked_problem(rng: random.Random, name: str, item: str, j: int, prev: int,
+                    fact: tuple[int, tuple[str, str, str, int]] | None) -> tuple[str, int]:
+    """A problem on the answer to Problem ``j`` (value ``prev``), and on a fact if one is given."""
+    ref = f"the answer to Problem {j}"
+    if fact is not None:
+        k, (_, unit, qty, v) = fact
+        letter = FACT_LETTERS[k]
+        if prev * v <= MAX_ANSWER and rng.random() < 0.6:
+            return f"{name} gets as many {unit} as {ref}. Using Fact {letter}, how many {qty} is that?", prev * v
+        c = rng.randint(2, 6)
+        return (f"{name} gets {c} {unit} and then {ref} more {qty}. Using Fact {letter}, how many {qty} does "
+                f"{name} have in total?", c * v + prev)
+    options = []
+    if prev + 20 <= MAX_ANSWER:
+        b = rng.randint(4, 20)
+        options.append((f"{name} starts with {ref} {item} and finds {b} more. How many {item} now?", prev + b))
+    if prev > 8:
+        b = rng.randint(2, min(prev - 2, 15))
+        options.append((f"{name} takes {ref} {item} and uses {b} of them. How many are left?", prev - b))
+    divisors = [d for d in range(2, 10) if prev % d == 0 and prev // d >= 2]
+    if divisors:
+        d = rng.choice(divisors)
+        options.append((f"{ref.capitalize()} {item} are shared equally among {d} friends. How many does each "
+                        f"friend get?", prev // d))
+    if prev * 2 <= MAX_ANSWER:
+        options.append((f"{name} has twice {ref} {item}. How many {item} does {name} have?", 2 * prev))
+    return rng.choice(options)
+
+
+def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: int = N_FACTS) -> ChainProblem:
+    """Chain prompt number ``index`` of data seed ``seed`` (deterministic).
+
+    Problems 1 and 2 stand alone; each later one is, with probability 0.35 each, linked (it uses the answer to a
+    problem at least two before it, drawn from the first half of those, so the distance grows with the chain; about
+    half of the linked ones also use a fact) or a fact problem (a count of units times the value a fact at the top
+    of the prompt gives, by then hundreds of tokens back), else it stands alone. Facts not yet used go first.
+    The mix is set by measurement (docs/tasks-notes.md): Qwen2.5-Coder-0.5B looks facts up in the prompt well but
+    rarely resolves "the answer to Problem j", so an all-linked chain would leave nothing to measure under eviction.
+    """
+    if n_problems < 2 or n_facts < 1 or n_facts > len(FACTS):
+        raise ValueError(f"a chain needs n_problems >= 2 and 1 <= n_facts <= {len(FACTS)}, got "
+                         f"{n_problems} and {n_facts}")
+    rng = _rng(seed, index, n_problems, n_facts)
+    facts = _pick_facts(rng, n_facts)
+    unused_facts = list(range(n_facts))
+    rng.shuffle(unused_facts)
+    names = rng.sample(NAMES, min(len(NAMES), n_problems))
+    lines, answers, depends, used = [], [], [], []
+    for k in range(1, n_problems + 1):
+        name, item = names[(k - 1) % len(names)], rng.choice(ITEMS)
+        draw = rng.random()
+        if k <= 2 or draw >= 0.7:
+            text, value = _base_problem(rng, name, item)
+            dep = fact_i = None
+        elif draw >= 0.35:
+            dep = None
+            fact_i = unused_facts.pop() if unused_facts else rng.randrange(n_facts)
+            _, unit, qty, v = facts[fact_i]
+            c = rng.randint(2, 9)
+            text = f"{name} gets {c} {unit}. Using Fact {FACT_LETTERS[fact_i]}, how many {qty} is that?"
+            value = c * v
+        else:
+            dep = rng.randint(1, max(1, (k - 1) // 2))
+            fact_i = None
+            if rng.random() < 0.5 or (unused_facts and n_problems - k < len(unused_facts)):
+                fact_i = unused_facts.pop() if unused_facts else rng.randrange(n_facts)
+            fact = None if fact_i is None else (fact_i, facts[fact_i])
+            text, value = _linked_problem(rng, name, item, dep, answers[dep - 1], fact)
+        if not 0 < value <= MAX_ANSWER * 4:
+            raise AssertionError(f"chain generator produced {value} (seed {seed}, index {index}, problem {k})")
+        lines.append(f"Problem {k}: {text}")
+        answers.append(value)
+        depends.append(dep)
+        used.append(fact_i)
+    fact_lines = [f"Fact {FACT_LETTERS[i]}: {text}" for i, (text, *_) in enumerate(facts)]
+    body = "\n".join(["Facts:", *fact_lines, "", "Problems:", *lines, "", INSTRUCTION.format(n=n_problems)])
+    return ChainProblem(body, tuple(str(a) for a in answers), tuple(depends), tuple(used))
+
+
+def parse_answers(text: str, n_problems: int) -> list[str | None]:
+    """Per-problem answers from a completion: the last answer line of each problem (None where missing).
+
+    An answer line is ``Answer k: ...``, or ``Answer: ...`` inside the block that a ``Problem k`` line opens (the
+    reply starts inside Problem 1's block, `RESPONSE_PREFIX`). The answer is the number after the line's last ``=``
+    if there is one (``Answer 1: 4 * 5 = 20``), else its first number (``Answer 2: 15 (from Problem 1)``). The last
+    problem's ``#### N`` overrides its answer line. Numbers are normalised as `learnkv.prompts.extract_answer` does.
+    """
+    from learnkv.prompts import _normalise_number
+
+    out: list[str | None] = [None] * n_problems
+    current = 1
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = int(header.group(1))
+            continue
+        m = _ANSWER_LINE.search(line)
+        if m is None:
+            continue
+        k, rest = int(m.group(1) or current), m.group(2)
+        found = _NUMBER.search(rest.rpartition("=")[2]) or _NUMBER.search(rest)
+        if 1 <= k <= n_problems and found:
+            out[k - 1] = _normalise_number(found.group())
+    final = final_answer(text)
+    if final is not None:
+        out[-1] = final
+    return out
+
+
+def final_answer(text: str) -> str | None:
+    """The number on the line of the last ``####`` that has one (None if there is none)."""
+    from learnkv.prompts import _normalise_number
+
+    for line in reversed(text.splitlines()):
+        _, sep, tail = line.rpartition("####")
+        found = _NUMBER.search(tail) if sep else None
+        if found:
+            return _normalise_number(found.group())
+    return None

@@ -1,0 +1,160 @@
+"""Chain: long chains of thought whose late answers need tokens written long before (LazyEviction's pattern).
+
+Each held-out prompt (`learnkv.prompts`, source ``chain``; `learnkv.chains`) states four facts and 24 small
+word problems, later ones using earlier answers and the facts; the model solves them in order, ending each with
+``Answer k: N`` and the last with ``#### N``. With the full cache the bundled SmolLM2 writes about 1,000 tokens or
+more per prompt (docs/tasks-notes.md has the measurement). Per batch of prompts, under each policy and budget:
+
+* a free-running greedy decode under the budget, graded:
+
+  - ``problem_accuracy``: share of the prompt's problems answered right (the generator's gold answers);
+  - ``final_accuracy``: the last problem's answer (``#### N``, else its ``Answer k:`` line) is right;
+  - ``answer_agreement``: share of problems whose answer equals the full cache's (both missing counts as equal);
+
+* a decode teacher-forced along the full cache's continuation, which is `Fidelity`'s own run: ``kl``,
+  ``top1_agreement``, ``ppl_ratio``, ``attention_recall``, ``agreement_length`` and ``generated_tokens`` (the full
+  cache's output length; the runner reports its mean and ``generated_tokens_median``).
+
+A policy that never evicts (``full``) gets only the forced decode: its free run is the full cache's by
+construction, so it is graded on the reference text. ``oracle`` replays the full cache's output, so it gets only
+the forced decode too and its accuracy and agreement are None. The cost reported for a prompt is that of its free
+run (the forced one for those two); its time covers both decodes, so ``tokens_per_s`` is about half a single
+decode's rate.
+
+Memory: the full-cache reference (`Fidelity.reference_batch`) keeps each prompt's logits (``[N, V]`` fp32, 390 MB
+for SmolLM2 at N = 2,000) and the decode steps' rows of its attention in fp16 (``[layers, H_kv, N - 1, P + N - 1]``);
+building them holds one prompt's whole ``[layers, H_kv, L, L]`` fp32 attention for a moment (3.2 GB for SmolLM2 at
+L = 3,000, twice while it is aligned by position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from learnkv import chains
+from learnkv.eval.tasks.base import RunConfig, Sample, evicts, replays
+from learnkv.eval.tasks.fidelity import Fidelity, FullRun
+from learnkv.prompts import load_prompts
+
+
+def grade_chain(text: str, gold: list[str], reference: list[str | None] | None = None) -> dict:
+    """Grade one completion of a chain prompt.
+
+    Parameters
+    ----------
+    text : str
+        The completion.
+    gold : list of str
+        Gold answer per problem.
+    reference : list of (str or None), optional
+        The full cache's parsed answers, for agreement.
+
+    Returns
+    -------
+    dict
+        ``parsed`` (answer per problem, None where missing), ``answered``, ``correct`` (counts),
+        ``final_correct`` (bool), ``agreement`` (share of problems agreeing with ``reference``, None without one).
+    """
+    parsed = chains.parse_answers(text, len(gold))
+    right = [p is not None and float(p) == float(g) for p, g in zip(parsed, gold)]
+    agreement = None
+    if reference is not None:
+        agreement = sum(p == r for p, r in zip(parsed, reference)) / len(gold)
+    return {"parsed": parsed, "answered": sum(p is not None for p in parsed), "correct": sum(right),
+            "final_correct": right[-1], "agreement": agreement}
+
+
+def encode_chain(tokenizer, texts: list[str], response_prefix: str = chains.RESPONSE_PREFIX):
+    """Left-padded ``(input_ids, attention_mask)`` of chain prompts: the chat template with its assistant header,
+    then the start of the reply (``response_prefix``), so the model continues in the asked format."""
+    if getattr(tokenizer, "chat_template", None):
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                               tokenize=False) + response_prefix for t in texts]
+    else:
+        texts = [f"{t}\n\n{response_prefix}" for t in texts]
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+@dataclass
+class ChainRun(FullRun):
+    """The full cache's run on one chain prompt (`FullRun`), with its text and its parsed answer per problem."""
+
+    text: str = ""
+    answers: list[str | None] = field(default_factory=list)
+
+
+@dataclass
+class Chain(Fidelity):
+    """Chains of word problems on held-out (test split) prompts: accuracy, agreement and fidelity at length.
+
+    Parameters
+    ----------
+    max_new_tokens : int
+        Room for the whole chain (the full cache stops at EOS before it on most prompts, docs/tasks-notes.md).
+    n_problems, n_facts : int
+        Problems per prompt and facts stated at its top (`learnkv.chains`).
+    """
+
+    name = "chain"
+    metrics = ("problem_accuracy", "final_accuracy", "answer_agreement") + Fidelity.metrics
+    default_limit = 4
+
+    max_new_tokens: int = 2048
+    source: str = "chain"
+    n_problems: int = chains.N_PROBLEMS
+    n_facts: int = chains.N_FACTS
+
+    def __post_init__(self):
+        self.source = "chain"  # always: --source is the fidelity task's, one set of flags serves every task
+        super().__post_init__()
+        chains.chain_problem(0, 0, self.n_problems, self.n_facts)  # validates both
+
+    def load(self, tokenizer, limit: int | None, seed: int) -> list[Sample]:
+        if tokenizer is None:
+            raise ValueError("the chain task needs a tokenizer (or pass token-id samples with meta['answers'])")
+        prompts = load_prompts("chain", n=limit, seed=seed, split="test", n_problems=self.n_problems,
+                               n_facts=self.n_facts)
+        return [Sample(p.id, encode_chain(tokenizer, [p.text])[0], p.answer, dict(p.meta)) for p in prompts]
+
+    def reference_batch(self, model, tokenizer, samples: list[Sample]) -> list[ChainRun]:
+        refs = []
+        for sample, full in zip(samples, super().reference_batch(model, tokenizer, samples)):
+            text = _decode(tokenizer, full.tokens[0])
+            refs.append(ChainRun(full.tokens, full.logits, full.attention, full.prompt_len, text,
+                                 grade_chain(text, self.gold(sample))["parsed"]))
+        return refs
+
+    def run_batch(self, model, tokenizer, samples: list[Sample], refs: list[ChainRun], run: RunConfig):
+        metrics, result = super().run_batch(model, tokenizer, samples, refs, run)  # teacher-forced: fidelity
+        if evicts(run.policy) and not replays(run.policy):
+            result = self.decode_batch(model, tokenizer, samples, run)  # free-running: graded
+            texts = result.texts or [""] * len(samples)
+        else:
+            texts = [ref.text for ref in refs]
+        for row, sample, ref, text in zip(metrics, samples, refs, texts):
+            row.update(self.grade(text, sample, ref, run.policy))
+        return metrics, result
+
+    def grade(self, text: str, sample: Sample, ref: ChainRun, policy: str) -> dict[str, float | None]:
+        """Accuracy and agreement of one free-running completion (None for a policy that replays the full run)."""
+        if replays(policy):
+            return {"problem_accuracy": None, "final_accuracy": None, "answer_agreement": None}
+        g = grade_chain(text, self.gold(sample), ref.answers)
+        return {"problem_accuracy": g["correct"] / len(g["parsed"]), "final_accuracy": float(g["final_correct"]),
+                "answer_agreement": g["agreement"]}
+
+    @staticmethod
+    def gold(sample: Sample) -> list[str]:
+        answers = sample.meta.get("answers")
+        if not answers:
+            raise ValueError(f"chain sample {sample.id} has no per-problem answers (meta['answers'])")
+        return list(answers)
+
+
+def _decode(tokenizer, tokens) -> str:
+    """A row of generated ids -> text, as `learnkv.generate` decodes it ("" without a tokenizer)."""
+    return "" if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)

@@ -1,0 +1,190 @@
+"""Chain prompts and the chain task: seeded and split like every source, gold answers that follow from the
+text, answer parsing, a run whose fidelity half is exactly the fidelity task's, and batches that change nothing."""
+
+import re
+
+import pytest
+import torch
+
+from conftest import random_ids
+from learnkv.chains import N_PROBLEMS, chain_problem, final_answer, parse_answers
+from learnkv.eval import Sample, build_spec, evaluate, make_task
+from learnkv.eval.tasks.chain import encode_chain, grade_chain
+from learnkv.prompts import load_prompts, split_of
+
+FIDELITY = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length")
+_LINK = re.compile(r"the answer to Problem (\d+)", re.I)
+
+
+def test_chain_prompts_are_seeded_and_split_by_the_hash():
+    a = load_prompts("chain", 30, seed=0)
+    assert [p.id for p in a[:3]] == ["chain/s0/0", "chain/s0/1", "chain/s0/2"]
+    assert [p.text for p in a] == [p.text for p in load_prompts("chain", 30, seed=0)]
+    assert a[0].text != load_prompts("chain", 1, seed=1)[0].text
+    assert all(p.split == split_of(p.id) for p in a)
+    test = load_prompts("chain", 3, seed=0, split="test")
+    assert all(p.split == "test" for p in test) and {p.id for p in test} <= {p.id for p in load_prompts("chain", 200)}
+    other = load_prompts("chain", 2, seed=0, n_problems=4, n_facts=2)
+    assert other[0].id == "chain/s0/p4f2/0" and len(other[0].meta["answers"]) == 4
+
+
+def test_gold_answers_follow_from_the_text():
+    for i in range(50):
+        c = chain_problem(0, i)
+        assert len(c.answers) == N_PROBLEMS and all(int(a) > 0 for a in c.answers)
+        problems = re.findall(r"^Problem (\d+): (.*)$", c.text, re.M)
+        assert [int(k) for k, _ in problems] == list(range(1, N_PROBLEMS + 1))
+        for k, (_, body) in enumerate(problems, start=1):
+            links = [int(j) for j in _LINK.findall(body)]
+            assert links == ([] if c.depends[k - 1] is None else [c.depends[k - 1]])
+            assert all(j <= k - 2 for j in links)  # at least one problem in between
+            fact = c.facts[k - 1]
+            assert ("Fact " in body) == (fact is not None)
+            assert fact is None or f"Fact {'ABCDEFGH'[fact]}" in body
+            if "twice" in body:
+                assert int(c.answers[k - 1]) == 2 * int(c.answers[links[0] - 1])
+        assert sum(d is not None for d in c.depends) >= 2 and set(c.facts) - {None} == {0, 1, 2, 3}
+
+
+def test_bad_chain_sizes():
+    with pytest.raises(ValueError, match="n_problems"):
+        chain_problem(0, 0, n_problems=1)
+    with pytest.raises(ValueError, match="n_facts"):
+        make_task("chain", n_facts=99)
+
+
+def test_parse_answers_and_grading():
+    text = ("Dan has 14 and buys 4.\nWork: 14 + 4 = 18. Answer: 18\n\nProblem 2\n**Answer 2:** 1,024\n"
+            "**Problem 3:**\nAnswer 3 = 7.0\nanswer to problem 3: 4 * 2 = 8\nProblem 4\nAnswer: none\n"
+            "Answer 5: 3 (from Problem 2)\n####\n#### 40\n")
+    # the reply starts inside Problem 1; "Answer:" belongs to the open block; the last line for a problem wins;
+    # after "=" the result, else the first number; the last "####" line with a number is the final answer
+    assert parse_answers(text, 5) == ["18", "1024", "7", None, "40"]  # "answer to problem 3:" cites, not answers
+    assert parse_answers(text.replace("#### 40", ""), 5)[-1] == "3"
+    assert final_answer(text) == "40" and final_answer("Answer 1: 3\n####\nProblem 2") is None
+    g = grade_chain(text, ["18", "1024", "8", "5", "40"], reference=["18", "1024", "7", "6", "41"])
+    assert g["correct"] == 3 and g["answered"] == 4 and g["final_correct"] and g["agreement"] == 3 / 5
+    assert grade_chain("", ["1", "2"], reference=[None, None])["agreement"] == 1.0
+
+
+def test_the_reply_starts_in_the_asked_format():
+    from transformers import AutoTokenizer
+
+    from learnkv.chains import RESPONSE_PREFIX
+    from learnkv.model import prepare_smollm2
+
+    tok = AutoTokenizer.from_pretrained(prepare_smollm2())
+    prompt = load_prompts("chain", 1, split="test")[0]
+    ids, mask = encode_chain(tok, [prompt.text, "short"])
+    text = tok.decode(ids[0])
+    assert text.endswith("<|im_start|>assistant\n" + RESPONSE_PREFIX) and prompt.text in text
+    assert mask[1].sum() < mask[0].sum() and mask[1, 0] == 0  # left padded
+    assert prompt.meta["response_prefix"] == RESPONSE_PREFIX
+
+
+class AnswerTokenizer:
+    """Decodes token ids to chain answer lines (``Answer k: id % 7``, one per problem), so the tiny random model
+    "answers" every problem and its answers change when a budget changes its tokens."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "\n".join(f"Answer {k}: {int(t) % 7}" for k, t in enumerate(ids[:N_ANSWERED].tolist(), start=1))
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [self.decode(row) for row in rows]
+
+
+N_ANSWERED = 6
+
+
+def samples(n=2, lengths=(30, 30), n_problems=3, seed=20):
+    out = []
+    for i in range(n):
+        s = Sample.from_ids(random_ids(lengths[i % len(lengths)], seed=seed + i)[0], id=f"ids/{i}")
+        s.meta["answers"] = [str(k % 7) for k in range(1, n_problems + 1)]
+        out.append(s)
+    return out
+
+
+def test_chain_fidelity_is_the_fidelity_tasks(tiny):
+    """The teacher-forced half of the chain task is the fidelity task's run: same metrics, same budgets."""
+    spec = build_spec("full,h2o,tova", "0.5", "chain,fidelity", max_new_tokens=12)
+    records = evaluate(tiny, None, spec, samples=samples())
+    got = {(r["policy"], r["task"]): r for r in records}
+    for policy in ("h2o", "tova"):
+        chain, fidelity = got[policy, "chain"], got[policy, "fidelity"]
+        assert chain["metrics"]["budget_tokens"] == fidelity["metrics"]["budget_tokens"] == 21  # ceil(.5 * (30 + 12))
+        for k in FIDELITY + ("generated_tokens",):
+            assert chain["per_prompt"][k] == pytest.approx(fidelity["per_prompt"][k], rel=1e-6, abs=1e-9), k
+        assert chain["metrics"]["kl"] > 0 and chain["metrics"]["generated_tokens"] == 12
+        assert chain["metrics"]["generated_tokens_median"] == 12
+        m = chain["metrics"]
+        assert m["problem_accuracy"] == 0.0 and m["answer_agreement"] == 1.0  # no tokenizer, no text: none answered
+    full = got["full", "chain"]["metrics"]
+    assert full["kl"] == 0.0 and full["attention_recall"] == 1.0 and full["agreement_length"] == 12
+    assert all(k in full and f"{k}_ci95" in full for k in ("problem_accuracy", "final_accuracy", "answer_agreement"))
+
+
+def test_chain_grades_the_free_run(tiny, monkeypatch):
+    """Evicting policies are graded on their own free-running text; full on the reference's; oracle not at all."""
+    from learnkv.eval.tasks.chain import Chain
+
+    task = make_task("chain", max_new_tokens=8)
+    sample = samples(1)[0]
+    ref = task.reference(tiny, None, sample)
+    assert ref.prompt_len == 30 and ref.final_length == 38 and task.final_length(sample, ref) == 38
+    assert ref.attention[0].dtype == torch.float16 and ref.attention[0].shape[1] == 7  # decode rows only
+    ref.answers, ref.text = ["1", "2", "9"], "Answer 1: 1\nAnswer 2: 2\n#### 9"
+    decode_batch, free_runs = Chain.decode_batch, []
+
+    def with_text(self, model, tokenizer, samples, run, **options):
+        result = decode_batch(self, model, tokenizer, samples, run, **options)
+        if "forced_tokens" not in options:
+            free_runs.append(run.policy)
+            result.texts = ["Answer 1: 1\nAnswer 2: 5\n#### 3"] * len(samples)
+        return result
+
+    monkeypatch.setattr(Chain, "decode_batch", with_text)
+    metrics, result = task.run(tiny, None, sample, ref, "h2o", 20, {})
+    assert metrics["problem_accuracy"] == pytest.approx(2 / 3) and metrics["final_accuracy"] == 1.0
+    assert metrics["answer_agreement"] == pytest.approx(1 / 3) and metrics["kl"] > 0
+    assert result.budgets == [20] and result.max_kept_tokens <= 21
+    full, _ = task.run(tiny, None, sample, ref, "full", None, {})
+    assert full["problem_accuracy"] == pytest.approx(2 / 3) and full["final_accuracy"] == 0.0  # the reference's text
+    assert full["answer_agreement"] == 1.0 and full["kl"] == 0.0
+    oracle, _ = task.run(tiny, None, sample, ref, "oracle", 20, {})
+    assert oracle["problem_accuracy"] is None and oracle["answer_agreement"] is None and oracle["kl"] >= 0
+    assert free_runs == ["h2o"]  # full's free run is the reference, oracle's the replayed reference
+
+
+@pytest.mark.parametrize("policy", ["h2o", "lazy", "snapkv"])
+def test_chain_batched_equals_one_prompt_at_a_time(tiny, policy):
+    """--batch-size 2: prompts of different lengths (own fraction budgets) give every per-prompt chain metric,
+    graded answers included, exactly as alone."""
+    tok = AnswerTokenizer()
+    items = samples(n=3, lengths=(18, 25, 21), n_problems=N_ANSWERED, seed=40)
+    spec = lambda bs: build_spec(f"full,{policy}", "0.6", "chain", max_new_tokens=16, batch_size=bs)  # noqa: E731
+    one, batched = (evaluate(tiny, tok, spec(bs), samples=items) for bs in (1, 2))
+    for a, b in zip(one, batched):
+        assert a["policy"] == b["policy"] and a["metrics"]["budget_tokens"] == b["metrics"]["budget_tokens"]
+        for metric, values in a["per_prompt"].items():
+            assert b["per_prompt"][metric] == pytest.approx(values, abs=1e-4), metric
+        assert a["metrics"]["kept_share"] == pytest.approx(b["metrics"]["kept_share"])
+    evicting = one[1]["per_prompt"]
+    assert 0 < max(evicting["kl"]) and min(evicting["answer_agreement"]) < 1.0  # the budget changed answers
+    assert one[0]["per_prompt"]["answer_agreement"] == [1.0] * 3
+
+
+@pytest.mark.slow
+def test_chain_on_the_real_model(smollm2):
+    model, tok = smollm2
+    task = make_task("chain", max_new_tokens=24)
+    sample = task.load(tok, 1, 0)[0]
+    assert sample.id.startswith("chain/s0/") and sample.input_ids.shape[1] > 300
+    ref = task.reference(model, tok, sample)
+    assert ref.text and len(ref.answers) == len(sample.meta["answers"])
+    metrics, result = task.run(model, tok, sample, ref, "h2o", 256, {})
+    assert metrics["generated_tokens"] == 24 and 0 <= metrics["kl"] and metrics["attention_recall"] <= 1.0
+    assert result.budget == 256 and result.max_kept_tokens <= 257
