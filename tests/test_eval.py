@@ -221,11 +221,11 @@ def test_blind_prefill_fails_before_any_decode_or_takes_a_prefill_policy(tiny, m
 
 
 def test_policy_items_with_parameters_are_rows_of_their_own(tiny):
-    spec = build_spec("h2o,lazy,lazy:window=3,lazy:variant=paper:window=3", "24", "fidelity", max_new_tokens=16)
+    spec = build_spec("h2o,lazy,lazy:window=5,lazy:variant=paper:window=5", "24", "fidelity", max_new_tokens=16)
     records = evaluate(tiny, None, spec, samples=samples(n=1, length=20))
-    assert [r["policy"] for r in records] == ["h2o", "lazy", "lazy:window=3", "lazy:variant=paper:window=3"]
+    assert [r["policy"] for r in records] == ["h2o", "lazy", "lazy:window=5", "lazy:variant=paper:window=5"]
     params = [r["config"]["policy_params"] for r in records]
-    assert params[1]["window"] == 6 and params[2]["window"] == 3 and params[3]["variant"] == "paper"
+    assert params[1]["window"] == 3 and params[2]["window"] == 5 and params[3]["variant"] == "paper"  # default: 24 // 8
     assert [r["config"]["policy_name"] for r in records] == ["h2o", "lazy", "lazy", "lazy"]
 
 
