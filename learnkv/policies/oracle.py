@@ -13,12 +13,15 @@ from learnkv.fields import setting
 
 @dataclass
 class _AttentionCapture(Policy):
-    """Non-evicting observer that keeps each layer's prefill attention ``[B, H, N, N]`` (group mean)."""
+    """Non-evicting observer that keeps each layer's prefill attention ``[B, H, N, N]`` (group mean), or only its
+    query rows from ``first_row`` on, in ``dtype``, as each layer is computed."""
 
     name = "capture"
     evicts = False
     group_reduce = "mean"
     captured: dict = field(default_factory=dict, repr=False)
+    first_row: int = 0
+    dtype: torch.dtype | None = None
 
     @property
     def obs_window(self) -> int:
@@ -26,17 +29,27 @@ class _AttentionCapture(Policy):
 
     def update(self, view: LayerView) -> None:
         if view.step == 0:
-            self.captured[view.layer] = view.attn
+            a = view.attn[:, :, self.first_row:, :] if self.first_row else view.attn
+            self.captured[view.layer] = a.to(self.dtype) if self.dtype is not None else a
 
 
-def full_attention(model, input_ids: Tensor, attention_mask: Tensor) -> list[Tensor]:
+def full_attention(model, input_ids: Tensor, attention_mask: Tensor, first_row: int = 0,
+                   dtype: torch.dtype | None = None) -> list[Tensor]:
     """Per layer, the group-mean attention ``[B, H, N, N]`` of one full-cache forward, indexed by position
-    (query position, key position), so left padding is removed. Memory: layers x H x N^2 floats."""
+    (query position, key position), so left padding is removed. Memory: layers x H x N^2 floats.
+
+    ``first_row``: keep only the query rows from that position on (``[B, H, N - first_row, N]``), e.g. a
+    continuation's rows after its prompt, and ``dtype`` to store them in; both applied layer by layer as the forward
+    runs, so a long sequence never holds every layer's whole matrix (needs an unpadded batch)."""
     from learnkv.decode import generate
 
-    capture = _AttentionCapture()
+    if first_row and bool((attention_mask == 0).any()):
+        raise ValueError("full_attention(first_row=...) needs an unpadded batch")
+    capture = _AttentionCapture(first_row=first_row, dtype=dtype)
     generate(model, input_ids=input_ids, attention_mask=attention_mask, policy=capture, max_new_tokens=1)
     pads = (attention_mask == 0).sum(dim=-1)
+    if not bool(pads.any()):
+        return [capture.captured[layer] for layer in range(len(capture.captured))]
     out = []
     for layer in range(len(capture.captured)):
         a = capture.captured[layer]

@@ -165,8 +165,9 @@ class Fidelity(Task):
             n, P = result.new_tokens[b], sample.input_ids.shape[1]
             tokens = result.tokens[b : b + 1, :n]
             seq = torch.cat([sample.input_ids, tokens[:, :-1]], dim=1).to(device)
-            attention = [a[0, :, P:, :].to(torch.float16).cpu()  # the decode steps' query rows only
-                         for a in full_attention(model, seq, torch.ones_like(seq))]
+            # the decode steps' query rows only, in fp16, kept layer by layer as the forward runs
+            attention = [a[0].cpu() for a in full_attention(model, seq, torch.ones_like(seq), first_row=P,
+                                                            dtype=torch.float16)]
             refs.append(FullRun(tokens, logits[b, :n].clone(), attention, P))
         return refs
 
