@@ -409,7 +409,7 @@ CI_COMMAND = ["evaluate.py", "--policy", "full,streaming,h2o,tova,snapkv,roco,la
 def test_ci_command_writes_results_table_and_plots(tmp_path):
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, *CI_COMMAND, "--output", str(tmp_path)], capture_output=True, text=True,
-                         cwd=ROOT, timeout=900)
+                         cwd=ROOT, timeout=1800)  # a hang guard, not a speed test
     elapsed = time.perf_counter() - t0
     print(f"CI evaluate command: {elapsed:.0f} s")
     assert out.returncode == 0, out.stderr[-2000:]
