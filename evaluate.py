@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="data and torch seed")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="per run (default: fidelity 24, reasoning 256, needle 16, chain 2048, math 1024)")
-    p.add_argument("--split", default=None, choices=["test", "all"], help="reasoning: held-out GSM8K items or all 100")
+    p.add_argument("--split", default=None, choices=["test", "validation", "all"],
+                   help="held-out prompts: test (default); fidelity: validation, the prompts train.py validates on "
+                        "(tune there, report on test); reasoning: all 100 GSM8K items")
     p.add_argument("--source", default=None, help="fidelity: prompt source (gsm_symbolic, gsm8k, needle, ...)")
     p.add_argument("--data-file", default=None, metavar="PATH",
                    help="gsm8k, math500, aime24: a local JSON/JSONL/CSV/parquet copy of the hub dataset (offline); "

@@ -29,6 +29,16 @@ def smollm2():
     return load_model()
 
 
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The bundled model's tokenizer alone (no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    from learnkv.model import prepare_smollm2
+
+    return AutoTokenizer.from_pretrained(prepare_smollm2())
+
+
 def random_ids(length: int, batch: int = 1, seed: int = 0, vocab: int = 256) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 

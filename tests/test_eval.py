@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import params_for, random_ids
-from learnkv import POLICIES, generate
+from learnkv import POLICIES, generate, make_policy
+from learnkv.decode import resolve_budget
 from learnkv.eval import TASKS, Sample, Task, build_spec, evaluate, make_task, markdown_table, write_results
 from learnkv.eval import metrics as M
 from learnkv.eval.run import paired
@@ -245,6 +246,22 @@ def test_batched_evaluation_equals_one_prompt_at_a_time(tiny, policy):
         assert a["metrics"]["kept_share"] == pytest.approx(b["metrics"]["kept_share"])
 
 
+@pytest.mark.parametrize("policy", ["h2o", "lazy"])
+def test_batched_evaluation_with_a_prefill_policy_resolving_per_row(tiny, policy):
+    """A prefill policy whose default depends on the budget (SnapKV's window, a quarter of small budgets) splits a
+    batch into rows of equal resolution, as the decode policy does; each row's metrics are what they are alone."""
+    items = [Sample.from_ids(random_ids(n, seed=30 + n)[0], id=f"ids/{n}") for n in (30, 44, 38)]
+    spec = lambda bs: build_spec(f"full,{policy}", "0.5", "fidelity", max_new_tokens=16, batch_size=bs,  # noqa
+                                 prefill_policy="snapkv")
+    one, batched = (evaluate(tiny, None, spec(bs), samples=items) for bs in (1, 3))
+    finals = [s.input_ids.shape[1] + n for s, n in zip(items, one[0]["per_prompt"]["generated_tokens"])]
+    windows = {make_policy("snapkv").resolve(resolve_budget(0.5, f)).window for f in finals}
+    assert len(windows) > 1  # the case this test is for: one batch, rows of different prefill windows
+    for a, b in zip(one, batched):
+        for metric, values in a["per_prompt"].items():
+            assert b["per_prompt"][metric] == pytest.approx(values, abs=1e-4), metric
+
+
 # -- tasks, records, files --------------------------------------------------------------------------------------
 
 
@@ -274,6 +291,18 @@ def test_records_cost_metrics_and_files(tiny, tmp_path):
     assert " ± " in table and "paired difference to h2o" in table
     assert len(paths["plots"]) == len(FIDELITY) + 4
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths["plots"])
+
+
+def test_fidelity_validation_split_is_what_train_validates_on(smollm2_tokenizer):
+    """--split validation tunes on the prompts train.py validates on, never on the test prompts results report."""
+    from learnkv.config import PipelineConfig
+    from learnkv.scorer.report import validation_prompts
+
+    tok = smollm2_tokenizer
+    test = make_task("fidelity").load(tok, 4, seed=0)
+    val = make_task("fidelity", split="validation").load(tok, 4, seed=0)
+    assert [s.id for s in val] == [p.id for p in validation_prompts(PipelineConfig(), tok, 4)]
+    assert not {s.id for s in val} & {s.id for s in test}
 
 
 def test_deterministic_with_seed(tiny):
@@ -365,6 +394,8 @@ BAD = [
     (["--task", "gsm8k", "--data-file", "no/such.jsonl"], "gsm8k: data file no/such.jsonl does not exist"),
     (["--task", "chain", "--max-new-tokens", "0"], "chain: max_new_tokens must be an integer >= 1"),
     (["--granularity", "page"], "argument --granularity: invalid choice: 'page'"),
+    (["--split", "train"], "argument --split: invalid choice: 'train'"),
+    (["--split", "all"], "fidelity split must be one of test, validation, got 'all'"),
     (["--granularity", "block", "--block-size", "0"], "block size must be an integer >= 1"),
 ]
 

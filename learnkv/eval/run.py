@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from learnkv.cache import blind_prefill_error, prefill_policy_error
-from learnkv.decode import GenerationResult, parse_number, resolve_budget, resolve_policy, resolve_policy_rows
+from learnkv.decode import GenerationResult, parse_number, resolve_budget, resolve_policy
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
 from learnkv.eval.tasks.base import RunConfig, evicts
 from learnkv.policies import POLICIES, make_policy
+from learnkv.policies.base import shared_fields
 from learnkv.policies.params import parse_policy, parse_policy_list
 
 DEFAULT_POLICIES = ("full", "streaming", "h2o", "tova", "snapkv", "roco", "lazy", "paged")
@@ -211,20 +212,18 @@ def check_grid(task: Task, prompts: Sequence[Sample], spec: EvalSpec) -> None:
             _check(task, spec, run, list(prompts), _budgets_for(run, b, finals), b)
 
 
-def _groups(run: PolicyRun, task: Task, budgets: list[int | None]) -> list[list[int]]:
-    """Rows that can share one batched decode: all of them, unless the policy resolves differently for their
-    budgets (a budget-dependent default, `learnkv.policies.base.resolve_rows`); then rows of equal resolution."""
+def _groups(run: PolicyRun, prefill: PolicyRun | None, task: Task, budgets: list[int | None]) -> list[list[int]]:
+    """Rows that can share one batched decode: rows whose decode policy, and prefill policy if any, resolve to the
+    same shared parameters for their budgets (`learnkv.policies.base.shared_fields`); all of them unless a
+    budget-dependent default (e.g. SnapKV's window, capped at a quarter of small budgets) differs between rows."""
     if not evicts(run.name):
         return [list(range(len(budgets)))]
-    try:
-        resolve_policy_rows(run.name, budgets, task.granularity, task.block_size, run.params)
-        return [list(range(len(budgets)))]
-    except ValueError:
-        keys: dict = {}
-        for i, b in enumerate(budgets):
-            p = resolve_policy(run.name, b, task.granularity, task.block_size, run.params)
-            keys.setdefault(repr({k: v for k, v in p.params().items() if k not in p.per_row_fields}), []).append(i)
-        return list(keys.values())
+    policies = [p for p in (run, prefill) if p is not None]
+    keys: dict = {}
+    for i, b in enumerate(budgets):
+        key = [shared_fields(resolve_policy(p.name, b, task.granularity, task.block_size, p.params)) for p in policies]
+        keys.setdefault(repr(key), []).append(i)
+    return list(keys.values())
 
 
 def _batches(items: list, size: int):
@@ -280,7 +279,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                 if key not in done:
                     _check(task, spec, run, batch, budgets, b)
                     metrics, row_costs = [None] * len(batch), [None] * len(batch)
-                    for group in _groups(run, task, budgets):
+                    for group in _groups(run, spec.prefill, task, budgets):
                         cfg = RunConfig(run.name, run.params, [budgets[i] for i in group],
                                         (spec.prefill.name, spec.prefill.params) if spec.prefill else None)
                         t0 = time.perf_counter()

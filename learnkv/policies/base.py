@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -249,6 +249,13 @@ class Policy:
         return dataclasses.asdict(self)
 
 
+def shared_fields(policy: Policy) -> tuple[tuple[str, Any], ...]:
+    """The resolved fields every row of a batch must share (all but ``per_row_fields``): rows whose policies have
+    equal shared fields can decode in one batch."""
+    return tuple((f.name, getattr(policy, f.name)) for f in dataclasses.fields(policy)
+                 if f.compare and f.name not in policy.per_row_fields)
+
+
 def resolve_rows(policy: Policy, budgets: Sequence[int]) -> list[Policy]:
     """The policy resolved for each row's budget, checked to be one policy for the whole batch.
 
@@ -258,10 +265,9 @@ def resolve_rows(policy: Policy, budgets: Sequence[int]) -> list[Policy]:
     budgets) can break that: the error says which, so the rows can be decoded in separate calls.
     """
     rows = [policy.resolve(b) for b in budgets]
-    shared = [f.name for f in dataclasses.fields(rows[0]) if f.compare and f.name not in policy.per_row_fields]
-    first = rows[0]
+    first = shared_fields(rows[0])
     for b, p in zip(budgets, rows):
-        diff = {k: (getattr(first, k), getattr(p, k)) for k in shared if getattr(first, k) != getattr(p, k)}
+        diff = {k: (v, w) for (k, v), (_, w) in zip(first, shared_fields(p)) if v != w}
         if diff:
             raise ValueError(
                 f"policy {policy.name!r} resolves differently for budgets {budgets[0]} and {b} ({diff}): rows of one "

@@ -31,6 +31,8 @@ from learnkv.eval.tasks.base import RunConfig, Sample, Task, capture_logits, lef
 from learnkv.policies.oracle import full_attention
 from learnkv.prompts import load_prompts
 
+HELD_OUT = ("test", "validation")  # splits a fidelity run may use: never the training prompts
+
 
 @dataclass
 class FullRun:
@@ -117,7 +119,7 @@ class _Tracker:
 
 @dataclass
 class Fidelity(Task):
-    """Fidelity to the full cache on held-out prompts (test split) of a prompt source.
+    """Fidelity to the full cache on held-out prompts of a prompt source.
 
     Parameters
     ----------
@@ -125,6 +127,9 @@ class Fidelity(Task):
         The most tokens the full-cache continuation (that each budgeted run is forced along) may have.
     source : str
         Prompt source (`learnkv.prompts.SOURCES`).
+    split : str
+        ``"test"`` (the default: prompts nothing trains or validates on) or ``"validation"`` (the prompts `train.py`
+        validates on: tune a policy's settings there, then report on test).
     """
 
     name = "fidelity"
@@ -133,6 +138,7 @@ class Fidelity(Task):
 
     max_new_tokens: int = 24
     source: str = "gsm_symbolic"
+    split: str = "test"
 
     def __post_init__(self):
         super().__post_init__()
@@ -140,11 +146,13 @@ class Fidelity(Task):
 
         if self.source not in SOURCES:
             raise ValueError(f"unknown prompt source {self.source!r}; known: {', '.join(sorted(SOURCES))}")
+        if self.split not in HELD_OUT:
+            raise ValueError(f"fidelity split must be one of {', '.join(HELD_OUT)}, got {self.split!r}")
 
     def load(self, tokenizer, limit: int | None, seed: int) -> list[Sample]:
         if tokenizer is None:
             raise ValueError("the fidelity task needs a tokenizer to load prompts (or pass token-id samples)")
-        prompts = load_prompts(self.source, n=limit, seed=seed, split="test", tokenizer=tokenizer)
+        prompts = load_prompts(self.source, n=limit, seed=seed, split=self.split, tokenizer=tokenizer)
         return [Sample.from_prompt(p, tokenizer) for p in prompts]
 
     def final_length(self, sample: Sample, ref: FullRun) -> int:
