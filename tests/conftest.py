@@ -39,6 +39,15 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(prepare_smollm2())
 
 
+@pytest.fixture(scope="session")
+def small(smollm2_tokenizer):
+    """A random-init GQA Llama with SmolLM2's vocabulary (2 layers), and SmolLM2's tokenizer: real text, fast
+    decoding."""
+    from learnkv.model import tiny_model
+
+    return tiny_model(seed=1, vocab_size=len(smollm2_tokenizer), num_layers=2), smollm2_tokenizer
+
+
 def random_ids(length: int, batch: int = 1, seed: int = 0, vocab: int = 256) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 

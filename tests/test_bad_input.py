@@ -294,14 +294,10 @@ def test_merge_names_corrupt_and_missing_shards(tmp_path, capsys):
 # -- 8. Ctrl-C during collect, and the debris a kill leaves ------------------------------------------------------
 
 
-def test_interrupted_collect_says_what_was_kept_and_resumes(tmp_path, capsys, monkeypatch):
-    from transformers import AutoTokenizer
-
+def test_interrupted_collect_says_what_was_kept_and_resumes(tmp_path, capsys, monkeypatch, small):
     import learnkv.decode
-    from learnkv.model import prepare_smollm2, tiny_model
 
-    tok = AutoTokenizer.from_pretrained(prepare_smollm2())
-    model = tiny_model(seed=1, vocab_size=len(tok), num_layers=2)
+    model, tok = small
     monkeypatch.setattr("learnkv.model.load_model", lambda *a, **k: (model, tok))
     real_generate, calls = learnkv.decode.generate, []
 

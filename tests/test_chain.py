@@ -67,13 +67,10 @@ def test_parse_answers_and_grading():
     assert grade_chain("", ["1", "2"], reference=[None, None])["agreement"] == 1.0
 
 
-def test_the_reply_starts_in_the_asked_format():
-    from transformers import AutoTokenizer
-
+def test_the_reply_starts_in_the_asked_format(smollm2_tokenizer):
     from learnkv.chains import RESPONSE_PREFIX
-    from learnkv.model import prepare_smollm2
 
-    tok = AutoTokenizer.from_pretrained(prepare_smollm2())
+    tok = smollm2_tokenizer
     prompt = load_prompts("chain", 1, split="test")[0]
     ids, mask = encode_chain(tok, [prompt.text, "short"])
     text = tok.decode(ids[0])

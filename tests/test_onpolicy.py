@@ -36,17 +36,6 @@ BASE = dict(prompts=4, max_new_tokens=24, decisions_per_prompt=2, horizon=6, pro
 ONPOLICY = CollectConfig(**BASE, policy="h2o", policy_params={"n_recent": 4}, budgets=(0.6, 20))
 
 
-@pytest.fixture(scope="module")
-def small():
-    """A random-init GQA Llama with SmolLM2's vocabulary, and SmolLM2's tokenizer: real text, fast decoding."""
-    from transformers import AutoTokenizer
-
-    from learnkv.model import prepare_smollm2, tiny_model
-
-    tok = AutoTokenizer.from_pretrained(prepare_smollm2())
-    return tiny_model(seed=1, vocab_size=len(tok), num_layers=2), tok
-
-
 def _rows(trace_dir) -> dict:
     ds = load_traces(trace_dir)
     return {(r["prompt_id"], r["step"], r["layer"]): r for r in ds}

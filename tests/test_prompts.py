@@ -18,12 +18,8 @@ from learnkv.prompts import (
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from learnkv.model import prepare_smollm2
-
-    return AutoTokenizer.from_pretrained(prepare_smollm2())
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,37 @@ def test_every_policy_leaves_a_prompt_that_fits_alone(tiny, policy):
     assert held[budget - prompt + 1] <= budget and max(held) <= budget
 
 
+@pytest.mark.parametrize("refresh", [1, 4])
+def test_learned_scores_every_refresh_steps_and_evicts_at_every_overflow(tiny, monkeypatch, refresh):
+    """The learned policy keeps its full budget (it is not lagged): every step over the budget evicts to it, by
+    the scores of the latest refresh (every ``refresh`` steps); a token that arrived since then is never evicted."""
+    from learnkv.policies.learned import Learned
+
+    scored = []
+    real = Learned._scores
+    monkeypatch.setattr(Learned, "_scores", lambda self, view, feats: scored.append((view.layer, view.step))
+                        or real(self, view, feats))
+    prompt, budget, new = 12, 16, 30
+    kept = []
+    generate(tiny, input_ids=random_ids(prompt, seed=21), policy="learned", budget=budget, max_new_tokens=new,
+             stop_at_eos=False, policy_params={**params_for("learned", 2), "refresh": refresh, "n_recent": 0},
+             observer=lambda c: kept.append(c.layers[0].positions[0].clone()))
+    held = [int((p[0] >= 0).sum()) for p in kept]
+    first = budget - prompt + 1
+    assert held[:first] == list(range(prompt, budget)) + [budget] and held[first:] == [budget] * (new - first)
+    steps = sorted({s for layer, s in scored if layer == 0})
+    if refresh == 1:  # fresh scores at each eviction, none before the cache overflows
+        assert steps == list(range(first, new))
+    else:
+        assert steps == list(range(0, new, refresh))
+        for s in range(first, new):
+            last = max(r for r in steps if r <= s)
+            newest_scored = int(kept[last].max())
+            for h in range(kept[s].shape[0]):  # per KV head: one token out, one that the last refresh scored
+                dropped = ({*kept[s - 1][h].tolist(), prompt + s - 1} - {*kept[s][h].tolist()}) - {-1}
+                assert len(dropped) == 1 and max(dropped) <= newest_scored, (s, last, h, dropped)
+
+
 def test_blind_policy_refuses_a_prompt_over_the_budget(tiny):
     with pytest.raises(ValueError, match="observes nothing at the prefill.*prefill-policy snapkv"):
         generate(tiny, input_ids=random_ids(30), policy="lazy", budget=20, max_new_tokens=4)

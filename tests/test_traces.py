@@ -34,17 +34,6 @@ CFG = CollectConfig(prompts=4, max_new_tokens=24, decisions_per_prompt=2, horizo
 
 
 @pytest.fixture(scope="module")
-def small():
-    """A random-init GQA Llama with SmolLM2's vocabulary, and SmolLM2's tokenizer: real text, fast decoding."""
-    from transformers import AutoTokenizer
-
-    from learnkv.model import prepare_smollm2, tiny_model
-
-    tok = AutoTokenizer.from_pretrained(prepare_smollm2())
-    return tiny_model(seed=1, vocab_size=len(tok), num_layers=2), tok
-
-
-@pytest.fixture(scope="module")
 def collected(small, tmp_path_factory):
     model, tok = small
     out = tmp_path_factory.mktemp("traces")

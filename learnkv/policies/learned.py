@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from learnkv.pooling import POOLING
 
 @dataclass
 class Learned(Policy):
-    """A trained per-layer scorer (`learnkv.scorer`) applied to every cached token each time the cache evicts.
+    """A trained per-layer scorer (`learnkv.scorer`) applied to every cached token, evicting the lowest-scored.
 
     The same `learnkv.features.FeatureTracker` that produced the training traces runs online here, so the scorer
     sees exactly the features it was trained on. The scorer artifact is checked as the serving runtime checks it
@@ -25,11 +24,14 @@ class Learned(Policy):
     name, layer and KV-head counts when `generate` hands it the model (`check_model`); weights checksum, shapes and
     finiteness, and the KV-head count and layer index of what it is shown, on first use.
 
-    Decode-time cost: the feature tracker folds every step's attention into its state (in place, a few tensor ops
-    per layer); the features, the scorer and the eviction run only every ``interval`` steps (a lagged schedule, as
-    LazyEviction's and R-KV's: the cache evicts down to ``budget - interval + 1`` so it never exceeds the budget in
-    between). On the CPU torch path, scoring and evicting at every step costs about 1.5x the full cache's decode
-    step; every 4-8 steps, 1.1-1.2x (docs/learned-notes.md).
+    Decode-time cost and schedule: the feature tracker folds every step's attention into its state (in place, a
+    few tensor ops per layer). The features and the scorer run only every ``refresh`` steps; their scores are kept
+    as per-token state (compacted with the cache), and every step that overflows evicts by the latest scores, so
+    the cache stays at its full budget. Tokens that arrived since the last refresh have no score yet and are kept.
+    This is not the lagged schedule (``interval > 1``, as LazyEviction's and R-KV's: evict every ``interval``
+    steps down to ``budget - interval + 1``), which gives up ``(interval - 1) / 2`` slots on average: on
+    validation prompts (SmolLM2, 50% of the final length, n = 8) it cost the learned policy a third more KL than
+    evicting every step (bench/RESULTS.md).
 
     Parameters
     ----------
@@ -37,8 +39,11 @@ class Learned(Policy):
         Path of an exported scorer directory (`python train.py` prints it as ``artifact: PATH``).
     n_sink, n_recent : int or float
         Protected sinks and recent window, as for every policy.
-    interval : int or None
-        Score and evict every ``interval`` steps. None: a sixteenth of the budget, between 1 and 8.
+    refresh : int
+        Recompute the features and scores every ``refresh`` steps (1: at every eviction). The default, 8, leaves
+        the tokens without a score inside the default recent window, which is kept anyway.
+    interval : int
+        The lagged schedule of every policy (see above); 1 by default.
     """
 
     name = "learned"
@@ -47,14 +52,15 @@ class Learned(Policy):
     scorer: str | None = setting(None)
     n_sink: int | float = setting(4, ge=0, fraction=True)
     n_recent: int | float = setting(8, ge=0, fraction=True)
-    interval: int | None = setting(None, ge=1)
+    refresh: int = setting(8, ge=1)
 
     @property
     def obs_window(self) -> int:
         return 1 << 30  # the tracker seeds its statistics from every prefill query row
 
     def params(self) -> dict:
-        return {"scorer": self.scorer, "n_sink": self.n_sink, "n_recent": self.n_recent, "interval": self.interval}
+        return {"scorer": self.scorer, "n_sink": self.n_sink, "n_recent": self.n_recent, "refresh": self.refresh,
+                "interval": self.interval}
 
     def resolve_defaults(self, budget: int) -> dict:
         if not self.scorer:
@@ -65,19 +71,6 @@ class Learned(Policy):
 
         read_artifact_manifest(self.scorer)  # refuses a wrong format or feature version now, not mid-decode
         return {}
-
-    def resolve(self, budget: int) -> Policy:
-        """As `Policy.resolve`; the default interval is the longest up to a sixteenth of the budget (at most 8)
-        whose headroom still leaves the sink and recent windows room, so a budget that fits the windows at every
-        step also fits them by default."""
-        if self.interval is not None:
-            return super().resolve(budget)
-        for interval in range(min(8, max(1, budget // 16)), 1, -1):
-            try:
-                return super(Learned, dataclasses.replace(self, interval=interval)).resolve(budget)
-            except ValueError:
-                continue
-        return super(Learned, dataclasses.replace(self, interval=1)).resolve(budget)
 
     def check_model(self, model) -> None:
         """Refuse a scorer trained for another model than ``model`` (a loaded HF causal LM): its name (the id or
@@ -101,24 +94,44 @@ class Learned(Policy):
             raise ValueError(f"scorer {self.scorer!r} has {cached[0].n_layers} layers; the model has more")
         return cached
 
+    def _refresh_due(self, view: LayerView) -> bool:
+        """Whether this step recomputes the scores: every ``refresh`` steps, and whenever there are none yet (the
+        prefill, or the first decode step after a prefill policy). The same steps for every row, whether or not a
+        row evicts, so a row of a batch refreshes exactly when it would alone."""
+        return self.refresh > 1 and ("learned.score" not in view.state or view.step % self.refresh == 0)
+
     def update(self, view: LayerView) -> None:
-        _, tracker = self._loaded(view)
+        model, tracker = self._loaded(view)
         self.__dict__["_fused_features"] = None
+        feats = None
         if _fused_step(view):
             # one launch updates the state and computes the features; `score`, which the cache calls right after
             # this update when it evicts, takes them from here (only the latest layer's are kept)
             feats = kernels.decode_features(view.attn, view.keys, view.values, view.positions, view.layer,
                                             tracker.n_layers, view.step, view.state)  # fmt: skip
             self.__dict__["_fused_features"] = (view.layer, view.step, view.positions, feats)
-            return
-        tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
+        else:
+            tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
+        if self._refresh_due(view):
+            view.state["learned.score"] = self._scores(view, feats)
+            view.state["learned.scored"] = torch.ones_like(view.state["learned.score"])
 
     def score(self, view: LayerView) -> Tensor:
-        model, tracker = self._loaded(view)
+        if self.refresh == 1:
+            return self._scores(view, self._fused(view))
+        # tokens appended since the last refresh have zero in "learned.scored" (the cache grows state with zeros)
+        return view.state["learned.score"].masked_fill(view.state["learned.scored"] == 0, float("inf"))
+
+    def _fused(self, view: LayerView) -> Tensor | None:
+        """The features `update` computed in its fused launch for this very layer, step and cache, if any."""
         fused, self.__dict__["_fused_features"] = self.__dict__.get("_fused_features"), None
         if fused is not None and fused[:2] == (view.layer, view.step) and fused[2] is view.positions:
-            feats = fused[3]
-        else:
+            return fused[3]
+        return None
+
+    def _scores(self, view: LayerView, feats: Tensor | None) -> Tensor:
+        model, tracker = self._loaded(view)
+        if feats is None:
             feats = tracker.features(view.attn, view.keys, view.values, view.positions, view.layer, view.step,
                                      view.state)  # fmt: skip
         model = model.to(feats.device)
