@@ -28,8 +28,10 @@ class Learned(Policy):
     Decode-time cost: the feature tracker folds every step's attention into its state (in place, a few tensor ops
     per layer); the features, the scorer and the eviction run only every ``interval`` steps (a lagged schedule, as
     LazyEviction's and R-KV's: the cache evicts down to ``budget - interval + 1`` so it never exceeds the budget in
-    between). On the CPU torch path, scoring and evicting at every step costs about 1.5x the full cache's decode
-    step; every 4-8 steps, 1.1-1.2x (docs/learned-notes.md).
+    between). In a batch, rows fill their budgets at different steps, so some row is due at most steps: the features
+    are then computed for the due rows only. Measured on the CPU torch path (bundled SmolLM2, budget 128, interval 8,
+    one thread, bench/RESULTS.md "Where a decode step's eviction time goes"): a step costs 1.24x the full cache's at
+    batch 1 and 1.41x at batch 16 (1.35x and 2.08x before those changes).
 
     Parameters
     ----------
@@ -119,10 +121,36 @@ class Learned(Policy):
         if fused is not None and fused[:2] == (view.layer, view.step) and fused[2] is view.positions:
             feats = fused[3]
         else:
-            feats = tracker.features(view.attn, view.keys, view.values, view.positions, view.layer, view.step,
-                                     view.state)  # fmt: skip
+            feats = self._features(tracker, view)
         model = model.to(feats.device)
         return model(feats, view.layer, view.values if model.content_dim else None)
+
+    @staticmethod
+    def _features(tracker, view: LayerView) -> Tensor:
+        """The tracker's features ``[B, H, T, F]``, computed only for the rows that evict now (see `_due_rows`); the
+        other rows' are zeros, and they keep every live token whatever their scores. The features are computed within
+        a row, so a row's are the same in any batch; the scorer then runs on the whole ``[B, H, T, F]`` tensor, so
+        each row's scores are bit for bit those of scoring every row (a matmul's rounding can depend on its row count)."""
+        due = _due_rows(view)
+        args = (view.attn, view.keys, view.values, view.positions)
+        if due is None:
+            return tracker.features(*args, view.layer, view.step, view.state)
+        idx = torch.tensor(due, device=view.positions.device)
+        sub = tracker.features(*(t[idx] for t in args), view.layer, view.step, {n: t[idx] for n, t in view.state.items()})
+        return sub.new_zeros(*view.positions.shape, sub.shape[-1]).index_copy_(0, idx, sub)
+
+
+def _due_rows(view: LayerView) -> list[int] | None:
+    """The rows that evict in this step (they keep fewer than their live tokens), or None if every row does.
+
+    With one decode batch, rows fill their budgets at different steps (different prompt lengths), so a lagged
+    schedule's decisions fall on different steps: at batch 16 and an interval of 8, some row evicts at nearly every
+    step, and scoring every row then would cost the features of the whole batch at every step."""
+    if view.positions.shape[0] == 1:
+        return None
+    keep, live = view.keep_rows(), view.live_tokens()
+    due = [b for b, (k, n) in enumerate(zip(keep, live)) if k < n]
+    return None if len(due) == len(keep) else due
 
 
 def _fused_step(view: LayerView) -> bool:
