@@ -49,6 +49,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch-sizes", default=None, help="B[,B...]: the throughput table (e.g. 1,4,16)")
     parser.add_argument("--json", default=None, help="write the throughput records here")
     parser.add_argument("--repeats", type=int, default=1, help="best of N timings per cell")
+    parser.add_argument("--slack", type=int, default=0,
+                        help="dead slots a layer may hold before it compacts (`generate(slack=...)`; same kept tokens)")
     parser.add_argument("--prefill-policy", default="snapkv",
                         help="compresses a prompt longer than the budget at the prefill (the batch's prompts are "
                              "80-174 tokens); 'none' to let each policy do it (LazyEviction then refuses)")
@@ -63,8 +65,11 @@ def batch_prompts(tokenizer, n: int) -> list[str]:
 
 
 def prefill(name: str, args) -> dict:
-    """`generate`'s prefill policy for an evicting policy: it acts only on rows whose prompt exceeds the budget."""
-    return {"prefill_policy": args.prefill_policy} if POLICIES[name].evicts and args.prefill_policy != "none" else {}
+    """`generate`'s slack and prefill policy for an evicting policy (the prefill policy acts only on rows whose
+    prompt exceeds the budget)."""
+    if not POLICIES[name].evicts:
+        return {}
+    return {"slack": args.slack, **({"prefill_policy": args.prefill_policy} if args.prefill_policy != "none" else {})}
 
 
 def single_table(model, tok, names, args) -> None:
@@ -105,7 +110,8 @@ def throughput_table(model, tok, names, args) -> list[dict]:
                 best = max(best, sum(r.new_tokens) / (time.perf_counter() - t0))
             rates[b] = best
             records.append({"policy": name, "batch_size": b, "tokens_per_s": best, "new_tokens": args.new_tokens,
-                            "budget": args.budget, "prompt_tokens": r.prompt_lengths, "threads": args.threads})
+                            "budget": args.budget, "prompt_tokens": r.prompt_lengths, "threads": args.threads,
+                            "slack": args.slack})
         base = rates.get(1)
         ratios = [f"{rates[b] / base:.2f}x" if base else "—" for b in sizes if b != 1]
         print(f"| {name} | " + " | ".join(f"{rates[b]:.1f}" for b in sizes) + " | " + " | ".join(ratios) + " |")

@@ -101,20 +101,26 @@ def _hand_statistics(cache, layer_idx: int, probs: Tensor, query_pos: Tensor) ->
     if not policy.needs_attention:
         cache.observe(layer_idx)
         return
-    valid_rows = (query_pos >= 0).to(probs.dtype)  # padding query rows contribute nothing
+    q = probs.shape[3]
+    # padding query rows contribute nothing; a cache that knows every row's valid tokens (`BudgetCache.step_valid`,
+    # on the host) spares the multiply when none is padding (a decode step: x * 1.0 is x, bit for bit)
+    valid = getattr(cache, "step_valid", None)
+    valid_rows = None if valid is not None and all(v == q for v in valid) else (query_pos >= 0).to(probs.dtype)
+    # a sum over one query row is that row (probabilities are >= 0, so not even the sign of a zero changes)
+    row_sum = (lambda r, dim: r.select(dim, 0)) if q == 1 else (lambda r, dim: r.sum(dim=dim))  # noqa: E731
     if policy.group_reduce == "none":
-        r = probs * valid_rows[:, None, None, :, None]  # [B, H, G, q, T]
-        w = min(policy.obs_window, r.shape[3])
-        cache.observe(layer_idx, attn=r[..., -w:, :], attn_sum=r.sum(dim=3))
+        r = probs if valid_rows is None else probs * valid_rows[:, None, None, :, None]  # [B, H, G, q, T]
+        w = min(policy.obs_window, q)
+        cache.observe(layer_idx, attn=r[..., -w:, :], attn_sum=row_sum(r, 3))
         return
     r = probs.amax(dim=2) if policy.group_reduce == "max" else probs.mean(dim=2)  # [B, H, q, T]
-    r = r * valid_rows[:, None, :, None]
-    w = min(policy.obs_window, r.shape[2])
+    r = r if valid_rows is None else r * valid_rows[:, None, :, None]
+    w = min(policy.obs_window, q)
     cache.observe(
         layer_idx,
         attn=r[:, :, -w:, :],
-        attn_sum=r.sum(dim=2),
-        attn_sq_sum=(r * r).sum(dim=2) if policy.needs_sq_sum else None,
+        attn_sum=row_sum(r, 2),
+        attn_sq_sum=row_sum(r * r, 2) if policy.needs_sq_sum else None,
     )
 
 

@@ -135,14 +135,16 @@ class BudgetLayer(DynamicLayer):
         self._buffers = (kb, vb, pb)
 
     def _append_state(self, n: int, q: int) -> None:
-        """Grow every state entry by ``q`` zero slots, in place where the entry is still a view of its buffer."""
+        """Grow every state entry by ``q`` zero slots, in place where the entry is still a view of its buffer.
+
+        A state buffer is zero past the slots in use (allocated so, and a view ``[..., :n]`` cannot write past
+        them), so growing a view into its buffer writes nothing: a decode step costs no op per state entry."""
         buffers = {}
         for name, t in self.state.items():
             buf = self._state_buffer(name, t)
             if buf is None or buf.shape[-1] < n + q:
-                buf = t.new_empty(*t.shape[:-1], self.capacity)
+                buf = t.new_zeros(*t.shape[:-1], self.capacity)
                 buf[..., :n] = t
-            buf[..., n : n + q] = 0
             buffers[name] = buf
             self.state[name] = buf[..., : n + q]
         self._state_buffers = buffers
@@ -186,13 +188,17 @@ class BudgetLayer(DynamicLayer):
         K = index.shape[-1]
         old = self._buffers
         filler = index < 0
+        C = self.owner.slots_to_allocate(K, 0)
+        # gathered into fresh buffers (in place, one program's writes would overwrite slots another still reads),
+        # sized for the steady state, so a long prompt compressed to the budget gives its memory back. The index runs
+        # on past K with slot 0 to the C slots of a buffer, so the gather's output *is* the new buffer: each kept
+        # slot is read once and written once, with no copy into a preallocated one (slots past K are never read as
+        # keys, values or positions). The old buffers are freed (on CUDA, to the caching allocator's pool)
         index = index.clamp(min=0)
-        # into fresh buffers (in place, one program's writes would overwrite slots another still reads); sized for
-        # the steady state, so a long prompt compressed to the budget gives its memory back. Each kept slot is read
-        # once and written once; the old buffers are freed (on CUDA, to the caching allocator's pool)
-        self._allocate(self.owner.slots_to_allocate(K, 0), old[0], 0)
-        for src, dst, dim in zip(old, self._buffers, (-2, -2, -1)):
-            kernels.gather_tokens(src, index, dim, out=dst)  # from the whole buffers: index < n_slots <= capacity
+        if C > K:
+            index = torch.cat([index, index.new_zeros(*index.shape[:2], C - K)], dim=-1)
+        # from the whole buffers: index < n_slots <= capacity
+        self._buffers = tuple(kernels.gather_tokens(src, index, dim) for src, dim in zip(old, (-2, -2, -1)))
         self._view(K)
         has_filler = bool(filler.any())  # a synchronisation, only when compacting
         if has_filler:
@@ -201,8 +207,9 @@ class BudgetLayer(DynamicLayer):
         for name, t in self.state.items():
             src = self._state_buffer(name, t)
             src = t if src is None else src  # the whole buffer, which is contiguous
-            buffers[name] = t.new_empty(*t.shape[:-1], self.capacity)
-            self.state[name] = kernels.gather_tokens(src, index, -1, out=buffers[name])
+            buffers[name] = kernels.gather_tokens(src, index, -1)
+            buffers[name][..., K:] = 0  # zero past the slots in use, as `_append_state` expects
+            self.state[name] = buffers[name][..., :K]
             if has_filler:  # zero, as the state of a padding slot that was never attended
                 mask = filler.view(*filler.shape[:2], *([1] * (t.dim() - 3)), K)
                 self.state[name].masked_fill_(mask, 0)

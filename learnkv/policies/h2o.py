@@ -36,7 +36,9 @@ class H2O(Policy):
             return
         if acc is None:
             acc = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
-        view.state["acc"] = acc + view.attn_sum
+            view.state["acc"] = acc + view.attn_sum
+        else:  # in place: the cache's buffer stays the state's (no copy at the next append)
+            acc.add_(view.attn_sum)
 
     def score(self, view: LayerView) -> Tensor:
         return view.state["acc"]

@@ -76,13 +76,12 @@ class LazyEviction(Policy):
             kernels.update_token_state(None, view.attn[:, :, -1, :], view.positions, t, 1, self.alpha,
                                        ts=st["ts"], mri=st["mri"])  # fmt: skip
             return
-        ts = st["ts"].clone()
+        # in place, so the cache's buffers stay the state's (no copy at the next append)
+        ts = st["ts"]
         ts[..., -view.n_new :] = t - 1  # a new token starts as if last seen one step ago
         prev = ts.clone()
-        active = view.attn[:, :, -1, :] >= self.alpha
-        ts = torch.where(active, torch.full_like(ts, float(t)), ts)
-        st["ts"] = ts
-        st["mri"] = torch.maximum(st["mri"], ts - prev)
+        ts.masked_fill_(view.attn[:, :, -1, :] >= self.alpha, float(t))
+        torch.maximum(st["mri"], ts - prev, out=st["mri"])
 
     def score(self, view: LayerView) -> Tensor:
         # a function of integer state (steps since activation, recurrence interval): equal state, equal score

@@ -118,7 +118,7 @@ class Learned(Policy):
 
     def score(self, view: LayerView) -> Tensor:
         if self.refresh == 1:
-            return self._scores(view, self._fused(view))
+            return self._scores(view, self._fused(view), due_rows_only=True)
         # tokens appended since the last refresh have zero in "learned.scored" (the cache grows state with zeros)
         return view.state["learned.score"].masked_fill(view.state["learned.scored"] == 0, float("inf"))
 
@@ -129,13 +129,38 @@ class Learned(Policy):
             return fused[3]
         return None
 
-    def _scores(self, view: LayerView, feats: Tensor | None) -> Tensor:
+    def _scores(self, view: LayerView, feats: Tensor | None, due_rows_only: bool = False) -> Tensor:
+        """The scorer's ``[B, H, T]`` scores; with ``due_rows_only`` (scoring at an eviction), the features are
+        computed for the rows that evict now only (`_features`)."""
         model, tracker = self._loaded(view)
         if feats is None:
-            feats = tracker.features(view.attn, view.keys, view.values, view.positions, view.layer, view.step,
-                                     view.state)  # fmt: skip
+            feats = self._features(tracker, view, _due_rows(view) if due_rows_only else None)
         model = model.to(feats.device)
         return model(feats, view.layer, view.values if model.content_dim else None)
+
+    @staticmethod
+    def _features(tracker, view: LayerView, due: list[int] | None) -> Tensor:
+        """The tracker's features ``[B, H, T, F]``, for the rows ``due`` only if given (the other rows' are zeros:
+        they keep every live token whatever their scores). The features are computed within a row, so a row's are
+        the same in any batch; the scorer then runs on the whole ``[B, H, T, F]`` tensor, so each row's scores are
+        bit for bit those of scoring every row (a matmul's rounding can depend on its row count)."""
+        args = (view.attn, view.keys, view.values, view.positions)
+        if due is None:
+            return tracker.features(*args, view.layer, view.step, view.state)
+        idx = torch.tensor(due, device=view.positions.device)
+        sub = tracker.features(*(t[idx] for t in args), view.layer, view.step, {n: t[idx] for n, t in view.state.items()})
+        return sub.new_zeros(*view.positions.shape, sub.shape[-1]).index_copy_(0, idx, sub)
+
+
+def _due_rows(view: LayerView) -> list[int] | None:
+    """The rows that evict in this step (they keep fewer than their live tokens), or None if every row does: rows
+    of a batch fill their budgets at different steps (different prompt lengths), so scoring at every eviction would
+    otherwise cost the whole batch's features at nearly every step."""
+    if view.positions.shape[0] == 1:
+        return None
+    keep, live = view.keep_rows(), view.live_tokens()
+    due = [b for b, (k, n) in enumerate(zip(keep, live)) if k < n]
+    return None if len(due) == len(keep) else due
 
 
 def _fused_step(view: LayerView) -> bool:

@@ -1,0 +1,144 @@
+"""The CPU decode path's shortcuts against the formulations they replace, bit for bit.
+
+Each shortcut saves tensor ops (on CPU every op costs a dispatch) or memory traffic in the decode loop, and must
+give exactly what the plain formulation gives, so that the kept tokens do not change: the reference selection's
+token path, the reference gather of whole slots, `exact_map`'s distinct tuples, the learned policy scoring only the
+rows that evict, and the cache's state buffers that need no zeroing at an append.
+"""
+
+import pytest
+import torch
+
+from conftest import params_for, random_ids
+from kernels import reference as ref
+from learnkv import generate
+from learnkv.features import FeatureTracker
+from learnkv.policies import make_policy
+from learnkv.policies.base import LayerView, exact_map
+
+
+def rank_select(scores, positions, keep, n_sink, n_recent):
+    """Token selection as a rank per slot (the formulation `select_keep_reference` had): every slot's rank in
+    priority order, the rows' kept slots sorted after the rest, the last K taken."""
+    B, H, T = scores.shape
+    if isinstance(keep, int) and T <= keep:
+        return torch.arange(T).expand(B, H, T).clone()
+    n_kept = ref.per_row(keep, B).view(B, 1).expand(B, H).clamp(max=T)
+    prio = scores.float().masked_fill(positions < 0, float("-inf"))
+    prio = prio.masked_fill(ref.protected_slots(positions, n_sink, n_recent), float("inf"))
+    slots = torch.arange(T).expand(B, H, T)
+    rank = torch.empty_like(positions).scatter_(-1, ref._rank_prefer_recent(prio), slots.contiguous())
+    kept = rank < n_kept[..., None]
+    K = int(n_kept.max()) if B * H else 0
+    key = torch.where(kept, T + slots, slots).sort(dim=-1).values[..., T - K :]
+    return torch.where(key >= T, key - T, torch.full_like(key, -1))
+
+
+@pytest.mark.parametrize("B, H, T", [(1, 1, 1), (1, 3, 17), (2, 2, 33), (4, 3, 129), (16, 3, 40)])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_select_keep_token_path_equals_the_rank_formulation(B, H, T, ties, per_row):
+    g = torch.Generator().manual_seed(B * 1000 + T)
+    for trial in range(20):
+        pos = torch.arange(T).expand(B, H, T).clone()
+        pos[0, :, : int(torch.randint(0, T, (1,), generator=g))] = -1  # left padding
+        pos[torch.rand(B, H, T, generator=g) < 0.1] = -1  # dead slots
+        scores = torch.randint(0, 3, (B, H, T), generator=g).float() if ties else torch.randn(B, H, T, generator=g)
+        draw = lambda: int(torch.randint(1, T + 2, (1,), generator=g))  # noqa: E731
+        keep = [draw() for _ in range(B)] if per_row else draw()
+        n_sink, n_recent = trial % 3, trial % 5
+        expected = rank_select(scores, pos, keep, n_sink, n_recent)
+        assert torch.equal(ref.select_keep_reference(scores, pos, keep, n_sink, n_recent), expected), f"trial {trial}"
+
+
+@pytest.mark.parametrize("shape, dim", [((2, 3, 9, 4), -2), ((1, 1, 5, 1), 2), ((3, 2, 7, 4, 2), 2),
+                                        ((2, 3, 9), -1), ((2, 3, 16, 9), -1), ((0, 3, 9, 4), -2)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_gather_tokens_reference_equals_gather(shape, dim, layout, with_out):
+    """Whole slots by one index_select of rows (keys and values) == `Tensor.gather` with an expanded index."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g)
+    if layout == "strided":
+        x = torch.randn(*shape[:-1], shape[-1] * 2, generator=g)[..., ::2]
+    d = dim % x.ndim
+    B, H, T = shape[0], shape[1], shape[d]
+    K = T + 2  # repeats and more slots than the source, as a padded compaction index has
+    index = torch.randint(0, T, (B, H, K), generator=g)
+    idx = index.reshape(B, H, *([1] * (d - 2)), K, *([1] * (x.ndim - d - 1)))
+    expected = x.gather(d, idx.expand(*shape[:d], K, *shape[d + 1 :]))
+    out = torch.full((*shape[:d], K + 3, *shape[d + 1 :]), float("nan")) if with_out else None
+    actual = ref.gather_tokens_reference(x, index, dim, out=out)
+    assert torch.equal(actual, expected)
+    if with_out:
+        assert actual.data_ptr() == out.data_ptr() and out.narrow(d, K, 3).isnan().all()
+
+
+def unique_dim_map(fn, *keys):
+    """`exact_map` as it was: the distinct tuples by `torch.unique` over a dimension."""
+    distinct, inverse = torch.unique(torch.stack([k.reshape(-1) for k in keys]), dim=1, return_inverse=True)
+    return fn(*distinct)[inverse].view(keys[0].shape)
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1, 7), (2, 3, 33), (16, 3, 129), (0, 3)])
+@pytest.mark.parametrize("n_keys", [1, 2, 3])
+@pytest.mark.parametrize("levels", [2, 50, 5000])
+def test_exact_map_equals_unique_over_a_dimension(shape, n_keys, levels):
+    """Same distinct tuples in the same (lexicographic) order, so ``fn`` gets the same tensor: the same bits."""
+    g = torch.Generator().manual_seed(levels + n_keys)
+    keys = [torch.randint(0, levels, shape, generator=g).float() * (i + 1) for i in range(n_keys)]
+    seen = []
+
+    def fn(*cols):
+        seen.append(torch.stack(cols))
+        return torch.sigmoid(-(1 + cols[0] / (cols[-1] + 1e-5))) + sum(torch.exp(-c / 7) for c in cols)
+
+    expected = unique_dim_map(fn, *keys)
+    actual = exact_map(fn, *keys)
+    assert torch.equal(seen[0], seen[1]), "fn saw other tuples, or in another order"
+    assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("B, due", [(2, [1]), (3, [0, 2]), (5, [4]), (16, [0, 3, 9, 15])])
+def test_learned_scores_the_due_rows_as_it_scores_every_row(B, due):
+    """Scoring only the rows that evict gives them, bit for bit, the scores of scoring the whole batch."""
+    g = torch.Generator().manual_seed(B)
+    H, G, D, T, n_layers = 2, 3, 8, 37, 2
+    policy = make_policy("learned", **params_for("learned", n_layers)).resolve(24)
+    pos = torch.arange(T).expand(B, H, T).clone()
+    pos[0, :, :5] = -1
+    attn = torch.rand(B, H, G, 1, T, generator=g) * (pos >= 0)[:, :, None, None]
+    attn = attn / attn.sum(-1, keepdim=True)
+    state = {}
+    FeatureTracker(n_layers).update(attn.expand(B, H, G, 3, T).contiguous(), pos, 3, 0, state)
+    keys, values = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    live = (pos >= 0).sum(-1).amax(-1).tolist()
+
+    def scores(keep):
+        view = LayerView(layer=1, step=4, keys=keys, values=values, positions=pos, n_new=1, attn=attn, keep=keep,
+                         state=state, live=live)
+        with torch.no_grad():
+            return policy.score(view)
+
+    every = scores([n - 2 for n in live])
+    some = scores([n - 2 if b in due else n for b, n in enumerate(live)])
+    assert torch.equal(some[due], every[due])
+
+
+@pytest.mark.parametrize("policy", ["h2o", "lazy", "learned"])
+@pytest.mark.parametrize("slack", [0, 3])
+def test_state_buffers_are_zero_past_the_slots_in_use(tiny, policy, slack):
+    """What lets an append write nothing into the state: every state buffer is zero past the slots in use, after
+    appends, in-place updates and compactions alike."""
+    checked = []
+
+    def observe(cache):
+        for layer in cache.layers:
+            for name, buf in layer._state_buffers.items():
+                assert not buf[..., layer.n_slots :].any(), f"step {cache.step}: {name} not zero past the slots in use"
+                checked.append(name)
+
+    generate(tiny, input_ids=random_ids(14, seed=2), policy=policy, budget=12, max_new_tokens=16, slack=slack,
+             observer=observe, policy_params=params_for(policy, 2),
+             **({"prefill_policy": "snapkv"} if policy == "lazy" else {}))
+    assert checked
