@@ -101,10 +101,11 @@ def test_exact_map_equals_unique_over_a_dimension(shape, n_keys, levels):
 
 @pytest.mark.parametrize("B, due", [(2, [1]), (3, [0, 2]), (5, [4]), (16, [0, 3, 9, 15])])
 def test_learned_scores_the_due_rows_as_it_scores_every_row(B, due):
-    """Scoring only the rows that evict gives them, bit for bit, the scores of scoring the whole batch."""
+    """Scoring only the rows that evict (at every eviction: refresh=1) gives them, bit for bit, the scores of
+    scoring the whole batch."""
     g = torch.Generator().manual_seed(B)
     H, G, D, T, n_layers = 2, 3, 8, 37, 2
-    policy = make_policy("learned", **params_for("learned", n_layers)).resolve(24)
+    policy = make_policy("learned", **params_for("learned", n_layers), refresh=1).resolve(24)
     pos = torch.arange(T).expand(B, H, T).clone()
     pos[0, :, :5] = -1
     attn = torch.rand(B, H, G, 1, T, generator=g) * (pos >= 0)[:, :, None, None]

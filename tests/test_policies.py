@@ -14,8 +14,11 @@ from learnkv.policies.base import LayerView, Policy
 EVICTING = [name for name, cls in POLICIES.items() if cls.evicts]
 
 
-def check_invariants(cache, budget, seen_positions):
-    """Called after every forward pass: the budget, protected tokens and order hold in every layer and head."""
+def check_invariants(cache, budget, seen_positions, previous=None):
+    """Called after every forward pass: the budget, protected tokens and order hold in every layer and head.
+    ``previous`` maps (layer, row, head) to the positions held after the last pass: a sink a prefill policy
+    already dropped (it protects its own sinks) cannot be protected by the decode policy afterwards."""
+    previous = {} if previous is None else previous
     policy = cache.policy
     newest = max(seen_positions)
     for layer in cache.layers:
@@ -31,20 +34,22 @@ def check_invariants(cache, budget, seen_positions):
             for h in range(pos.shape[1]):
                 kept = pos[b, h][pos[b, h] >= 0].tolist()
                 assert kept == sorted(kept) and len(set(kept)) == len(kept), "kept tokens out of order"
-                must = {p for p in seen_positions if p < policy.n_sink}
+                held_before = previous.get((layer.layer_idx, b, h), seen_positions)
+                must = {p for p in seen_positions if p < policy.n_sink and p in held_before}
                 must |= {p for p in seen_positions if p > newest - policy.n_recent}
                 missing = must - set(kept)
                 assert not missing, f"protected positions {sorted(missing)} evicted (layer {layer.layer_idx})"
+                previous[layer.layer_idx, b, h] = set(kept)
 
 
 def run_checked(model, policy, budget, prompt_len, new_tokens, seed=0, slack=0, **params):
     ids = random_ids(prompt_len, seed=seed)
-    fed = list(range(prompt_len))
+    fed, held = list(range(prompt_len)), {}
 
     def observe(cache):
         if cache.step > 0:
             fed.append(prompt_len + cache.step - 1)
-        check_invariants(cache, budget, fed)
+        check_invariants(cache, budget, fed, held)
 
     params = {**params_for(policy, model.config.num_hidden_layers), **params}
     return generate(model, input_ids=ids, policy=policy, budget=budget, max_new_tokens=new_tokens,

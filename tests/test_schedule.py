@@ -62,8 +62,8 @@ def test_learned_scores_every_refresh_steps_and_evicts_at_every_overflow(tiny, m
 
     scored = []
     real = Learned._scores
-    monkeypatch.setattr(Learned, "_scores", lambda self, view, feats: scored.append((view.layer, view.step))
-                        or real(self, view, feats))
+    monkeypatch.setattr(Learned, "_scores", lambda self, view, *a, **k: scored.append((view.layer, view.step))
+                        or real(self, view, *a, **k))
     prompt, budget, new = 12, 16, 30
     kept = []
     generate(tiny, input_ids=random_ids(prompt, seed=21), policy="learned", budget=budget, max_new_tokens=new,

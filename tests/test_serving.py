@@ -34,7 +34,8 @@ def decode_loop_evictions(model, ids, path, budget, bs, new, sink_blocks=1, rece
     snaps = []
     r = generate(model, input_ids=ids[None], policy="learned", budget=budget, max_new_tokens=new, granularity="block",
                  block_size=bs, stop_at_eos=False, observer=lambda c: snaps.append(c.layers[0].positions[0, 0].tolist()),
-                 policy_params={"scorer": str(path), "n_sink": sink_blocks * bs, "n_recent": recent_blocks * bs})
+                 policy_params={"scorer": str(path), "n_sink": sink_blocks * bs, "n_recent": recent_blocks * bs,
+                                "refresh": 1})
     evicted, prev = [], []
     for kept in snaps:
         written = set(prev) | set(range(max(prev, default=-1) + 1, max(kept) + 1))

@@ -6,8 +6,8 @@ new tokens' keys and values. The runtime keeps the `learnkv.features.FeatureTrac
 scores them with the exported `learnkv.scorer.model.Scorer` (one call per layer, as the decode loop does), pools the
 scores of every layer and KV head into one per token (`learnkv.pooling`, the rule the artifact declares) and picks
 whole blocks to free with `learnkv.pooling.shared_keep_slots`, the function the decode loop's block mode calls.
-So, fed the same attention, it frees exactly the blocks that ``generate(..., policy="learned", granularity="block")``
-evicts.
+So, fed the same attention, it frees exactly the blocks that ``generate(..., policy="learned", granularity="block",
+policy_params={"refresh": 1})`` evicts (scores recomputed at every decision, about once per block of new tokens).
 
 It knows nothing about any engine: no block ids, no pools, no vLLM. Blocks are *logical* (block ``i`` holds the
 request's tokens ``[i * block_size, (i + 1) * block_size)``); an engine maps them to its physical blocks. Needs
@@ -116,9 +116,10 @@ class ServingRuntime:
         self.tracker = FeatureTracker(self.n_layers)
         self.block_size = block_size
         self.budget = budget
-        # the decode loop's own policy object: same sinks / recent window semantics, same feasibility check
+        # the decode loop's own policy object: same sinks / recent window semantics, same feasibility check. It
+        # scores afresh at every decision (refresh=1): a block decision comes about once per block of new tokens
         self._template = Learned(scorer=str(scorer), n_sink=sink_blocks * block_size,
-                                 n_recent=recent_blocks * block_size, block_size=block_size)
+                                 n_recent=recent_blocks * block_size, block_size=block_size, refresh=1)
         self._resolved: dict[int, object] = {}
         self.policy = self._policy(budget)  # refuses an infeasible default budget at start-up
         self.requests: dict[str, _Request] = {}
