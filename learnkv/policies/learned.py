@@ -114,13 +114,18 @@ class Learned(Policy):
             tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
         if self._refresh_due(view):
             view.state["learned.score"] = self._scores(view, feats)
-            view.state["learned.scored"] = torch.ones_like(view.state["learned.score"])
+            self.__dict__.setdefault("_refreshed_at", {})[view.layer] = view.step
 
     def score(self, view: LayerView) -> Tensor:
         if self.refresh == 1:
             return self._scores(view, self._fused(view), due_rows_only=True)
-        # tokens appended since the last refresh have zero in "learned.scored" (the cache grows state with zeros)
-        return view.state["learned.score"].masked_fill(view.state["learned.scored"] == 0, float("inf"))
+        # the tokens appended since the last refresh, one per decode step, are the last slots (the cache appends at
+        # the end and keeps the order when it compacts); they have no score yet, so they are kept
+        unscored = view.step - self.__dict__["_refreshed_at"][view.layer]
+        scores = view.state["learned.score"].clone()
+        if unscored:
+            scores[..., -unscored:] = float("inf")
+        return scores
 
     def _fused(self, view: LayerView) -> Tensor | None:
         """The features `update` computed in its fused launch for this very layer, step and cache, if any."""
