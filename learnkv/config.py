@@ -30,7 +30,7 @@ class TrainConfig:
     batch_size: int = setting(8, ge=1)
     max_epochs: int = setting(15, ge=1)
     patience: int = setting(4, ge=0)  # early stopping on val/recall@25
-    label: str = setting("future_sum", choices=("future_sum", "future_max", "future_out", "future_attnv"))
+    label: str = setting("future_out", choices=("future_sum", "future_max", "future_out", "future_attnv"))
     temperature: float = setting(1.0, gt=0)
     membership_weight: float = setting(0.5, ge=0)
     membership_budget: float = setting(0.25, gt=0, le=1)

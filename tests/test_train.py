@@ -29,7 +29,7 @@ def synthetic_traces(out: Path, rows_per_split=(96, 24), seed=0) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for index, (split, n) in enumerate(zip(("train", "validation"), rows_per_split)):
         cols = {k: [] for k in ("prompt_id", "source", "split", "step", "layer", "n_heads", "n_tokens", "positions",
-                                "features", "future_sum", "future_max", "reenter", "teacher_noise", "teacher_f5")}
+                                "features", "future_sum", "future_max", "future_out", "reenter", "teacher_noise", "teacher_f5")}
         for r in range(n):
             f = rng.normal(size=(H, T, N_FEATURES)).astype(np.float32)
             utility = np.exp(1.5 * f[..., 2] - 1.0 * f[..., 7])  # the ground truth the scorer must find
@@ -44,6 +44,7 @@ def synthetic_traces(out: Path, rows_per_split=(96, 24), seed=0) -> None:
             cols["features"].append(f.ravel())
             cols["future_sum"].append(utility.astype(np.float32).ravel())
             cols["future_max"].append(utility.astype(np.float32).ravel())
+            cols["future_out"].append(utility.astype(np.float32).ravel())
             cols["reenter"].append(np.zeros(H * T, dtype=np.int8))
             cols["teacher_noise"].append(rng.normal(size=H * T).astype(np.float32))
             cols["teacher_f5"].append(f[..., 5].ravel())
