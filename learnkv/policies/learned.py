@@ -31,7 +31,9 @@ class Learned(Policy):
     This is not the lagged schedule (``interval > 1``, as LazyEviction's and R-KV's: evict every ``interval``
     steps down to ``budget - interval + 1``), which gives up ``(interval - 1) / 2`` slots on average: on
     validation prompts (SmolLM2, 50% of the final length, n = 8) it cost the learned policy a third more KL than
-    evicting every step (bench/RESULTS.md).
+    evicting every step (bench/RESULTS.md, "The learned policy: schedule, label, traces"). On the CPU torch path
+    (budget 128, one thread, bench/RESULTS.md) a step costs about 1.5x the full cache's at batch 1 and 16: a
+    selection and a compaction at every step, as for H2O, plus the tracker's update and the refreshes.
 
     Parameters
     ----------
