@@ -51,6 +51,9 @@ class ReportConfig:
     budgets: tuple[float, ...] = (0.25, 0.5)  # fractions of each prompt's final length
     policies: tuple[str, ...] = ("h2o", "tova", "roco", "rkv")
     batch_size: int = setting(4, ge=1)
+    # compresses prompts over the budget at the prefill, then each policy decodes (as the README's headline runs;
+    # none: each policy compresses them itself)
+    prefill_policy: str | None = "snapkv"
 
 
 @dataclass
@@ -149,6 +152,14 @@ def check_report(report: ReportConfig) -> None:
         if not 0 < b <= 1:
             raise ValueError(f"report.budgets are fractions of the final length in (0, 1], got {b}")
         resolve_budget(b, 1)
+    if report.prefill_policy:
+        from learnkv.cache import prefill_policy_error
+        from learnkv.policies import make_policy
+        from learnkv.policies.params import parse_policy
+
+        name, params = parse_policy(report.prefill_policy)
+        if error := prefill_policy_error(make_policy(name, **params)):
+            raise ValueError(f"report.prefill_policy: {error}")
 
 
 def to_dict(cfg) -> dict:

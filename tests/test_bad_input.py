@@ -257,6 +257,7 @@ def test_evaluate_rerun_keeps_the_earlier_results(tmp_path):
     ("train.distill={h2o: -1}", "train.distill.h2o must be >= 0, got -1.0"),
     ("train.label=future", "train.label must be one of future_sum, future_max"),
     ("collect.sources=[nope]", "unknown prompt source(s) ['nope']"),
+    ("report.prefill_policy=lazy", "report.prefill_policy: policy 'lazy' cannot be a prefill policy"),
 ])
 def test_bad_config_values_are_one_line(tmp_path, capsys, override, message):
     code, _, err = run(_script("train"), train_args(tmp_path, override), capsys)

@@ -105,6 +105,23 @@ class PositionEcho(Policy):
         return torch.rand(view.positions.shape, generator=torch.Generator().manual_seed(view.step))
 
 
+@pytest.mark.parametrize("policy", EVICTING)
+def test_scores_are_the_callers_to_keep(tiny, policy, monkeypatch):
+    """What `score` returns stays what it was when later steps update the policy's state in place: trace
+    recording keeps teacher scores until a decision's horizon has passed."""
+    cls = POLICIES[policy]
+    real, returned = cls.score, []
+    monkeypatch.setattr(cls, "score", lambda self, view: returned.append(((s := real(self, view)), s.clone()))
+                        or s)
+    # slack: evicted slots stay in place, so the state is updated in place between compactions (as in a
+    # recording, which never evicts)
+    generate(tiny, input_ids=random_ids(12, seed=3), policy=policy, budget=16, max_new_tokens=16,
+             stop_at_eos=False, slack=8, policy_params={**params_for(policy, tiny.config.num_hidden_layers),
+                                                        **({"block_size": 4} if policy == "paged" else {})})
+    assert returned
+    assert all(torch.equal(got, when) for got, when in returned), "a score tensor changed after it was returned"
+
+
 def test_policy_state_stays_aligned_after_compaction(tiny):
     result = generate(tiny, input_ids=random_ids(30, seed=9), policy=PositionEcho(n_sink=2, n_recent=3), budget=12,
                       max_new_tokens=25)

@@ -217,7 +217,9 @@ class Policy:
         """Fold this step's attention into ``view.state`` (in place). Called every step, every layer."""
 
     def score(self, view: LayerView) -> Tensor:
-        """``[B, H, T]`` importance, higher means keep. Called only when the cache evicts."""
+        """``[B, H, T]`` importance, higher means keep. Called only when the cache evicts. The caller owns the
+        result (trace recording keeps teacher scores for a while): never return a state tensor that `update`
+        changes in place."""
         raise NotImplementedError
 
     # -- configuration -------------------------------------------------------------------------------------

@@ -41,4 +41,4 @@ class H2O(Policy):
             acc.add_(view.attn_sum)
 
     def score(self, view: LayerView) -> Tensor:
-        return view.state["acc"]
+        return view.state["acc"].clone()  # the state is updated in place: the caller may keep the scores

@@ -51,9 +51,10 @@ def decode_report(cfg: PipelineConfig, artifact: str | Path, progress: bool = Tr
     samples = [Sample.from_prompt(p, tokenizer) for p in validation_prompts(cfg, tokenizer, r.prompts)]
     spec = build_spec(["learned", *r.policies], list(r.budgets), "fidelity", scorer=str(artifact),
                       limit=len(samples), seed=cfg.seed, batch_size=r.batch_size, compare="learned",
-                      max_new_tokens=r.max_new_tokens)
+                      max_new_tokens=r.max_new_tokens, prefill_policy=r.prefill_policy)
     print(f"decode-time comparison: learned vs {', '.join(r.policies)} on {len(samples)} validation prompts, "
-          f"{r.max_new_tokens} new tokens, budgets {', '.join(map(str, r.budgets))} of the final length")
+          f"{r.max_new_tokens} new tokens, budgets {', '.join(map(str, r.budgets))} of the final length"
+          + (f", prompts over the budget compressed by {r.prefill_policy} at the prefill" if r.prefill_policy else ""))
     records = evaluate(model, tokenizer, spec, samples=samples, progress=progress, model_name=cfg.collect.model)
     pairs = paired(records, "learned", seed=cfg.seed)
     write_results(records, out, pairs)
