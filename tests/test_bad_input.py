@@ -83,6 +83,7 @@ def traces(out: Path, cfg: CollectConfig | None = None, rows=(16, 8), seed=0) ->
                 "positions": [np.arange(T, dtype=np.int32)] * n, "features": [x.ravel() for x in f],
                 "future_sum": [np.exp(x[..., 2]).ravel() for x in f],
                 "future_max": [np.exp(x[..., 2]).ravel() for x in f],
+                "future_out": [np.exp(x[..., 2]).ravel() for x in f],
                 "reenter": [np.zeros(H * T, dtype=np.int8)] * n, "teacher_h2o": [x[..., 5].ravel() for x in f]}
         write_shard(out, index, cols, cols["prompt_id"], cfg.digest())
     write_manifest(out, {"model": "synthetic", "n_layers": LAYERS, "n_kv_heads": H, "teachers": ["h2o"],
