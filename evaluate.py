@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(args.seed)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model, tokenizer = load_model(args.model or DEFAULT_MODEL, device=device)
-        records = evaluate(model, tokenizer, spec, progress=False if args.no_progress else None,
+        records = evaluate(model, tokenizer, spec, progress=not args.no_progress,
                            model_name=args.model or DEFAULT_MODEL)
         pairs = paired(records, spec.compare, seed=args.seed) if spec.compare else []
         paths = write_results(records, args.output, pairs)

@@ -458,6 +458,8 @@ def test_ci_command_writes_results_table_and_plots(tmp_path):
         assert m["kl"] > 0 and m["attention_recall"] < 1.0 and m["kv_share"] < 1.0 and m["kept_share"] < 1.0
     assert (tmp_path / "results.md").read_text() in out.stdout
     assert len(list(tmp_path.glob("fidelity_*.png"))) == len(FIDELITY) + 4
+    # into a pipe (a log file) the bar still reports, at its start and end at least
+    assert "fidelity: 100%" in out.stderr and "tok_s=" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ budget.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -242,7 +243,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
     samples : sequence of Sample, optional
         Prompts to use for every task instead of each task's own (tests feed token ids to the tiny model).
     progress : bool or None
-        A tqdm bar over prompts and runs (None: only on a terminal).
+        A tqdm bar over prompts and runs (None: only on a terminal; True: also into a log, every 30 s).
 
     Returns
     -------
@@ -266,7 +267,9 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         costs = {key: {} for key in keys}
         first_params = {}
         n_runs = len(prompts) * (1 + len({(r.label, b) if evicts(r.name) else r.label for r, b in keys}))
-        bar = tqdm(total=n_runs, desc=task.name, unit="run", disable=None if progress is None else not progress)
+        tty = sys.stderr.isatty()  # into a log file: a line every 30 s, as trace collection writes
+        bar = tqdm(total=n_runs, desc=task.name, unit="run", disable=not tty if progress is None else not progress,
+                   mininterval=1 if tty else 30, file=sys.stderr)
         decoded, t_start = 0, time.perf_counter()  # generated tokens of every decode so far, for the bar's rate
         for batch in _batches(prompts, spec.batch_size):
             refs = task.reference_batch(model, tokenizer, batch)
