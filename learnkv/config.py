@@ -153,13 +153,9 @@ def check_report(report: ReportConfig) -> None:
             raise ValueError(f"report.budgets are fractions of the final length in (0, 1], got {b}")
         resolve_budget(b, 1)
     if report.prefill_policy:
-        from learnkv.cache import prefill_policy_error
-        from learnkv.policies import make_policy
-        from learnkv.policies.params import parse_policy
+        from learnkv.eval.run import prefill_run
 
-        name, params = parse_policy(report.prefill_policy)
-        if error := prefill_policy_error(make_policy(name, **params)):
-            raise ValueError(f"report.prefill_policy: {error}")
+        prefill_run(report.prefill_policy, "report.prefill_policy")
 
 
 def to_dict(cfg) -> dict:

@@ -118,6 +118,16 @@ def _policy_run(label: str, name: str, params: dict, scorer: str | None, seed: i
     return PolicyRun(label, name, params)
 
 
+def prefill_run(item: str, where: str, scorer: str | None = None, seed: int = 0) -> PolicyRun:
+    """The checked prefill policy of a ``NAME[:key=value]...`` item; ``where`` names the option in the error when
+    the policy cannot decide at the prefill (`learnkv.cache.prefill_policy_error`)."""
+    name, params = parse_policy(item)
+    run = _policy_run(item, name, params, scorer, seed)
+    if error := prefill_policy_error(make_policy(name, **run.params)):
+        raise ValueError(f"{where}: {error}")
+    return run
+
+
 def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidelity",), scorer: str | None = None,
                limit: int | None = None, seed: int = 0, prefill_policy: str | None = None, batch_size: int = 1,
                compare: str | None = None, **task_options) -> EvalSpec:
@@ -129,12 +139,7 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
         raise ValueError(f"--limit must be a number of prompts >= 1, got {limit}")
     if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
         raise ValueError(f"--batch-size must be a number of prompts >= 1, got {batch_size}")
-    prefill = None
-    if prefill_policy:
-        name, params = parse_policy(prefill_policy)
-        prefill = _policy_run(prefill_policy, name, params, scorer, seed)
-        if error := prefill_policy_error(make_policy(name, **prefill.params)):
-            raise ValueError(f"--prefill-policy: {error}")
+    prefill = prefill_run(prefill_policy, "--prefill-policy", scorer, seed) if prefill_policy else None
     if compare is not None and compare not in [r.label for r in runs]:
         raise ValueError(f"--compare {compare!r} is not one of the policies: {', '.join(r.label for r in runs)}")
     for run in runs:  # a token budget too small for the policy's windows fails now, not mid-run

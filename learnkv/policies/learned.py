@@ -103,7 +103,7 @@ class Learned(Policy):
         return self.refresh > 1 and ("learned.score" not in view.state or view.step % self.refresh == 0)
 
     def update(self, view: LayerView) -> None:
-        model, tracker = self._loaded(view)
+        _, tracker = self._loaded(view)
         self.__dict__["_fused_features"] = None
         feats = None
         if _fused_step(view):
