@@ -1,4 +1,5 @@
-"""Checksums and atomic writes for every file learnkv writes (trace shards, manifests, scorer artifacts)."""
+"""Checksums, atomic writes and output-directory checks for every file learnkv writes (trace shards, manifests,
+scorer artifacts, evaluation results)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,21 @@ def write_json_atomic(path: Path, obj) -> None:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
+
+
+def ensure_dir(path: str | Path, what: str, error: type[Exception] = ValueError, create: bool = True) -> Path:
+    """Create directory ``path`` (``what`` names it in messages) or raise ``error`` saying why it cannot hold output:
+    a file is there, it cannot be created, or it is not writable. Called before any long work starts; with
+    ``create=False`` a missing directory is left for later (a run that may still fail leaves nothing behind)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise error(f"{what} {path} is a file; give a directory")
+    if not create and not path.exists():
+        return path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise error(f"cannot create {what} {path}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise error(f"{what} {path} is not writable")
+    return path

@@ -223,8 +223,30 @@ def test_evaluate_output_that_is_a_file_is_refused_before_loading(tmp_path, caps
     target = tmp_path / "results"
     target.write_text("my notes")
     code, _, err = run(_script("evaluate"), ["--policy", "full", "--output", target], capsys)
-    one_line_error(code, err, f"output {target} is a file")
+    one_line_error(code, err, f"output directory {target} is a file")
     assert target.read_text() == "my notes"
+
+
+@pytest.mark.parametrize("case", ["file", "under_a_file", "not_writable"])
+def test_every_output_directory_is_checked_by_one_rule(tmp_path, case):
+    """evaluate's results, collect's traces and fit's scorer all go through `ensure_dir`: each refusal names why."""
+    from learnkv.atomic import ensure_dir
+    from learnkv.traces.store import TraceError
+
+    blocker = tmp_path / "notes"
+    blocker.write_text("my notes")
+    target, why = {"file": (blocker, "is a file"), "under_a_file": (blocker / "sub", "cannot create"),
+                   "not_writable": (tmp_path / "ro", "is not writable")}[case]
+    if case == "not_writable":
+        target.mkdir()
+        target.chmod(0o500)
+        if os.access(target, os.W_OK):
+            pytest.skip("running as a user who can write anywhere (root)")
+    with pytest.raises(TraceError, match=why) as refused:
+        ensure_dir(target, "trace directory", TraceError)
+    assert f"trace directory {target}" in str(refused.value) and "\n" not in str(refused.value)
+    assert blocker.read_text() == "my notes"
+    assert ensure_dir(tmp_path / "new" / "dir", "output directory").is_dir()
 
 
 def test_evaluate_rerun_keeps_the_earlier_results(tmp_path):

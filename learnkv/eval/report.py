@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from learnkv.atomic import write_json_atomic
+from learnkv.atomic import ensure_dir, write_json_atomic
 
 #: cost columns shown after each task's own metrics
 COST_COLUMNS = ("kv_share", "kept_share", "peak_kv_bytes", "tokens_per_s", "eviction_share")
@@ -189,15 +189,7 @@ def _keep_dir(out_dir: Path) -> Path:
 def prepare_output(out_dir: str | Path) -> str | None:
     """Check, before any decode, that the results can be written to ``out_dir`` (created if missing); raises
     ValueError if not. Returns a line saying what an earlier run left there and where it will be kept, or None."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"output {out_dir} is a file; give a directory (results.json, results.md and plots go in it)")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create output directory {out_dir}: {e.strerror or e}") from None
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise ValueError(f"output directory {out_dir} is not writable")
+    out_dir = ensure_dir(out_dir, "output directory")
     blocked = [name for name in RESULTS if (out_dir / name).exists() and not (out_dir / name).is_file()]
     if blocked:
         raise ValueError(f"{out_dir / blocked[0]} is not a file; this run writes its results there")

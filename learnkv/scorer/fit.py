@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
-from learnkv.atomic import write_json_atomic
+from learnkv.atomic import ensure_dir, write_json_atomic
 from learnkv.config import PipelineConfig, save_config, to_dict
 from learnkv.scorer.module import BUDGETS, MONITOR
 
@@ -192,9 +192,7 @@ def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = Tru
     from learnkv.scorer.module import ScorerModule
 
     L.seed_everything(cfg.seed, verbose=False)
-    out = Path(cfg.out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out_dir {out} is a file; give a directory")
+    out = ensure_dir(cfg.out_dir, "out_dir", create=False)  # created once the traces are there
     earlier = trace_dirs[:-1]  # finished rounds: their manifests identify them
     if all((Path(d) / "manifest.json").exists() for d in earlier):
         finished = finished_run(cfg, out, run_identity(cfg, trace_dirs))

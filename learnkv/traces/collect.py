@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from learnkv.atomic import ensure_dir
 from learnkv.fields import check_fields, setting
 from learnkv.traces.record import FLOAT_LABELS, Decision, Recorder, horizon_fits
 from learnkv.traces.store import (MANIFEST, TraceError, finished_shards, read_manifest, remove_stale_temps, shard_name,
@@ -267,13 +268,7 @@ def collect(out: str | Path, cfg: CollectConfig | None = None, shard: tuple[int,
     i, n = shard
     if not (n >= 1 and 0 <= i < n):
         raise ValueError(f"--shard must be i/n with 0 <= i < n, got {i}/{n}")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise TraceError(f"trace directory {out} is a file; give a directory for the traces")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TraceError(f"cannot create trace directory {out}: {e.strerror or e}") from None
+    out = ensure_dir(out, "trace directory", TraceError)
     if (out / MANIFEST).exists():  # refuses another format, feature version or config before anything runs
         check_same_config(read_manifest(out), cfg, str(out), "use another --out or delete it")
     digest = cfg.digest()
