@@ -25,6 +25,8 @@ n_prompts, cost), "per_prompt", "config"}, "paired": differences to --compare}),
 at the end) and DIR/<task>_<metric>.png (metric vs budget, one line per policy, 95% intervals as error bars). A
 budget is a token count (64) or a fraction of each prompt's final length (0.25: a quarter of the prompt plus the
 full cache's continuation). Bad input exits with code 2 and one line on stderr, before the model is loaded.
+A killed run resumes: rerun the same command and the batches of prompts it finished (kept in DIR/partial.jsonl
+until results.json is written) are not decoded again.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None,
                    help="prompts per task (default: fidelity 8, reasoning all of the split, needle 9, chain 4, "
                         "math benchmarks all)")
-    p.add_argument("--output", default="runs/eval", help="output directory")
+    p.add_argument("--output", default="runs/eval",
+                   help="output directory (a rerun of the same grid into it resumes where a killed run stopped)")
     p.add_argument("--seed", type=int, default=0, help="data and torch seed")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="per run (default: fidelity 24, reasoning 256, needle 16, chain 2048, math 1024)")
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         from learnkv.eval import evaluate, markdown_table, write_results
+        from learnkv.eval.checkpoint import finish
         from learnkv.eval.report import paired_table
         from learnkv.eval.run import paired
 
@@ -159,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model, tokenizer = load_model(args.model or DEFAULT_MODEL, device=device)
         records = evaluate(model, tokenizer, spec, progress=not args.no_progress,
-                           model_name=args.model or DEFAULT_MODEL)
+                           model_name=args.model or DEFAULT_MODEL, resume_dir=args.output)
         pairs = paired(records, spec.compare, seed=args.seed) if spec.compare else []
         paths = write_results(records, args.output, pairs)
+        finish(args.output)  # results.json holds it all now
     except ValueError as e:  # bad input, bad scorer, bad model: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

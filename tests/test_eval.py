@@ -293,6 +293,56 @@ def test_records_cost_metrics_and_files(tiny, tmp_path):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths["plots"])
 
 
+def _strip_timing(records):
+    return [{**r, "metrics": {k: v for k, v in r["metrics"].items() if k not in TIMING},
+             "per_prompt": r["per_prompt"]} for r in json.loads(json.dumps(records))]
+
+
+def test_a_killed_evaluation_resumes_at_its_last_finished_batch(tiny, tmp_path, monkeypatch, capsys):
+    """Batches finished before a crash are read back, not decoded again; the results equal an uninterrupted run's
+    (timings aside); the partial file survives a torn last line."""
+    from learnkv.eval.checkpoint import PARTIAL
+
+    items = samples(n=3, length=24)
+    spec = lambda: build_spec("full,h2o,lazy,learned", "0.8,28", "fidelity", max_new_tokens=8, batch_size=2,  # noqa
+                              scorer=params_for("learned", 2)["scorer"])
+    whole = evaluate(tiny, None, spec(), samples=items)
+
+    decoded = []  # (prompt id, policy) of every decode
+
+    def counting(task, crash_at=None):
+        real = task.run_batch
+
+        def run_batch(model, tok, batch, refs, cfg):
+            if crash_at in [(s.id, cfg.policy) for s in batch]:
+                raise KeyboardInterrupt
+            decoded.extend((s.id, cfg.policy) for s in batch)
+            return real(model, tok, batch, refs, cfg)
+        monkeypatch.setattr(task, "run_batch", run_batch)
+
+    first = spec()
+    counting(first.tasks[0], crash_at=("ids/2", "lazy"))  # killed in the second batch, after its full and h2o runs
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(tiny, None, first, samples=items, resume_dir=tmp_path)
+    assert {i for i, _ in decoded} == {"ids/0", "ids/1", "ids/2"}
+    with open(tmp_path / PARTIAL, "a") as f:
+        f.write('{"task": "fidelity", "ids": ["ids/2"], "po')  # killed while appending
+    decoded.clear()
+    again = spec()
+    counting(again.tasks[0])
+    resumed = evaluate(tiny, None, again, samples=items, resume_dir=tmp_path)
+    # left: h2o at the second budget, lazy and learned at both; the finished full and h2o runs are read back
+    assert sorted(decoded) == [("ids/2", "h2o"), *[("ids/2", "lazy")] * 2, *[("ids/2", "learned")] * 2]
+    assert "resuming from" in capsys.readouterr().err
+    assert _strip_timing(resumed) == _strip_timing(whole)
+
+    other = build_spec("full,h2o", "0.5", "fidelity", max_new_tokens=8, batch_size=2)  # another grid: start over
+    evaluate(tiny, None, other, samples=items, resume_dir=tmp_path)
+    err = capsys.readouterr().err
+    assert "is a run of another grid (runs, budgets differ)" in err
+    assert [p.name for p in tmp_path.glob("earlier-*/*")] == [PARTIAL]
+
+
 def test_fidelity_validation_split_is_what_train_validates_on(smollm2_tokenizer):
     """--split validation tunes on the prompts train.py validates on, never on the test prompts results report."""
     from learnkv.config import PipelineConfig

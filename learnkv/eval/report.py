@@ -177,12 +177,21 @@ def _earlier_results(out_dir: Path) -> list[Path]:
     return [out_dir / name for name in RESULTS if (out_dir / name).is_file()] + sorted(out_dir.glob("*.png"))
 
 
-def _keep_dir(out_dir: Path) -> Path:
-    """Where an earlier run's results move: ``earlier-<its results' time>/`` (a new name, never an existing one)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(p.stat().st_mtime for p in _earlier_results(out_dir))))
+def _keep_dir(out_dir: Path, paths: list[Path]) -> Path:
+    """Where an earlier run's files move: ``earlier-<their latest time>/`` (a new name, never an existing one)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(p.stat().st_mtime for p in paths)))
     keep, n = out_dir / f"earlier-{stamp}", 1
     while keep.exists():
         keep, n = out_dir / f"earlier-{stamp}-{n}", n + 1
+    return keep
+
+
+def keep_aside(out_dir: Path, paths: list[Path]) -> Path:
+    """Move an earlier run's files out of the way into a new ``earlier-<time>/`` of ``out_dir``; returns it."""
+    keep = _keep_dir(out_dir, paths)
+    keep.mkdir()
+    for path in paths:
+        os.replace(path, keep / path.name)
     return keep
 
 
@@ -197,7 +206,7 @@ def prepare_output(out_dir: str | Path) -> str | None:
     if not earlier:
         return None
     return (f"{out_dir} holds an earlier run's results ({len(earlier)} files); they will be kept in "
-            f"{_keep_dir(out_dir)}/ when this run writes its own")
+            f"{_keep_dir(out_dir, earlier)}/ when this run writes its own")
 
 
 def write_results(records: list[dict], out_dir: str | Path, pairs: list[dict] | None = None) -> dict[str, object]:
@@ -211,16 +220,12 @@ def write_results(records: list[dict], out_dir: str | Path, pairs: list[dict] | 
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    earlier = _earlier_results(out_dir)
-    if earlier:
-        keep = _keep_dir(out_dir)
-        keep.mkdir()
-        for path in earlier:
-            os.replace(path, keep / path.name)
+    if earlier := _earlier_results(out_dir):
+        keep_aside(out_dir, earlier)
     json_path, md_path = out_dir / "results.json", out_dir / "results.md"
     write_json_atomic(json_path, {"records": records, "paired": pairs or []})
     md_path.write_text(markdown_table(records) + ("\n" + paired_table(pairs) if pairs else ""))
     return {"json": json_path, "table": md_path, "plots": plot(records, out_dir)}
 
 
-__all__ = ["markdown_table", "paired_table", "plot", "prepare_output", "write_results"]
+__all__ = ["keep_aside", "markdown_table", "paired_table", "plot", "prepare_output", "write_results"]

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -238,7 +239,7 @@ def _batches(items: list, size: int):
 
 
 def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None = None, progress: bool | None = None,
-             model_name: str | None = None) -> list[dict]:
+             model_name: str | None = None, resume_dir: str | Path | None = None) -> list[dict]:
     """Run every policy x budget x task of ``spec``.
 
     Parameters
@@ -249,6 +250,9 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         Prompts to use for every task instead of each task's own (tests feed token ids to the tiny model).
     progress : bool or None
         A tqdm bar over prompts and runs (None: only on a terminal; True: also into a log, every 30 s).
+    resume_dir : path, optional
+        Keep every finished batch of prompts in ``resume_dir/partial.jsonl`` and skip the batches an earlier,
+        killed run of the same grid finished there (`learnkv.eval.checkpoint`).
 
     Returns
     -------
@@ -259,7 +263,14 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
     """
     from tqdm.auto import tqdm
 
+    from learnkv.eval import checkpoint
+
     torch.manual_seed(spec.seed)
+    finished = {}
+    if resume_dir is not None:
+        finished, note = checkpoint.open_partial(resume_dir, checkpoint.grid_identity(spec, model_name))
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     records = []
     for task in spec.tasks:
         limit = spec.limit if spec.limit is not None else task.default_limit
@@ -276,7 +287,17 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         bar = tqdm(total=n_runs, desc=task.name, unit="run", disable=not tty if progress is None else not progress,
                    mininterval=1 if tty else 30, file=sys.stderr)
         decoded, t_start = 0, time.perf_counter()  # generated tokens of every decode so far, for the bar's rate
+        per_batch = n_runs // len(prompts)  # runs per prompt: the reference and every distinct (policy, budget)
         for batch in _batches(prompts, spec.batch_size):
+            ids = [s.id for s in batch]
+            stored = finished.get((task.name, tuple(ids)), {})  # (label, budget) -> what a killed run finished
+            if all((run.label, b) in stored for run, b in keys):
+                for run, b in keys:
+                    entry = stored[run.label, b]
+                    _keep(per_prompt, costs, first_params, (run, b), ids, entry["metrics"], entry["costs"],
+                          entry["params"])
+                bar.update(per_batch * len(batch))
+                continue
             refs = task.reference_batch(model, tokenizer, batch)
             bar.update(len(batch))
             finals = [task.final_length(s, r) for s, r in zip(batch, refs)]
@@ -284,9 +305,11 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
             for run, b in keys:
                 budgets = _budgets_for(run, b, finals)
                 key = (run.label, tuple(budgets))
-                if key not in done:
+                if (entry := stored.get((run.label, b))) is not None:
+                    done.setdefault(key, (entry["metrics"], entry["costs"], entry["params"]))
+                elif key not in done:
                     _check(task, spec, run, batch, budgets, b)
-                    metrics, row_costs = [None] * len(batch), [None] * len(batch)
+                    metrics, row_costs, params = [None] * len(batch), [None] * len(batch), None
                     for group in _groups(run, spec.prefill, task, budgets):
                         cfg = RunConfig(run.name, run.params, [budgets[i] for i in group],
                                         (spec.prefill.name, spec.prefill.params) if spec.prefill else None)
@@ -299,18 +322,29 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                                         refresh=False)
                         for j, i in enumerate(group):
                             metrics[i], row_costs[i] = m[j], _cost_row(result, j, share)
-                        first_params.setdefault((run, b), result.params)
-                    done[key] = (metrics, row_costs)
+                        params = params or result.params
+                    done[key] = (metrics, row_costs, params)
                     bar.update(len(batch))
-                metrics, row_costs = done[key]
-                for sample, m, c in zip(batch, metrics, row_costs):
-                    per_prompt[run, b][sample.id] = m
-                    costs[run, b][sample.id] = c
+                metrics, row_costs, params = done[key] if entry is None else (entry["metrics"], entry["costs"],
+                                                                              entry["params"])
+                if entry is None and resume_dir is not None:
+                    checkpoint.append_run(resume_dir, {"task": task.name, "ids": ids, "policy": run.label, "budget": b,
+                                                       "metrics": metrics, "costs": row_costs, "params": params})
+                _keep(per_prompt, costs, first_params, (run, b), ids, metrics, row_costs, params)
         bar.close()
         for run, b in keys:
             records.append(_record(task, run, b, prompts, per_prompt[run, b], costs[run, b], first_params.get((run, b)),
                                    spec, model, model_name))
     return records
+
+
+def _keep(per_prompt: dict, costs: dict, first_params: dict, run_b: tuple, ids: list[str], metrics: list,
+          row_costs: list, params: dict | None) -> None:
+    """File one (policy, budget)'s per-prompt metrics and costs for a batch of prompts under their ids."""
+    per_prompt[run_b].update(zip(ids, metrics))
+    costs[run_b].update(zip(ids, row_costs))
+    if params is not None:
+        first_params.setdefault(run_b, params)
 
 
 def _record(task, run, b, prompts, per_prompt, costs, params, spec, model, model_name) -> dict:
