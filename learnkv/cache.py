@@ -251,7 +251,8 @@ class BudgetCache(Cache):
                  last_step: int | None = None, shared_block: int | None = None, slack: int = 0,
                  capacity: int | None = None, prefill_policy: Policy | Sequence[Policy] | None = None):
         rows = list(policy) if isinstance(policy, Sequence) else None
-        self.decode_policy = rows[0] if rows else policy  # it scores every row (rows differ only in per-row fields)
+        # it scores every row (rows differ only in per-row fields, which the cache or `for_batch` applies)
+        self.decode_policy = rows[0].for_batch(rows) if rows else policy
         if self.decode_policy.evicts and budget is None:
             raise ValueError(f"policy {self.decode_policy.name!r} needs a budget")
         if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
@@ -266,6 +267,7 @@ class BudgetCache(Cache):
         self._row_args = (rows or policy, budget, prefill_policy)  # expanded to rows at the first step
         self.row_policies: list[Policy] = []
         self.prefill_rows: list[Policy] | None = None
+        self.prefill_scorer: Policy | None = None  # the prefill rows' `for_batch`
         self.budgets: list[int] | None = None
         # layer-shared block mode: one decision for every layer and KV head, in whole blocks (as a paged engine)
         self.shared_block = shared_block
@@ -296,7 +298,7 @@ class BudgetCache(Cache):
     def policy(self) -> Policy:
         """The policy deciding in the current step (what the attention function hands statistics to): the prefill
         policy at the prefill, if there is one, else the decode policy."""
-        return self.prefill_rows[0] if self.step == 0 and self.prefill_rows else self.decode_policy
+        return self.prefill_scorer if self.step == 0 and self.prefill_rows else self.decode_policy
 
     @property
     def kept_per_step(self) -> list[list[int]]:
@@ -317,6 +319,7 @@ class BudgetCache(Cache):
                                                                                           self.prefill_rows)):
             if rows is not None and len(rows) != B:
                 raise ValueError(f"BudgetCache: {len(rows)} {what} for a batch of {B} rows")
+        self.prefill_scorer = self.prefill_rows[0].for_batch(self.prefill_rows) if self.prefill_rows else None
 
     # -- driven by the decode loop ---------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from learnkv import POLICIES, generate, make_policy
 from learnkv.decode import resolve_budget
 from learnkv.eval import TASKS, Sample, Task, build_spec, evaluate, make_task, markdown_table, write_results
 from learnkv.eval import metrics as M
-from learnkv.eval.run import paired
+from learnkv.eval.run import _groups, paired
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,6 +257,9 @@ def test_batched_evaluation_with_a_prefill_policy_resolving_per_row(tiny, policy
     finals = [s.input_ids.shape[1] + n for s, n in zip(items, one[0]["per_prompt"]["generated_tokens"])]
     windows = {make_policy("snapkv").resolve(resolve_budget(0.5, f)).window for f in finals}
     assert len(windows) > 1  # the case this test is for: one batch, rows of different prefill windows
+    task, budgets = make_task("fidelity"), [resolve_budget(0.5, f) for f in finals]
+    run, prefill = (build_spec(p, "0.5").runs[0] for p in (policy, "snapkv"))
+    assert _groups(run, prefill, task, budgets) == [[0, 1, 2]]  # and they decode together (SnapKV.for_batch)
     for a, b in zip(one, batched):
         for metric, values in a["per_prompt"].items():
             assert b["per_prompt"][metric] == pytest.approx(values, abs=1e-4), metric

@@ -222,7 +222,8 @@ def check_grid(task: Task, prompts: Sequence[Sample], spec: EvalSpec) -> None:
 def _groups(run: PolicyRun, prefill: PolicyRun | None, task: Task, budgets: list[int | None]) -> list[list[int]]:
     """Rows that can share one batched decode: rows whose decode policy, and prefill policy if any, resolve to the
     same shared parameters for their budgets (`learnkv.policies.base.shared_fields`); all of them unless a
-    budget-dependent default (e.g. SnapKV's window, capped at a quarter of small budgets) differs between rows."""
+    budget-dependent default that is not per row differs between rows (every registered policy's windows are per
+    row, SnapKV's through `SnapKV.for_batch`, so in practice one group)."""
     if not evicts(run.name):
         return [list(range(len(budgets)))]
     policies = [p for p in (run, prefill) if p is not None]

@@ -213,6 +213,12 @@ class Policy:
 
     # -- what a policy implements --------------------------------------------------------------------------
 
+    def for_batch(self, rows: Sequence[Policy]) -> Policy:
+        """The one policy that updates and scores a batch whose rows resolved to ``rows`` (this policy is
+        ``rows[0]``; rows differ only in ``per_row_fields``). By default itself: the cache applies the per-row
+        fields. A policy whose scores depend on a per-row field (SnapKV's window) returns a copy that knows them."""
+        return self
+
     def update(self, view: LayerView) -> None:
         """Fold this step's attention into ``view.state`` (in place). Called every step, every layer."""
 
@@ -271,9 +277,9 @@ def resolve_rows(policy: Policy, budgets: Sequence[int]) -> list[Policy]:
     """The policy resolved for each row's budget, checked to be one policy for the whole batch.
 
     Rows of a batch may have their own budgets; what the cache applies per row (the protected sinks and recent
-    window, and the lagged schedule's headroom) may then differ, but the scores must come from one policy. A
-    parameter whose default depends on the budget (e.g. LazyEviction's window, capped at a quarter of small
-    budgets) can break that: the error says which, so the rows can be decoded in separate calls.
+    window, and the lagged schedule's headroom) and what `Policy.for_batch` takes per row (SnapKV's window) may
+    then differ, but the scores must come from one policy. Any other parameter whose default depends on the budget
+    can break that: the error says which, so the rows can be decoded in separate calls.
     """
     rows = [policy.resolve(b) for b in budgets]
     first = shared_fields(rows[0])

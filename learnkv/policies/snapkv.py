@@ -1,6 +1,8 @@
 """SnapKV: attention of an observation window of recent queries, pooled."""
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,8 @@ class SnapKV(Policy):
     ----------
     window : int or None
         Observation window (and protected recent window). None: kvpress's 64, capped at a quarter of the budget.
+        Rows of one batch may have their own (budget fractions resolve to a window per row): the batch's policy
+        (`for_batch`) keeps the largest window's attention rows and scores each row over its own.
     kernel_size : int
         Average-pooling kernel, 5 as in kvpress.
     """
@@ -34,12 +38,22 @@ class SnapKV(Policy):
     name = "snapkv"
     pooling = "mean_mass"  # the window's attention: comparable across layers and heads
     needs_dense_slots = True  # its 1-D average pool mixes neighbouring slots; a dead slot between would change it
+    per_row_fields = ("n_sink", "n_recent", "interval", "window")  # the window: see `for_batch`
     window: int | None = setting(None, ge=1)
     kernel_size: int = setting(5, ge=1)
+    #: each row's window when the rows of a batch differ (set by `for_batch`; not a parameter)
+    row_windows: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
 
     @property
     def obs_window(self) -> int:
-        return self.window or DEFAULT_WINDOW
+        return max(self.row_windows) if self.row_windows else self.window or DEFAULT_WINDOW
+
+    def for_batch(self, rows: Sequence["SnapKV"]) -> "SnapKV":
+        windows = tuple(p.obs_window for p in rows)
+        return self if len(set(windows)) == 1 else dataclasses.replace(self, row_windows=windows)
+
+    def params(self) -> dict:
+        return {k: v for k, v in super().params().items() if k != "row_windows"}
 
     def resolve_defaults(self, budget: int) -> dict:
         window = self.window if self.window is not None else min(DEFAULT_WINDOW, max(1, budget // 4))
@@ -52,9 +66,19 @@ class SnapKV(Policy):
         view.state["window_attn"] = window[:, :, -self.obs_window :, :]
 
     def score(self, view: LayerView) -> Tensor:
-        s = view.state["window_attn"].mean(dim=2)  # [B, H, T]
+        attn = view.state["window_attn"]
+        if not self.row_windows:
+            return self._score(attn, self.obs_window)
+        scores = attn.new_empty(attn.shape[0], attn.shape[1], attn.shape[3])
+        for w in sorted(set(self.row_windows)):  # each row exactly as alone: its own last w query rows
+            rows = [b for b, x in enumerate(self.row_windows) if x == w]
+            scores[rows] = self._score(attn[rows][:, :, -w:], w)
+        return scores
+
+    def _score(self, window_attn: Tensor, window: int) -> Tensor:
+        s = window_attn.mean(dim=2)  # [B, H, T]
         B, H, T = s.shape
-        n_prefix = T - min(self.obs_window, T)  # the window's own keys are kept, and not pooled into neighbours
+        n_prefix = T - min(window, T)  # the window's own keys are kept, and not pooled into neighbours
         k = self.kernel_size
         prefix = s[..., :n_prefix].reshape(B * H, 1, n_prefix)
         pooled = F.avg_pool1d(prefix, kernel_size=k, stride=1, padding=k // 2)[..., :n_prefix].reshape(B, H, n_prefix)
