@@ -333,10 +333,11 @@ def test_a_killed_evaluation_resumes_at_its_last_finished_batch(tiny, tmp_path, 
     decoded.clear()
     again = spec()
     counting(again.tasks[0])
-    resumed = evaluate(tiny, None, again, samples=items, resume_dir=tmp_path)
+    resumed = evaluate(tiny, None, again, samples=items, resume_dir=tmp_path, progress=True)
     # left: h2o at the second budget, lazy and learned at both; the finished full and h2o runs are read back
     assert sorted(decoded) == [("ids/2", "h2o"), *[("ids/2", "lazy")] * 2, *[("ids/2", "learned")] * 2]
-    assert "resuming from" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "fidelity: 100%" in err  # the bar counts what was read back
     assert _strip_timing(resumed) == _strip_timing(whole)
 
     other = build_spec("full,h2o", "0.5", "fidelity", max_new_tokens=8, batch_size=2)  # another grid: start over

@@ -307,7 +307,9 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                 budgets = _budgets_for(run, b, finals)
                 key = (run.label, tuple(budgets))
                 if (entry := stored.get((run.label, b))) is not None:
-                    done.setdefault(key, (entry["metrics"], entry["costs"], entry["params"]))
+                    if key not in done:
+                        done[key] = (entry["metrics"], entry["costs"], entry["params"])
+                        bar.update(len(batch))
                 elif key not in done:
                     _check(task, spec, run, batch, budgets, b)
                     metrics, row_costs, params = [None] * len(batch), [None] * len(batch), None
