@@ -325,6 +325,7 @@ def test_a_killed_evaluation_resumes_at_its_last_finished_batch(tiny, tmp_path, 
 
     first = spec()
     counting(first.tasks[0], crash_at=("ids/2", "lazy"))  # killed in the second batch, after its full and h2o runs
+    tmp_path = tmp_path / "out"  # created by evaluate
     with pytest.raises(KeyboardInterrupt):
         evaluate(tiny, None, first, samples=items, resume_dir=tmp_path)
     assert {i for i, _ in decoded} == {"ids/0", "ids/1", "ids/2"}

@@ -17,6 +17,8 @@ import json
 import os
 from pathlib import Path
 
+from learnkv.atomic import ensure_dir
+
 PARTIAL = "partial.jsonl"
 FORMAT = 1
 
@@ -71,7 +73,7 @@ def open_partial(out_dir: str | Path, identity: dict) -> tuple[dict, str | None]
     note : str or None
         Resuming, or where a partial run of another grid (or a damaged file) was moved; None for a fresh start.
     """
-    out_dir = Path(out_dir)
+    out_dir = ensure_dir(out_dir, "output directory")
     path = out_dir / PARTIAL
     finished: dict = {}
     if not path.is_file():
