@@ -25,8 +25,8 @@ n_prompts, cost), "per_prompt", "config"}, "paired": differences to --compare}),
 at the end) and DIR/<task>_<metric>.png (metric vs budget, one line per policy, 95% intervals as error bars). A
 budget is a token count (64) or a fraction of each prompt's final length (0.25: a quarter of the prompt plus the
 full cache's continuation). Bad input exits with code 2 and one line on stderr, before the model is loaded.
-A killed run resumes: rerun the same command and the batches of prompts it finished (kept in DIR/partial.jsonl
-until results.json is written) are not decoded again.
+A killed run resumes: rerun the same command and the (policy, budget) runs of each batch of prompts it finished
+(kept in DIR/partial.jsonl until results.json is written) are not decoded again.
 """
 
 from __future__ import annotations

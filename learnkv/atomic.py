@@ -17,11 +17,15 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary name and rename it: a reader never sees half a file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text to a temporary name and rename it: a reader never sees half a file."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=1))
 
 
 def ensure_dir(path: str | Path, what: str, error: type[Exception] = ValueError, create: bool = True) -> Path:

@@ -1,12 +1,12 @@
-"""A killed evaluation resumes at its last finished batch of prompts.
+"""A killed evaluation resumes where it stopped.
 
 An evaluation of the README's size runs for hours on a CPU. `evaluate` appends one JSON line per finished
 (policy, budget) of a batch of prompts (the per-prompt metrics and costs) to ``partial.jsonl`` in the output
 directory, after a first line naming the grid (`grid_identity`: model, tasks, policies with the scorer's weights
 digest, budgets, prompts, seed, prefill policy, batch size). A rerun of the same grid into the same directory reads
 what was finished and decodes only the rest (the full-cache reference of a batch is recomputed if any of its
-runs is left); the values come back bit for bit (JSON keeps floats exact), so the
-results equal an uninterrupted run's except the timings. A partial run of another grid, or a damaged file, is moved
+runs is left); the values come back bit for bit (JSON keeps floats exact), so the results equal an uninterrupted
+run's except the timings. A partial run of another grid, or a damaged file, is moved
 into ``earlier-<time>/`` (never deleted), and the run starts over. ``evaluate.py`` removes the file once
 results.json is written.
 """
@@ -17,7 +17,8 @@ import json
 import os
 from pathlib import Path
 
-from learnkv.atomic import ensure_dir
+from learnkv.atomic import ensure_dir, write_text_atomic
+from learnkv.eval.report import keep_aside
 
 PARTIAL = "partial.jsonl"
 FORMAT = 1
@@ -55,12 +56,6 @@ def _differences(old: dict, new: dict) -> list[str]:
     return [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
 
 
-def _move_aside(out_dir: Path, path: Path) -> Path:
-    from learnkv.eval.report import keep_aside
-
-    return keep_aside(out_dir, [path])
-
-
 def open_partial(out_dir: str | Path, identity: dict) -> tuple[dict, str | None]:
     """The finished runs of an earlier run of this grid in ``out_dir`` and a line saying what was found.
 
@@ -89,7 +84,7 @@ def open_partial(out_dir: str | Path, identity: dict) -> tuple[dict, str | None]
     if not isinstance(head, dict) or head.get("identity") != identity:
         why = ("is damaged" if head == "damaged" or not isinstance(head, dict) else
                f"is a run of another grid ({', '.join(_differences(head.get('identity') or {}, identity))} differ)")
-        keep = _move_aside(out_dir, path)
+        keep = keep_aside(out_dir, [path])
         _start(path, identity)
         return finished, f"{path} {why}; moved to {keep}/, starting over"
     for entry in entries:
@@ -105,10 +100,7 @@ def _start(path: Path, identity: dict) -> None:
 
 
 def _write_lines(path: Path, lines: list[str]) -> None:
-    """Replace ``path`` by these lines at once (a reader never sees half of them)."""
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in lines))
 
 
 def append_run(out_dir: str | Path, entry: dict) -> None:

@@ -252,8 +252,8 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
     progress : bool or None
         A tqdm bar over prompts and runs (None: only on a terminal; True: also into a log, every 30 s).
     resume_dir : path, optional
-        Keep every finished batch of prompts in ``resume_dir/partial.jsonl`` and skip the batches an earlier,
-        killed run of the same grid finished there (`learnkv.eval.checkpoint`).
+        Keep every finished (policy, budget) of each batch of prompts in ``resume_dir/partial.jsonl`` and skip what
+        an earlier, killed run of the same grid finished there (`learnkv.eval.checkpoint`).
 
     Returns
     -------
@@ -294,9 +294,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
             stored = finished.get((task.name, tuple(ids)), {})  # (label, budget) -> what a killed run finished
             if all((run.label, b) in stored for run, b in keys):
                 for run, b in keys:
-                    entry = stored[run.label, b]
-                    _keep(per_prompt, costs, first_params, (run, b), ids, entry["metrics"], entry["costs"],
-                          entry["params"])
+                    _keep(per_prompt, costs, first_params, (run, b), ids, *_stored(stored[run.label, b]))
                 bar.update(per_batch * len(batch))
                 continue
             refs = task.reference_batch(model, tokenizer, batch)
@@ -306,39 +304,45 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
             for run, b in keys:
                 budgets = _budgets_for(run, b, finals)
                 key = (run.label, tuple(budgets))
-                if (entry := stored.get((run.label, b))) is not None:
-                    if key not in done:
-                        done[key] = (entry["metrics"], entry["costs"], entry["params"])
-                        bar.update(len(batch))
-                elif key not in done:
+                entry = stored.get((run.label, b))
+                if entry is not None:
+                    result = _stored(entry)
+                elif key in done:
+                    result = done[key]
+                else:
                     _check(task, spec, run, batch, budgets, b)
                     metrics, row_costs, params = [None] * len(batch), [None] * len(batch), None
                     for group in _groups(run, spec.prefill, task, budgets):
                         cfg = RunConfig(run.name, run.params, [budgets[i] for i in group],
                                         (spec.prefill.name, spec.prefill.params) if spec.prefill else None)
                         t0 = time.perf_counter()
-                        m, result = task.run_batch(model, tokenizer, [batch[i] for i in group],
-                                                   [refs[i] for i in group], cfg)
+                        m, generated = task.run_batch(model, tokenizer, [batch[i] for i in group],
+                                                      [refs[i] for i in group], cfg)
                         share = (time.perf_counter() - t0) / len(group)
-                        decoded += sum(result.new_tokens)
+                        decoded += sum(generated.new_tokens)
                         bar.set_postfix(tokens=decoded, tok_s=f"{decoded / (time.perf_counter() - t_start):.1f}",
                                         refresh=False)
                         for j, i in enumerate(group):
-                            metrics[i], row_costs[i] = m[j], _cost_row(result, j, share)
-                        params = params or result.params
-                    done[key] = (metrics, row_costs, params)
+                            metrics[i], row_costs[i] = m[j], _cost_row(generated, j, share)
+                        params = params or generated.params
+                    result = (metrics, row_costs, params)
+                if key not in done:
+                    done[key] = result
                     bar.update(len(batch))
-                metrics, row_costs, params = done[key] if entry is None else (entry["metrics"], entry["costs"],
-                                                                              entry["params"])
                 if entry is None and resume_dir is not None:
                     checkpoint.append_run(resume_dir, {"task": task.name, "ids": ids, "policy": run.label, "budget": b,
-                                                       "metrics": metrics, "costs": row_costs, "params": params})
-                _keep(per_prompt, costs, first_params, (run, b), ids, metrics, row_costs, params)
+                                                       "metrics": result[0], "costs": result[1], "params": result[2]})
+                _keep(per_prompt, costs, first_params, (run, b), ids, *result)
         bar.close()
         for run, b in keys:
             records.append(_record(task, run, b, prompts, per_prompt[run, b], costs[run, b], first_params.get((run, b)),
                                    spec, model, model_name))
     return records
+
+
+def _stored(entry: dict) -> tuple[list, list, dict | None]:
+    """A run read back from partial.jsonl: its per-prompt metrics and costs and its resolved parameters."""
+    return entry["metrics"], entry["costs"], entry["params"]
 
 
 def _keep(per_prompt: dict, costs: dict, first_params: dict, run_b: tuple, ids: list[str], metrics: list,
