@@ -175,6 +175,7 @@ def decode_step_ms(model, policy: str, B: int, T: int, budget: int | None, steps
     """Milliseconds per decode step over a cache pre-filled with ``T`` random tokens, through `BudgetCache`, and
     the slack the cache applied (0 for policies that always compact)."""
     from learnkv.cache import BudgetCache
+    from learnkv.model import cache_kwargs
     from learnkv.policies import make_policy
 
     cfg = model.config
@@ -198,7 +199,7 @@ def decode_step_ms(model, policy: str, B: int, T: int, budget: int | None, steps
         nonlocal pos
         for _ in range(steps):
             cache.begin_step(pos)
-            model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1,
+            model(input_ids=tok, position_ids=pos, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1,
                   learnkv_cache=cache)  # fmt: skip
             cache.end_step()
             pos = pos + 1

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from learnkv import attention
+from learnkv.model import cache_kwargs
 from learnkv.cache import BudgetCache, blind_prefill_error
 from learnkv.policies import Policy, make_policy
 from learnkv.policies.base import resolve_rows
@@ -379,7 +380,7 @@ def generate(
         out = model(
             input_ids=ids,
             position_ids=pos.clamp(min=0),
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             use_cache=True,
             logits_to_keep=1,
             learnkv_cache=cache,

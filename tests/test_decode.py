@@ -158,3 +158,18 @@ def test_prefill_longer_than_budget_is_compressed(tiny):
     result = generate(tiny, input_ids=ids, policy="snapkv", budget=16, max_new_tokens=4)
     assert result.kept_per_step[0] == [16, 16]
     assert result.peak_kv_bytes == 50 * 2 * tiny.config.num_hidden_layers * 2 * 16 * 4  # the prompt, transiently
+
+
+def test_decoding_hands_the_cache_under_the_name_this_transformers_expects(tiny):
+    """transformers 5.24 deprecated `past_key_values`; the old name warns on every forward, the new one is absent
+    before it. `cache_kwargs` picks the one forward takes, so decoding warns about neither."""
+    import inspect
+    import warnings
+
+    from learnkv.model import cache_kwargs
+
+    (name,) = cache_kwargs(tiny, None)
+    assert name in inspect.signature(type(tiny).forward).parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        generate(tiny, input_ids=random_ids(12, seed=3), policy="h2o", budget=8, max_new_tokens=4)

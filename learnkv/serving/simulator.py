@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
+from learnkv.model import cache_kwargs
+
 NULL_BLOCK = 0
 
 
@@ -214,7 +216,7 @@ class PagedSimulator:
         cache.step_positions = pos
         self.runtime.begin_step(req.req_id, q)
         with torch.no_grad():
-            out = self.model(input_ids=ids[None], position_ids=pos, past_key_values=cache, use_cache=True,
+            out = self.model(input_ids=ids[None], position_ids=pos, **cache_kwargs(self.model, cache), use_cache=True,
                              logits_to_keep=1, learnkv_cache=cache)
         req.n_tokens += q
         req.tokens.append(int(out.logits[0, -1].argmax()))

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from learnkv.cache import BudgetCache
+from learnkv.model import cache_kwargs
 from learnkv.policies.base import LayerView, Policy
 from learnkv.traces.record import (Decision, Riders, add_labels, horizon_fits, label_keep, new_labels, resident,
                                    row_steps, step_labels, teacher_view)
@@ -219,7 +220,7 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
     for s in range(horizon):
         pos = (start + s)[:, None]
         cache.begin_step(pos, [1] * R)
-        model(input_ids=tokens[:, s:s + 1], position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1,
+        model(input_ids=tokens[:, s:s + 1], position_ids=pos, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1,
               learnkv_cache=cache)
         cache.end_step()
     return [[{k: v[i, :, n_max - n[i]:].cpu() for k, v in observer.labels[layer].items()} for layer in range(n_layers)]
