@@ -27,6 +27,7 @@ and padding need no 2D mask. That is also what lets an evicted slot stay in plac
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -68,9 +69,10 @@ class BudgetLayer(DynamicLayer):
     Keys, values, positions and policy state live in buffers preallocated along the slot axis, so a decode step
     writes its one new slot instead of concatenating the whole cache (`DynamicLayer` does that, copying every slot
     every step); ``keys``, ``values``, ``positions`` and each ``state`` entry are views of the first ``n_slots``.
-    A policy that updates its state in place (the Triton path) keeps the views; one that rebinds an entry to a new
-    tensor (the torch path) has it copied into a fresh buffer at the next append, which costs what a concatenation
-    did.
+    The state entries share one buffer per dtype, ``[B, H, S, C]`` (each entry a run of its ``S`` channels), so a
+    compaction gathers every entry in one op, not one op each (the learned policy's tracker keeps ten entries). A
+    policy that updates its state in place keeps the views; one that rebinds an entry to a new tensor has it copied
+    back into its channels at the next append or compaction (one copy, what a concatenation cost).
 
     ``live`` counts each row's live tokens (position >= 0), on the host, so deciding whether a row is over its
     budget needs no device synchronisation. Evicted slots are compacted away at once, or, with the cache's
@@ -87,7 +89,9 @@ class BudgetLayer(DynamicLayer):
         self.n_new = 0
         self.live: list[int] = []  # per row: live tokens, the same in every KV head of the row
         self._buffers: tuple[Tensor, Tensor, Tensor] | None = None  # keys, values [B, H, C, D]; positions [B, H, C]
-        self._state_buffers: dict[str, Tensor] = {}  # [B, H, ..., C] behind each state entry
+        self._packed: dict[torch.dtype, Tensor] = {}  # [B, H, S, C] per dtype: every state entry's channels
+        self._layout: dict[str, tuple[torch.dtype, int, tuple[int, ...]]] = {}  # entry -> dtype, first channel, shape
+        self._channels: dict[str, Tensor] = {}  # entry -> its [B, H, ..., C] view of the packed buffer
 
     @property
     def n_slots(self) -> int:
@@ -135,27 +139,54 @@ class BudgetLayer(DynamicLayer):
         self._buffers = (kb, vb, pb)
 
     def _append_state(self, n: int, q: int) -> None:
-        """Grow every state entry by ``q`` zero slots, in place where the entry is still a view of its buffer.
+        """Grow every state entry by ``q`` zero slots, in place where the entry is still a view of its channels.
 
-        A state buffer is zero past the slots in use (allocated so, and a view ``[..., :n]`` cannot write past
-        them), so growing a view into its buffer writes nothing: a decode step costs no op per state entry."""
-        buffers = {}
-        for name, t in self.state.items():
-            buf = self._state_buffer(name, t)
-            if buf is None or buf.shape[-1] < n + q:
-                buf = t.new_zeros(*t.shape[:-1], self.capacity)
-                buf[..., :n] = t
-            buffers[name] = buf
-            self.state[name] = buf[..., : n + q]
-        self._state_buffers = buffers
+        The packed buffers are zero past the slots in use (allocated so, and a view ``[..., :n]`` cannot write past
+        them), so growing a view into its channels writes nothing: a decode step costs no op per state entry."""
+        if not self.state:
+            return
+        self._pack_state(n, n + q)
+        for name, full in self._channels.items():
+            self.state[name] = full[..., : n + q]
 
-    def _state_buffer(self, name: str, t: Tensor) -> Tensor | None:
-        """The buffer behind state entry ``name`` if ``t`` is still its prefix view (the policy updated it in place),
-        else None (the policy rebound the entry to a tensor of its own)."""
-        buf = self._state_buffers.get(name)
-        if buf is None or t.data_ptr() != buf.data_ptr():
-            return None
-        return buf if t.stride() == buf.stride() and t.shape[:-1] == buf.shape[:-1] else None
+    def _pack_state(self, n: int, need: int) -> None:
+        """Make every state entry (``n`` slots) live in the packed buffers, with room for ``need`` slots: copy the
+        entries the policy rebound into their channels, or lay the buffers out anew when the entries' names, shapes
+        or dtypes changed or they are out of room."""
+        state, channels = self.state, self._channels
+        same = state.keys() == channels.keys() and all(
+            t.dtype == channels[k].dtype and t.shape[:-1] == channels[k].shape[:-1] for k, t in state.items()
+        )
+        if same and next(iter(self._packed.values())).shape[-1] >= need:
+            for name, t in state.items():
+                full = channels[name]
+                if t.data_ptr() != full.data_ptr() or t.stride() != full.stride():
+                    full[..., :n] = t  # rebound by the policy; past n the channels are still zero
+            return
+        self._layout, widths = {}, {}
+        for name, t in state.items():
+            extra = tuple(t.shape[2:-1])
+            self._layout[name] = (t.dtype, widths.get(t.dtype, 0), extra)
+            widths[t.dtype] = widths.get(t.dtype, 0) + math.prod(extra)
+        B, H = next(iter(state.values())).shape[:2]
+        device = next(iter(state.values())).device
+        self._packed = {dtype: torch.zeros((B, H, width, max(self.capacity, need)), dtype=dtype, device=device)
+                        for dtype, width in widths.items()}  # fmt: skip
+        self._view_channels()
+        for name, t in state.items():
+            self._channels[name][..., :n] = t
+
+    def _view_channels(self) -> None:
+        """Each entry's whole-capacity view of its channels in the packed buffers (per `_layout`)."""
+        self._channels = {}
+        for name, (dtype, first, extra) in self._layout.items():
+            buf = self._packed[dtype]
+            self._channels[name] = buf[:, :, first] if not extra else buf[:, :, first : first + math.prod(extra)].unflatten(2, extra)
+
+    def state_buffers(self) -> dict[str, Tensor]:
+        """Each state entry's whole-capacity view of the packed buffers (tests check they are zero past the slots
+        in use)."""
+        return dict(self._channels)
 
     def _view(self, n: int) -> None:
         kb, vb, pb = self._buffers
@@ -163,7 +194,7 @@ class BudgetLayer(DynamicLayer):
 
     def drop_state(self) -> None:
         """Forget the policy state (the prefill policy's, once the decode policy takes over)."""
-        self.state, self._state_buffers = {}, {}
+        self.state, self._packed, self._layout, self._channels = {}, {}, {}, {}
 
     def evict(self, index: Tensor, slack: int, live: list[int] | None = None) -> None:
         """Keep the slots ``index [B, H, K]`` (ascending, -1 = none, see `kernels.select_keep`): mark the rest dead,
@@ -186,6 +217,8 @@ class BudgetLayer(DynamicLayer):
         """Compact keys, values, positions and state to the slots ``index [B, H, K]`` (ascending; a -1 entry becomes a
         dead slot with zero state, like left padding)."""
         K = index.shape[-1]
+        if self.state:
+            self._pack_state(self.n_slots, self.n_slots)  # entries the policy rebound this step, into their channels
         old = self._buffers
         filler = index < 0
         C = self.owner.slots_to_allocate(K, 0)
@@ -203,17 +236,16 @@ class BudgetLayer(DynamicLayer):
         has_filler = bool(filler.any())  # a synchronisation, only when compacting
         if has_filler:
             self.positions.masked_fill_(filler, -1)
-        buffers = {}
-        for name, t in self.state.items():
-            src = self._state_buffer(name, t)
-            src = t if src is None else src  # the whole buffer, which is contiguous
-            buffers[name] = kernels.gather_tokens(src, index, -1)
-            buffers[name][..., K:] = 0  # zero past the slots in use, as `_append_state` expects
-            self.state[name] = buffers[name][..., :K]
+        if not self.state:
+            return
+        for dtype, buf in self._packed.items():
+            new = self._packed[dtype] = kernels.gather_tokens(buf, index, -1)  # every entry of this dtype at once
+            new[..., K:] = 0  # zero past the slots in use, as `_append_state` expects
             if has_filler:  # zero, as the state of a padding slot that was never attended
-                mask = filler.view(*filler.shape[:2], *([1] * (t.dim() - 3)), K)
-                self.state[name].masked_fill_(mask, 0)
-        self._state_buffers = buffers
+                new[..., :K].masked_fill_(filler[:, :, None, :], 0)
+        self._view_channels()
+        for name, full in self._channels.items():
+            self.state[name] = full[..., :K]
 
 
 class BudgetCache(Cache):

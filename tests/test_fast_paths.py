@@ -135,7 +135,7 @@ def test_state_buffers_are_zero_past_the_slots_in_use(tiny, policy, slack):
 
     def observe(cache):
         for layer in cache.layers:
-            for name, buf in layer._state_buffers.items():
+            for name, buf in layer.state_buffers().items():
                 assert not buf[..., layer.n_slots :].any(), f"step {cache.step}: {name} not zero past the slots in use"
                 checked.append(name)
 
