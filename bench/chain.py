@@ -1,7 +1,7 @@
 """How long and how right the full cache is on chain prompts: the measurement that sets the `chain` task's size.
 
     python bench/chain.py --model smollm2-135m-instruct --n 8 --batch 4
-    python bench/chain.py --model qwen2.5-coder-0.5b-instruct --n 8 --batch 4 --max-new-tokens 2048
+    python bench/chain.py --model qwen2.5-coder-0.5b-instruct --n 8 --batch 4
 
 Greedy, full cache, ``stop_at_eos=True``, held-out (test split) prompts decoded in left-padded batches (each row
 exactly as alone). Prints per prompt the generated tokens, whether it hit the cap, per-problem and final-answer
@@ -50,6 +50,16 @@ def bootstrap(per_prompt: list[tuple[int, int]], reps: int = 2000, seed: int = 0
     return stats[int(0.025 * reps)], stats[int(0.975 * reps) - 1]
 
 
+def chain_tokens(tokenizer, text: str, n_problems: int) -> int | None:
+    """Tokens of the completion up to the end of its ``Answer {n_problems}:`` line (None if it never gets there):
+    how long the chain itself is, whatever the model writes after it."""
+    at = text.find(f"Answer {n_problems}:")
+    if at < 0:
+        return None
+    end = text.find("\n", at)
+    return len(tokenizer(text[: len(text) if end < 0 else end], add_special_tokens=False)["input_ids"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -57,7 +67,7 @@ def main() -> None:
     p.add_argument("--start", type=int, default=0,
                    help="skip this many held-out prompts (to split a run over processes)")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--max-new-tokens", type=int, default=1536)
     p.add_argument("--n-problems", type=int, default=None)
     p.add_argument("--n-facts", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -72,16 +82,18 @@ def main() -> None:
     rows, t0 = [], time.perf_counter()
     for i in range(0, len(prompts), args.batch):
         batch = prompts[i: i + args.batch]
-        ids, mask = encode_chain(tok, [q.text for q in batch])
+        ids, mask = encode_chain(tok, [q.text for q in batch], [q.meta["response_prefix"] for q in batch])
         r = generate(model, tok, input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
                      stop_at_eos=True, progress=True)
         for q, n, text in zip(batch, r.new_tokens, r.texts):
-            g = grade_chain(text, q.meta["answers"])
+            g = grade_chain(text, q.meta["answers"], given=q.meta["given"])
             row = {"id": q.id, "generated_tokens": n, "capped": n >= args.max_new_tokens,
-                   "correct": g["correct"], "n_problems": len(q.meta["answers"]), "final": g["final_correct"],
-                   "answered": g["answered"], "text": text}
+                   "correct": g["correct"], "n_problems": g["graded"], "final": g["final_correct"],
+                   "answered": g["answered"], "chain_tokens": chain_tokens(tok, text, len(q.meta["answers"])),
+                   "text": text}
             rows.append(row)
-            print(f"{q.id}: {n} tokens{' (cap)' if row['capped'] else ''}, {row['correct']}/{row['n_problems']} "
+            print(f"{q.id}: {n} tokens{' (cap)' if row['capped'] else ''}, the last problem answered at "
+                  f"{row['chain_tokens']}, {row['correct']}/{row['n_problems']} "
                   f"right, {row['answered']} answered, final {'right' if row['final'] else 'wrong'}", flush=True)
     elapsed = time.perf_counter() - t0
     lengths = [r["generated_tokens"] for r in rows]
@@ -93,6 +105,8 @@ def main() -> None:
         "model": args.model, "n_prompts": len(rows), "max_new_tokens": args.max_new_tokens,
         "median_generated_tokens": statistics.median(lengths), "mean_generated_tokens": statistics.mean(lengths),
         "min_generated_tokens": min(lengths), "capped": sum(r["capped"] for r in rows),
+        "median_chain_tokens": statistics.median([r["chain_tokens"] or 0 for r in rows]),
+        "reached_last_problem": sum(r["chain_tokens"] is not None for r in rows),
         "per_problem_accuracy": k / n, "wilson95": [lo, hi], "bootstrap95": [blo, bhi],
         "final_accuracy": finals / len(rows), "final_wilson95": list(wilson(finals, len(rows))),
         "seconds": round(elapsed), "threads": args.threads, "date": time.strftime("%Y-%m-%d"),

@@ -247,8 +247,8 @@ def cmd_recurrence(args) -> None:
     from learnkv.decode import encode_prompts
     from learnkv.eval.tasks.chain import encode_chain
 
-    # a chain prompt starts the reply as the chain task does (`learnkv.chains.RESPONSE_PREFIX`)
-    inputs = [encode_chain(tokenizer, [p.text], p.meta["response_prefix"])[0] if "response_prefix" in p.meta
+    # a chain prompt starts the reply as the chain task does (`learnkv.chains.ChainProblem.reply_prefix`)
+    inputs = [encode_chain(tokenizer, [p.text], [p.meta["response_prefix"]])[0] if "response_prefix" in p.meta
               else encode_prompts(tokenizer, p.text)[0] for p in prompts]
     runs = observe_recurrence(model, tokenizer, inputs, args.max_new_tokens, progress=sys.stderr.isatty())
     for p, run in zip(prompts, runs):

@@ -5,12 +5,14 @@ condition stated at the start) becomes important again much later. Here that is 
 few *facts* (``Fact A: each box holds 6 pens.``), then states ``n_problems`` one- or two-step word problems. Problem
 k may use "the answer to Problem j" for some j well before k, and a fact from the top of the prompt, so a correct
 answer late in the output needs tokens written (or read) long before. The model is told to solve them in order,
-writing for each a ``Problem k`` line, then Question, Needed, Work and ``Answer k: N`` lines (one worked example
-shows the format), and a last ``#### N`` line; its reply is started with ``Problem 1`` (`RESPONSE_PREFIX`).
+writing for each its ``Problem k: ...`` line copied from the prompt, then ``Work:`` (with any earlier answer or
+fact written in as its value) and ``Answer k: N`` lines, and a last ``#### N`` line. Its reply starts with the first
+`N_GIVEN` problems already solved that way (`ChainProblem.reply_prefix`): the format is shown on the chain itself,
+not by an example a small model would copy.
 
 Everything is seeded (`random.Random` of a hash of the seed and index) and integer-valued; the generator computes
-every gold answer. Numbers stay small (answers 2-400) so a 0.5B model can do the arithmetic: what is measured is
-whether it can still find the operands.
+every gold answer and the worked solution. Numbers stay small (answers 2-400) so a 0.5B model can do the
+arithmetic: what is measured is whether it can still find the operands.
 
     >>> from learnkv.chains import chain_problem
     >>> p = chain_problem(seed=0, index=3)
@@ -25,7 +27,7 @@ import re
 from dataclasses import dataclass
 
 #: problems per prompt and facts stated at its top, by default (chosen by measurement: docs/tasks-notes.md)
-N_PROBLEMS = 24
+N_PROBLEMS = 30
 N_FACTS = 4
 MAX_ANSWER = 400
 
@@ -45,23 +47,20 @@ FACTS = (
 )
 FACT_LETTERS = "ABCDEFGH"
 
-INSTRUCTION = """Solve all {n} problems above in order, from Problem 1 to Problem {n}. Some use a fact from the \
-list and some use the answer to an earlier problem: look it up in your own earlier work. For every problem write \
-its number, then four lines: Question (copy the problem's text), Needed (each number it needs and where it comes \
-from), Work (the calculation) and Answer. For example, for "Lena gets as many boxes of pears as the answer to Problem 9. Using \
-Fact X, how many pears is that?" you would write:
+INSTRUCTION = """Solve all {n} problems above in order, from Problem 1 to Problem {n}, and stop after Problem \
+{n}. Some use a fact from the list and some use the answer to an earlier problem: look it up in your own earlier \
+work. For every problem copy its line ("Problem k: ..."), then write two lines: Work (the calculation, with the \
+numbers it needs written in) and "Answer k: N". After Problem {n}, write one last line "#### " followed by the \
+answer to Problem {n}."""
 
-Problem 0
-Question: Lena gets as many boxes of pears as the answer to Problem 9. Using Fact X, how many pears is that?
-Needed: the answer to Problem 9 was 12. Fact X says each box holds 5 pears.
-Work: 12 * 5 = 60.
-Answer 0: 60
-
-After the last problem, write one more line "#### " followed by the answer to Problem {n}. Start with Problem 1."""
-
-#: the start of the model's reply, fed after the chat template's assistant header: small models otherwise copy the
-#: problem list or jump to the last line; with it, both bundled models write the format above problem by problem
-RESPONSE_PREFIX = "Problem 1\nQuestion:"
+#: problems solved at the start of the model's reply (`ChainProblem.reply_prefix`). Measured (docs/tasks-notes.md):
+#: with a worked example inside the instruction SmolLM2 copied the example until the length cap; with no example
+#: it wrote its own format and fell into a loop within a problem or two; with the first problems of its own chain
+#: solved in the reply it goes on problem by problem, copying each problem's line from the prompt, and so does
+#: Qwen2.5-Coder-0.5B. Three, because Problem 3 is the first that can look something up (`chain_problem`). A
+#: ``Uses:`` line citing the looked-up answers and facts was tried and dropped: Qwen copied the previous problem's
+#: citations and computed with them (per-problem accuracy 0.14, n = 4 prompts).
+N_GIVEN = 3
 
 # "Answer 3: ...", "**Answer:** ...", not "the answer to Problem 3: ..." (a later problem citing it)
 _ANSWER_LINE = re.compile(r"\banswer\s*(\d+)?\s*\**\s*[:=]([^\n]*)", re.I)
@@ -83,12 +82,22 @@ class ChainProblem:
         For each problem, the (1-based) problem whose answer it uses, or None.
     facts : tuple of int or None
         For each problem, the (0-based) fact it uses, or None.
+    solution : tuple of str
+        Each problem solved in the asked format (`worked`): the reference chain of thought.
+    given : int
+        How many problems the reply starts with, solved (`N_GIVEN`, fewer on a chain shorter than that). They
+        show the format and are not graded.
+    reply_prefix : str
+        The start of the model's reply: the ``given`` solved problems, then ``Problem {given + 1}:``.
     """
 
     text: str
     answers: tuple[str, ...]
     depends: tuple[int | None, ...]
     facts: tuple[int | None, ...]
+    solution: tuple[str, ...]
+    given: int
+    reply_prefix: str
 
 
 def _rng(*parts: object) -> random.Random:
@@ -107,57 +116,70 @@ def _pick_facts(rng: random.Random, n_facts: int) -> list[tuple[str, str, str, i
     return out
 
 
-def _base_problem(rng: random.Random, name: str, item: str) -> tuple[str, int]:
-    """A problem that needs nothing earlier: one or two steps on numbers in the text."""
+def _base_problem(rng: random.Random, name: str, item: str) -> tuple[str, int, str]:
+    """A problem that needs nothing earlier: one or two steps on numbers in the text; (text, answer, work)."""
     a, b = rng.randint(12, 60), rng.randint(3, 11)
     kind = rng.randrange(3)
     if kind == 0:
-        return f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", a + b
+        return f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", a + b, f"{a} + {b}"
     if kind == 1:
-        c = rng.randint(2, 9)
-        return (f"{name} buys {c} packs of {b} {item} each and already had {a % 20 + 2}. How many {item} does "
-                f"{name} have in total?", c * b + a % 20 + 2)
-    return f"{name} has {a + b} {item} and gives {b} away. How many {item} are left?", a
+        c, had = rng.randint(2, 9), a % 20 + 2
+        return (f"{name} buys {c} packs of {b} {item} each and already had {had}. How many {item} does "
+                f"{name} have in total?", c * b + had, f"{c} * {b} + {had}")
+    return f"{name} has {a + b} {item} and gives {b} away. How many {item} are left?", a, f"{a + b} - {b}"
 
 
 def _linked_problem(rng: random.Random, name: str, item: str, j: int, prev: int,
-                    fact: tuple[int, tuple[str, str, str, int]] | None) -> tuple[str, int]:
-    """A problem on the answer to Problem ``j`` (value ``prev``), and on a fact if one is given."""
+                    fact: tuple[int, tuple[str, str, str, int]] | None) -> tuple[str, int, str]:
+    """A problem on the answer to Problem ``j`` (value ``prev``), and on a fact if one is given; (text, answer,
+    work)."""
     ref = f"the answer to Problem {j}"
     if fact is not None:
         k, (_, unit, qty, v) = fact
         letter = FACT_LETTERS[k]
         if prev * v <= MAX_ANSWER and rng.random() < 0.6:
-            return f"{name} gets as many {unit} as {ref}. Using Fact {letter}, how many {qty} is that?", prev * v
+            return (f"{name} gets as many {unit} as {ref}. Using Fact {letter}, how many {qty} is that?", prev * v,
+                    f"{prev} * {v}")
         c = rng.randint(2, 6)
         return (f"{name} gets {c} {unit} and then {ref} more {qty}. Using Fact {letter}, how many {qty} does "
-                f"{name} have in total?", c * v + prev)
+                f"{name} have in total?", c * v + prev, f"{c} * {v} + {prev}")
     options = []
     if prev + 20 <= MAX_ANSWER:
         b = rng.randint(4, 20)
-        options.append((f"{name} starts with {ref} {item} and finds {b} more. How many {item} now?", prev + b))
+        options.append((f"{name} starts with {ref} {item} and finds {b} more. How many {item} now?", prev + b,
+                        f"{prev} + {b}"))
     if prev > 8:
         b = rng.randint(2, min(prev - 2, 15))
-        options.append((f"{name} takes {ref} {item} and uses {b} of them. How many are left?", prev - b))
+        options.append((f"{name} takes {ref} {item} and uses {b} of them. How many are left?", prev - b,
+                        f"{prev} - {b}"))
     divisors = [d for d in range(2, 10) if prev % d == 0 and prev // d >= 2]
     if divisors:
         d = rng.choice(divisors)
         options.append((f"{ref.capitalize()} {item} are shared equally among {d} friends. How many does each "
-                        f"friend get?", prev // d))
+                        f"friend get?", prev // d, f"{prev} / {d}"))
     if prev * 2 <= MAX_ANSWER:
-        options.append((f"{name} has twice {ref} {item}. How many {item} does {name} have?", 2 * prev))
+        options.append((f"{name} has twice {ref} {item}. How many {item} does {name} have?", 2 * prev,
+                        f"2 * {prev}"))
     return rng.choice(options)
+
+
+def worked(k: int, text: str, work: str, answer: int | str) -> str:
+    """Problem ``k`` solved in the asked format: its line, the work (with any looked-up value written in) and the
+    answer."""
+    return f"Problem {k}: {text}\nWork: {work} = {answer}\nAnswer {k}: {answer}\n"
 
 
 def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: int = N_FACTS) -> ChainProblem:
     """Chain prompt number ``index`` of data seed ``seed`` (deterministic).
 
-    Problems 1 and 2 stand alone; each later one is, with probability 0.35 each, linked (it uses the answer to a
-    problem at least two before it, drawn from the first half of those, so the distance grows with the chain; about
-    half of the linked ones also use a fact) or a fact problem (a count of units times the value a fact at the top
-    of the prompt gives, by then hundreds of tokens back), else it stands alone. Facts not yet used go first.
-    The mix is set by measurement (docs/tasks-notes.md): Qwen2.5-Coder-0.5B looks facts up in the prompt well but
-    rarely resolves "the answer to Problem j", so an all-linked chain would leave nothing to measure under eviction.
+    Problems 1 and 2 stand alone; Problem 3 uses the answer to Problem 1 and a fact (so the reply's worked start,
+    ``reply_prefix``, shows both kinds of look-up); each later one is, with probability 0.35 each, linked (it uses
+    the answer to a problem at least two before it, drawn from the first half of those, so the distance grows with
+    the chain; about half of the linked ones also use a fact) or a fact problem (a count of units times the value a
+    fact at the top of the prompt gives, by then hundreds of tokens back), else it stands alone. Facts not yet used
+    go first. The mix is set by measurement (docs/tasks-notes.md): Qwen2.5-Coder-0.5B looks facts up in the prompt
+    well but rarely resolves "the answer to Problem j", so an all-linked chain would leave nothing to measure under
+    eviction.
     """
     if n_problems < 2 or n_facts < 1 or n_facts > len(FACTS):
         raise ValueError(f"a chain needs n_problems >= 2 and 1 <= n_facts <= {len(FACTS)}, got "
@@ -167,12 +189,12 @@ def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: 
     unused_facts = list(range(n_facts))
     rng.shuffle(unused_facts)
     names = rng.sample(NAMES, min(len(NAMES), n_problems))
-    lines, answers, depends, used = [], [], [], []
+    lines, answers, depends, used, solution = [], [], [], [], []
     for k in range(1, n_problems + 1):
         name, item = names[(k - 1) % len(names)], rng.choice(ITEMS)
-        draw = rng.random()
+        draw = 0.0 if k == 3 else rng.random()
         if k <= 2 or draw >= 0.7:
-            text, value = _base_problem(rng, name, item)
+            text, value, work = _base_problem(rng, name, item)
             dep = fact_i = None
         elif draw >= 0.35:
             dep = None
@@ -180,37 +202,41 @@ def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: 
             _, unit, qty, v = facts[fact_i]
             c = rng.randint(2, 9)
             text = f"{name} gets {c} {unit}. Using Fact {FACT_LETTERS[fact_i]}, how many {qty} is that?"
-            value = c * v
+            value, work = c * v, f"{c} * {v}"
         else:
             dep = rng.randint(1, max(1, (k - 1) // 2))
             fact_i = None
-            if rng.random() < 0.5 or (unused_facts and n_problems - k < len(unused_facts)):
+            if k == 3 or rng.random() < 0.5 or (unused_facts and n_problems - k < len(unused_facts)):
                 fact_i = unused_facts.pop() if unused_facts else rng.randrange(n_facts)
             fact = None if fact_i is None else (fact_i, facts[fact_i])
-            text, value = _linked_problem(rng, name, item, dep, answers[dep - 1], fact)
+            text, value, work = _linked_problem(rng, name, item, dep, answers[dep - 1], fact)
         if not 0 < value <= MAX_ANSWER * 4:
             raise AssertionError(f"chain generator produced {value} (seed {seed}, index {index}, problem {k})")
         lines.append(f"Problem {k}: {text}")
+        solution.append(worked(k, text, work, value))
         answers.append(value)
         depends.append(dep)
         used.append(fact_i)
     fact_lines = [f"Fact {FACT_LETTERS[i]}: {text}" for i, (text, *_) in enumerate(facts)]
     body = "\n".join(["Facts:", *fact_lines, "", "Problems:", *lines, "", INSTRUCTION.format(n=n_problems)])
-    return ChainProblem(body, tuple(str(a) for a in answers), tuple(depends), tuple(used))
+    given = min(N_GIVEN, n_problems - 1)
+    prefix = "\n".join(solution[:given]) + f"\nProblem {given + 1}:"
+    return ChainProblem(body, tuple(str(a) for a in answers), tuple(depends), tuple(used), tuple(solution), given,
+                        prefix)
 
 
-def parse_answers(text: str, n_problems: int) -> list[str | None]:
+def parse_answers(text: str, n_problems: int, first: int = 1) -> list[str | None]:
     """Per-problem answers from a completion: the last answer line of each problem (None where missing).
 
     An answer line is ``Answer k: ...``, or ``Answer: ...`` inside the block that a ``Problem k`` line opens (the
-    reply starts inside Problem 1's block, `RESPONSE_PREFIX`). The answer is the number after the line's last ``=``
-    if there is one (``Answer 1: 4 * 5 = 20``), else its first number (``Answer 2: 15 (from Problem 1)``). The last
-    problem's ``#### N`` overrides its answer line. Numbers are normalised as `learnkv.prompts.extract_answer` does.
+    completion starts inside Problem ``first``'s block: `ChainProblem.reply_prefix` ends with its header). The
+    answer is the number after the line's last ``=`` if there is one (``Answer 1: 4 * 5 = 20``), else its first
+    number (``Answer 2: 15 (from Problem 1)``). The last problem's ``#### N`` overrides its answer line. Numbers are normalised as `learnkv.prompts.extract_answer` does.
     """
     from learnkv.prompts import _normalise_number
 
     out: list[str | None] = [None] * n_problems
-    current = 1
+    current = first
     for line in text.splitlines():
         header = _HEADER.match(line)
         if header:

@@ -354,7 +354,8 @@ def _iter_chain(
     n_facts: int | None = None,
 ) -> Iterator[Prompt]:
     """Chain prompts 0, 1, 2, ... of one seed (`learnkv.chains.chain_problem`); the answer is the last problem's,
-    ``meta["answers"]`` holds every problem's."""
+    ``meta["answers"]`` holds every problem's, ``meta["response_prefix"]`` the start of the reply (the first
+    ``meta["given"]`` problems solved)."""
     from learnkv import chains
 
     n_problems = chains.N_PROBLEMS if n_problems is None else n_problems
@@ -367,7 +368,7 @@ def _iter_chain(
             continue
         c = chains.chain_problem(seed, i, n_problems, n_facts)
         meta = {"answers": list(c.answers), "depends": list(c.depends), "facts": list(c.facts),
-                "n_problems": n_problems, "response_prefix": chains.RESPONSE_PREFIX}
+                "n_problems": n_problems, "given": c.given, "response_prefix": c.reply_prefix}
         yield Prompt(pid, "chain", c.text, c.answers[-1], s, meta)
 
 

@@ -44,6 +44,24 @@ def test_gold_answers_follow_from_the_text():
             if "twice" in body:
                 assert int(c.answers[k - 1]) == 2 * int(c.answers[links[0] - 1])
         assert sum(d is not None for d in c.depends) >= 2 and set(c.facts) - {None} == {0, 1, 2, 3}
+        assert c.depends[2] == 1 and c.facts[2] is not None  # Problem 3 shows both look-ups in the reply prefix
+
+
+def test_the_worked_solution_is_the_asked_format_and_grades_right():
+    """Every problem's reference solution copies its line, writes the looked-up values into a correct calculation,
+    and parses to the gold answer; the reply prefix is the first solved problems, then the next problem's header."""
+    for i in range(30):
+        c = chain_problem(0, i)
+        problems = dict(re.findall(r"^(Problem \d+): (.*)$", c.text, re.M))
+        assert parse_answers("\n".join(c.solution), N_PROBLEMS) == list(c.answers)
+        for k, block in enumerate(c.solution, start=1):
+            head, work, answer = block.splitlines()
+            assert head == f"Problem {k}: {problems[f'Problem {k}']}" and answer == f"Answer {k}: {c.answers[k - 1]}"
+            assert eval(work.removeprefix("Work: ").replace(" = ", " == ").replace("/", "//"))  # noqa: S307
+            if c.depends[k - 1] is not None:  # the earlier answer is written in, not its problem number
+                assert c.answers[c.depends[k - 1] - 1] in re.findall(r"\d+", work)
+        assert c.given == 3 and c.reply_prefix == "\n".join(c.solution[:3]) + "\nProblem 4:"
+    assert chain_problem(0, 0, n_problems=2).given == 1  # a short chain keeps a problem to solve
 
 
 def test_bad_chain_sizes():
@@ -67,16 +85,28 @@ def test_parse_answers_and_grading():
     assert grade_chain("", ["1", "2"], reference=[None, None])["agreement"] == 1.0
 
 
-def test_the_reply_starts_in_the_asked_format(smollm2_tokenizer):
-    from learnkv.chains import RESPONSE_PREFIX
+def test_grading_skips_the_given_problems():
+    """The completion starts inside Problem given + 1; only the problems after the given ones count."""
+    text = (" Zoe has 5. How many?\nWork: 5 = 5\nAnswer 3: 5\n\nProblem 4: ...\nWork: 5 * 2 = 10\nAnswer: 10\n")
+    assert parse_answers(text, 4, first=3) == [None, None, "5", "10"]
+    g = grade_chain(text, ["1", "2", "5", "11"], reference=["7", "2", "5", "10"], given=2)
+    assert g["graded"] == 2 and g["correct"] == 1 and g["answered"] == 2 and g["agreement"] == 1.0
+    assert not g["final_correct"]
+    assert parse_answers("Work: 2 + 2 = 4\nAnswer: 4", 3, first=2) == [None, "4", None]
 
+
+def test_the_reply_starts_with_the_first_problems_solved(smollm2_tokenizer):
     tok = smollm2_tokenizer
     prompt = load_prompts("chain", 1, split="test")[0]
-    ids, mask = encode_chain(tok, [prompt.text, "short"])
+    prefix = prompt.meta["response_prefix"]
+    assert prefix == chain_problem(0, int(prompt.id.rsplit("/", 1)[1])).reply_prefix and prompt.meta["given"] == 3
+    ids, mask = encode_chain(tok, [prompt.text, "short"], [prefix, "Problem 1:"])
     text = tok.decode(ids[0])
-    assert text.endswith("<|im_start|>assistant\n" + RESPONSE_PREFIX) and prompt.text in text
+    assert text.endswith("<|im_start|>assistant\n" + prefix) and prompt.text in text
+    assert tok.decode(ids[1]).endswith("assistant\nProblem 1:")
     assert mask[1].sum() < mask[0].sum() and mask[1, 0] == 0  # left padded
-    assert prompt.meta["response_prefix"] == RESPONSE_PREFIX
+    with pytest.raises(ValueError, match="reply prefixes"):
+        encode_chain(tok, [prompt.text], [])
 
 
 class AnswerTokenizer:

@@ -1,14 +1,16 @@
 """Chain: long chains of thought whose late answers need tokens written long before (LazyEviction's pattern).
 
-Each held-out prompt (`learnkv.prompts`, source ``chain``; `learnkv.chains`) states four facts and 24 small
-word problems, later ones using earlier answers and the facts; the model solves them in order, ending each with
-``Answer k: N`` and the last with ``#### N``. With the full cache the bundled SmolLM2 runs to the 2,048-token cap
-on every held-out prompt measured, but by copying the format's worked example, solving nothing
-(docs/tasks-notes.md has the measurement). Per batch of prompts, under each policy and budget:
+Each held-out prompt (`learnkv.prompts`, source ``chain``; `learnkv.chains`) states four facts and 30 small
+word problems, later ones using earlier answers and the facts; the model's reply starts with the first three
+solved (`learnkv.chains.ChainProblem.reply_prefix`) and it goes on in order, copying each problem's line, then
+``Work:`` and ``Answer k: N``, and a last ``#### N``. The given problems are not graded. Measured
+output lengths and accuracy with the full cache are in docs/tasks-notes.md. Per batch of prompts, under each
+policy and budget:
 
 * a free-running greedy decode under the budget, graded:
 
-  - ``problem_accuracy``: share of the prompt's problems answered right (the generator's gold answers);
+  - ``problem_accuracy``: share of the prompt's graded problems (all but the given ones) answered right (the
+    generator's gold answers);
   - ``final_accuracy``: the last problem's answer (``#### N``, else its ``Answer k:`` line) is right;
   - ``answer_agreement``: share of problems whose answer equals the full cache's (both missing counts as equal);
 
@@ -39,41 +41,48 @@ from learnkv.eval.tasks.fidelity import Fidelity, FullRun
 from learnkv.prompts import load_prompts
 
 
-def grade_chain(text: str, gold: list[str], reference: list[str | None] | None = None) -> dict:
+def grade_chain(text: str, gold: list[str], reference: list[str | None] | None = None, given: int = 0) -> dict:
     """Grade one completion of a chain prompt.
 
     Parameters
     ----------
     text : str
-        The completion.
+        The completion (after the reply prefix, which ends with Problem ``given + 1``'s header).
     gold : list of str
-        Gold answer per problem.
+        Gold answer per problem, all of them.
     reference : list of (str or None), optional
         The full cache's parsed answers, for agreement.
+    given : int
+        Problems solved in the reply prefix: not graded.
 
     Returns
     -------
     dict
-        ``parsed`` (answer per problem, None where missing), ``answered``, ``correct`` (counts),
-        ``final_correct`` (bool), ``agreement`` (share of problems agreeing with ``reference``, None without one).
+        ``parsed`` (answer per problem, None where missing), ``graded`` (problems graded), ``answered``,
+        ``correct`` (counts over the graded ones), ``final_correct`` (bool), ``agreement`` (share of graded
+        problems agreeing with ``reference``, None without one).
     """
-    parsed = chains.parse_answers(text, len(gold))
-    right = [p is not None and float(p) == float(g) for p, g in zip(parsed, gold)]
+    parsed = chains.parse_answers(text, len(gold), first=given + 1)
+    pairs = list(zip(parsed, gold))[given:]
+    right = [p is not None and float(p) == float(g) for p, g in pairs]
     agreement = None
     if reference is not None:
-        agreement = sum(p == r for p, r in zip(parsed, reference)) / len(gold)
-    return {"parsed": parsed, "answered": sum(p is not None for p in parsed), "correct": sum(right),
-            "final_correct": right[-1], "agreement": agreement}
+        agreement = sum(p == r for p, r in zip(parsed[given:], reference[given:])) / len(pairs)
+    return {"parsed": parsed, "graded": len(pairs), "answered": sum(p is not None for p, _ in pairs),
+            "correct": sum(right), "final_correct": right[-1], "agreement": agreement}
 
 
-def encode_chain(tokenizer, texts: list[str], response_prefix: str = chains.RESPONSE_PREFIX):
+def encode_chain(tokenizer, texts: list[str], response_prefixes: list[str]):
     """Left-padded ``(input_ids, attention_mask)`` of chain prompts: the chat template with its assistant header,
-    then the start of the reply (``response_prefix``), so the model continues in the asked format."""
+    then the start of each reply (`learnkv.chains.ChainProblem.reply_prefix`), so the model goes on in the asked
+    format."""
+    if len(response_prefixes) != len(texts):
+        raise ValueError(f"{len(texts)} chain prompts but {len(response_prefixes)} reply prefixes")
     if getattr(tokenizer, "chat_template", None):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                               tokenize=False) + response_prefix for t in texts]
+                                               tokenize=False) + pre for t, pre in zip(texts, response_prefixes)]
     else:
-        texts = [f"{t}\n\n{response_prefix}" for t in texts]
+        texts = [f"{t}\n\n{pre}" for t, pre in zip(texts, response_prefixes)]
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -96,7 +105,9 @@ class Chain(Fidelity):
     Parameters
     ----------
     max_new_tokens : int
-        Room for the whole chain (the full cache stops at EOS before it on most prompts, docs/tasks-notes.md).
+        Room for the whole chain: 27 problems of 40-50 tokens end near 1,100-1,300 tokens; both bundled models go on
+        past the last problem rather than stop, so the cap, not EOS, ends most full-cache runs
+        (docs/tasks-notes.md).
     n_problems, n_facts : int
         Problems per prompt and facts stated at its top (`learnkv.chains`).
     """
@@ -105,7 +116,7 @@ class Chain(Fidelity):
     metrics = ("problem_accuracy", "final_accuracy", "answer_agreement") + Fidelity.metrics
     default_limit = 4
 
-    max_new_tokens: int = 2048
+    max_new_tokens: int = 1536
     source: str = "chain"
     n_problems: int = chains.N_PROBLEMS
     n_facts: int = chains.N_FACTS
@@ -120,14 +131,15 @@ class Chain(Fidelity):
             raise ValueError("the chain task needs a tokenizer (or pass token-id samples with meta['answers'])")
         prompts = load_prompts("chain", n=limit, seed=seed, split="test", n_problems=self.n_problems,
                                n_facts=self.n_facts)
-        return [Sample(p.id, encode_chain(tokenizer, [p.text])[0], p.answer, dict(p.meta)) for p in prompts]
+        return [Sample(p.id, encode_chain(tokenizer, [p.text], [p.meta["response_prefix"]])[0], p.answer,
+                       dict(p.meta)) for p in prompts]
 
     def reference_batch(self, model, tokenizer, samples: list[Sample]) -> list[ChainRun]:
         refs = []
         for sample, full in zip(samples, super().reference_batch(model, tokenizer, samples)):
             text = _decode(tokenizer, full.tokens[0])
             refs.append(ChainRun(full.tokens, full.logits, full.attention, full.prompt_len, text,
-                                 grade_chain(text, self.gold(sample))["parsed"]))
+                                 grade_chain(text, self.gold(sample), given=self.given(sample))["parsed"]))
         return refs
 
     def run_batch(self, model, tokenizer, samples: list[Sample], refs: list[ChainRun], run: RunConfig):
@@ -145,9 +157,14 @@ class Chain(Fidelity):
         """Accuracy and agreement of one free-running completion (None for a policy that replays the full run)."""
         if replays(policy):
             return {"problem_accuracy": None, "final_accuracy": None, "answer_agreement": None}
-        g = grade_chain(text, self.gold(sample), ref.answers)
-        return {"problem_accuracy": g["correct"] / len(g["parsed"]), "final_accuracy": float(g["final_correct"]),
+        g = grade_chain(text, self.gold(sample), ref.answers, given=self.given(sample))
+        return {"problem_accuracy": g["correct"] / g["graded"], "final_accuracy": float(g["final_correct"]),
                 "answer_agreement": g["agreement"]}
+
+    @staticmethod
+    def given(sample: Sample) -> int:
+        """Problems the reply starts with, solved (not graded; 0 for samples built from token ids)."""
+        return int(sample.meta.get("given", 0))
 
     @staticmethod
     def gold(sample: Sample) -> list[str]:
