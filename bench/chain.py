@@ -60,6 +60,18 @@ def chain_tokens(tokenizer, text: str, n_problems: int) -> int | None:
     return len(tokenizer(text[: len(text) if end < 0 else end], add_special_tokens=False)["input_ids"])
 
 
+def kind_counts(meta: dict, parsed: list[str | None]) -> dict[str, list[int]]:
+    """(correct, graded) per kind of problem: ``linked`` (uses an earlier answer, maybe a fact too), ``fact``
+    (a fact only), ``alone`` (neither)."""
+    out = {"alone": [0, 0], "fact": [0, 0], "linked": [0, 0]}
+    for k in range(meta["given"], len(meta["answers"])):
+        kind = "linked" if meta["depends"][k] is not None else "fact" if meta["facts"][k] is not None else "alone"
+        got = parsed[k]
+        out[kind][0] += got is not None and float(got) == float(meta["answers"][k])
+        out[kind][1] += 1
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -89,7 +101,8 @@ def main() -> None:
             g = grade_chain(text, q.meta["answers"], given=q.meta["given"])
             row = {"id": q.id, "generated_tokens": n, "capped": n >= args.max_new_tokens,
                    "correct": g["correct"], "n_problems": g["graded"], "final": g["final_correct"],
-                   "answered": g["answered"], "chain_tokens": chain_tokens(tok, text, len(q.meta["answers"])),
+                   "answered": g["answered"], "kinds": kind_counts(q.meta, g["parsed"]),
+                   "chain_tokens": chain_tokens(tok, text, len(q.meta["answers"])),
                    "text": text}
             rows.append(row)
             print(f"{q.id}: {n} tokens{' (cap)' if row['capped'] else ''}, the last problem answered at "
@@ -108,6 +121,8 @@ def main() -> None:
         "median_chain_tokens": statistics.median([r["chain_tokens"] or 0 for r in rows]),
         "reached_last_problem": sum(r["chain_tokens"] is not None for r in rows),
         "per_problem_accuracy": k / n, "wilson95": [lo, hi], "bootstrap95": [blo, bhi],
+        "by_kind": {kind: [sum(r["kinds"][kind][i] for r in rows) for i in (0, 1)]
+                    for kind in ("alone", "fact", "linked")},
         "final_accuracy": finals / len(rows), "final_wilson95": list(wilson(finals, len(rows))),
         "seconds": round(elapsed), "threads": args.threads, "date": time.strftime("%Y-%m-%d"),
     }

@@ -6,7 +6,7 @@
     python -m learnkv collect --out traces-rkv/ --policy rkv --budget 0.25,0.5     # under eviction (on-policy)
     python -m learnkv merge traces/
     python -m learnkv recurrence traces/
-    python -m learnkv recurrence --source chain --prompts 4 --max-new-tokens 2048 --out docs/
+    python -m learnkv recurrence --source chain --prompts 2 --max-new-tokens 1536 --out docs/chain/
 
 `generate` prints the continuation(s), then one JSON line: policy, budget, max_kept_tokens, peak_kv_bytes,
 tokens_per_s and the rest of `GenerationResult.summary()`.

@@ -229,7 +229,8 @@ def parse_answers(text: str, n_problems: int, first: int = 1) -> list[str | None
     """Per-problem answers from a completion: the last answer line of each problem (None where missing).
 
     An answer line is ``Answer k: ...``, or ``Answer: ...`` inside the block that a ``Problem k`` line opens (the
-    completion starts inside Problem ``first``'s block: `ChainProblem.reply_prefix` ends with its header). The
+    completion starts inside Problem ``first``'s block: `ChainProblem.reply_prefix` ends with its header). An
+    ``Answer j: ...`` for a problem before the open block is a citation, not an answer. The
     answer is the number after the line's last ``=`` if there is one (``Answer 1: 4 * 5 = 20``), else its first
     number (``Answer 2: 15 (from Problem 1)``). The last problem's ``#### N`` overrides its answer line. Numbers are normalised as `learnkv.prompts.extract_answer` does.
     """
@@ -246,8 +247,13 @@ def parse_answers(text: str, n_problems: int, first: int = 1) -> list[str | None
         if m is None:
             continue
         k, rest = int(m.group(1) or current), m.group(2)
+        if k < current:  # "Answer 2: 15" inside a later problem's work cites an answer, it does not give one
+            continue
+        if k > n_problems:
+            continue
+        current = k
         found = _NUMBER.search(rest.rpartition("=")[2]) or _NUMBER.search(rest)
-        if 1 <= k <= n_problems and found:
+        if found:
             out[k - 1] = _normalise_number(found.group())
     final = final_answer(text)
     if final is not None:

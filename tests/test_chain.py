@@ -95,6 +95,14 @@ def test_grading_skips_the_given_problems():
     assert parse_answers("Work: 2 + 2 = 4\nAnswer: 4", 3, first=2) == [None, "4", None]
 
 
+def test_an_earlier_answer_cited_in_the_work_is_not_an_answer():
+    text = ("Problem 2: ...\nWork: 3 + 4 = 7\nAnswer 2: 7\nProblem 3: ...\nWork: Answer 2: 8, so 8 * 2 = 16\n"
+            "Answer 3: 16\nAnswer 45: 1\nAnswer 4: 5\nWork: Answer 1: 9. 9 + 1 = 10\nAnswer: 10\n")
+    # the miscopied 8 does not overwrite Problem 2's answer; a citation leaves the open block (4) open, and so
+    # does an answer to a problem the chain does not have
+    assert parse_answers(text, 4, first=2) == [None, "7", "16", "10"]
+
+
 def test_the_reply_starts_with_the_first_problems_solved(smollm2_tokenizer):
     tok = smollm2_tokenizer
     prompt = load_prompts("chain", 1, split="test")[0]
@@ -215,3 +223,22 @@ def test_chain_on_the_real_model(smollm2):
     metrics, result = task.run(model, tok, sample, ref, "h2o", 256, {})
     assert metrics["generated_tokens"] == 24 and 0 <= metrics["kl"] and metrics["attention_recall"] <= 1.0
     assert result.budget == 256 and result.max_kept_tokens <= 257
+
+
+def test_bench_counts_right_answers_by_kind():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_chain", Path(__file__).parents[1] / "bench" / "chain.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    c = chain_problem(0, 5)
+    meta = {"given": c.given, "answers": c.answers, "depends": c.depends, "facts": c.facts}
+    parsed = list(c.answers)
+    wrong = next(k for k in range(c.given, len(c.answers)) if c.depends[k] is not None)
+    parsed[wrong] = None
+    counts = bench.kind_counts(meta, parsed)
+    assert sum(total for _, total in counts.values()) == len(c.answers) - c.given
+    assert counts["linked"][0] == counts["linked"][1] - 1
+    assert counts["alone"][0] == counts["alone"][1] and counts["fact"][0] == counts["fact"][1]
+    assert counts["linked"][1] == sum(d is not None for d in c.depends[c.given:])
