@@ -14,7 +14,7 @@ r"""Evaluate eviction policies against the full cache: fidelity, reasoning, need
     python evaluate.py --policy full,lazy,h2o --budget 0.25 --prefill-policy snapkv --task needle
                                            # prompts over the budget: snapkv compresses them, then each policy decodes
     python evaluate.py --task chain --policy full,h2o,tova,snapkv,lazy --budget 0.5 --limit 4 --batch-size 4
-                                           # 24 linked word problems per prompt, 1,000+ generated tokens
+                                           # 30 word problems per prompt, the later ones using earlier answers and facts; 1,000+ generated tokens
     python evaluate.py --task gsm8k --data-file gsm8k-test.jsonl --max-new-tokens 1024
                                            # math benchmarks (gsm8k, math500, aime24, champ), graded by math-verify
     python evaluate.py --config configs/eval-r1-distill-qwen-7b-math500.yaml     # every option from a YAML file
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output directory (a rerun of the same grid into it resumes where a killed run stopped)")
     p.add_argument("--seed", type=int, default=0, help="data and torch seed")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="per run (default: fidelity 24, reasoning 256, needle 16, chain 2048, math 1024)")
+                   help="per run (default: fidelity 24, reasoning 256, needle 16, chain 1536, math 1024)")
     p.add_argument("--split", default=None, choices=["test", "validation", "all"],
                    help="held-out prompts: test (default); fidelity: validation, the prompts train.py validates on "
                         "(tune there, report on test); reasoning: all 100 GSM8K items")

@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learnkv import generate, load_model  # noqa: E402
-from learnkv.eval.tasks.chain import encode_chain, grade_chain  # noqa: E402
+from learnkv.decode import encode_prompts  # noqa: E402
+from learnkv.eval.tasks.chain import grade_chain  # noqa: E402
 from learnkv.prompts import load_prompts  # noqa: E402
 
 
@@ -94,7 +95,7 @@ def main() -> None:
     rows, t0 = [], time.perf_counter()
     for i in range(0, len(prompts), args.batch):
         batch = prompts[i: i + args.batch]
-        ids, mask = encode_chain(tok, [q.text for q in batch], [q.meta["response_prefix"] for q in batch])
+        ids, mask = encode_prompts(tok, [q.text for q in batch], reply_prefixes=[q.meta["response_prefix"] for q in batch])
         r = generate(model, tok, input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
                      stop_at_eos=True, progress=True)
         for q, n, text in zip(batch, r.new_tokens, r.texts):

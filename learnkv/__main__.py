@@ -245,11 +245,9 @@ def cmd_recurrence(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(args.model or DEFAULT_MODEL)
     from learnkv.decode import encode_prompts
-    from learnkv.eval.tasks.chain import encode_chain
 
     # a chain prompt starts the reply as the chain task does (`learnkv.chains.ChainProblem.reply_prefix`)
-    inputs = [encode_chain(tokenizer, [p.text], [p.meta["response_prefix"]])[0] if "response_prefix" in p.meta
-              else encode_prompts(tokenizer, p.text)[0] for p in prompts]
+    inputs = [encode_prompts(tokenizer, p.text, reply_prefixes=[p.meta.get("response_prefix")])[0] for p in prompts]
     runs = observe_recurrence(model, tokenizer, inputs, args.max_new_tokens, progress=sys.stderr.isatty())
     for p, run in zip(prompts, runs):
         print(f"{p.id}: {run['generated']} generated tokens", flush=True)

@@ -193,8 +193,14 @@ def resolve_policy_rows(policy: str | Policy, budgets: Sequence[int | None], gra
     return resolve_rows(policy_obj, budgets)
 
 
-def encode_prompts(tokenizer, prompts: str | Sequence[str], chat: bool = True) -> tuple[Tensor, Tensor]:
-    """Tokenize prompts with left padding; ``chat`` applies the tokenizer's chat template if it has one."""
+def encode_prompts(tokenizer, prompts: str | Sequence[str], chat: bool = True,
+                   reply_prefixes: Sequence[str | None] | None = None) -> tuple[Tensor, Tensor]:
+    """Tokenize prompts with left padding; ``chat`` applies the tokenizer's chat template if it has one.
+
+    ``reply_prefixes`` (one per prompt, None for none) start the reply after the assistant header, so the model goes
+    on from them: the chain prompts' solved first problems (`learnkv.chains.ChainProblem.reply_prefix`, carried as
+    ``Prompt.meta["response_prefix"]``).
+    """
     if isinstance(prompts, str):
         prompts = [prompts]
     if not prompts:
@@ -203,13 +209,18 @@ def encode_prompts(tokenizer, prompts: str | Sequence[str], chat: bool = True) -
     if empty:
         which = "prompt is" if len(prompts) == 1 else f"prompt {', '.join(map(str, empty))} of {len(prompts)} is"
         raise ValueError(f"{which} empty: every prompt needs text")
+    prefixes = [None] * len(prompts) if reply_prefixes is None else list(reply_prefixes)
+    if len(prefixes) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(prefixes)} reply prefixes: give one per prompt (None for none)")
     if chat and getattr(tokenizer, "chat_template", None):
         prompts = [
             tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in prompts
+            + (pre or "")
+            for p, pre in zip(prompts, prefixes)
         ]
         add_special = False
     else:
+        prompts = [p if pre is None else f"{p}\n\n{pre}" for p, pre in zip(prompts, prefixes)]
         add_special = True
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -261,6 +272,7 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     chat: bool = True,
+    reply_prefixes: Sequence[str | None] | None = None,
     stop_at_eos: bool = True,
     policy_params: dict | None = None,
     prefill_policy: str | Policy | None = None,
@@ -280,7 +292,8 @@ def generate(
         A causal LM; its attention implementation is switched to "learnkv".
     tokenizer, prompts
         Prompt strings (left-padded into a batch), or pass ``input_ids`` ``[B, L]`` (+ ``attention_mask``). Every
-        row decodes as it would alone: its own budget, its own eviction steps.
+        row decodes as it would alone: its own budget, its own eviction steps. ``chat`` and ``reply_prefixes`` are
+        `encode_prompts`'s.
     policy : str or Policy
         A registered policy name (`learnkv.policies.POLICIES`) or a policy object.
     budget : int, float, or a sequence of them
@@ -317,7 +330,7 @@ def generate(
     if input_ids is None:
         if tokenizer is None or prompts is None:
             raise ValueError("give prompts and a tokenizer, or input_ids")
-        input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat=chat)
+        input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat=chat, reply_prefixes=reply_prefixes)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.numel() == 0 or input_ids.shape[1] == 0:

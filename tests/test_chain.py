@@ -9,7 +9,8 @@ import torch
 from conftest import random_ids
 from learnkv.chains import N_PROBLEMS, chain_problem, final_answer, parse_answers
 from learnkv.eval import Sample, build_spec, evaluate, make_task
-from learnkv.eval.tasks.chain import encode_chain, grade_chain
+from learnkv.decode import encode_prompts
+from learnkv.eval.tasks.chain import grade_chain
 from learnkv.prompts import load_prompts, split_of
 
 FIDELITY = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length")
@@ -108,13 +109,22 @@ def test_the_reply_starts_with_the_first_problems_solved(smollm2_tokenizer):
     prompt = load_prompts("chain", 1, split="test")[0]
     prefix = prompt.meta["response_prefix"]
     assert prefix == chain_problem(0, int(prompt.id.rsplit("/", 1)[1])).reply_prefix and prompt.meta["given"] == 3
-    ids, mask = encode_chain(tok, [prompt.text, "short"], [prefix, "Problem 1:"])
+    ids, mask = encode_prompts(tok, [prompt.text, "short"], reply_prefixes=[prefix, "Problem 1:"])
     text = tok.decode(ids[0])
     assert text.endswith("<|im_start|>assistant\n" + prefix) and prompt.text in text
     assert tok.decode(ids[1]).endswith("assistant\nProblem 1:")
     assert mask[1].sum() < mask[0].sum() and mask[1, 0] == 0  # left padded
     with pytest.raises(ValueError, match="reply prefixes"):
-        encode_chain(tok, [prompt.text], [])
+        encode_prompts(tok, [prompt.text], reply_prefixes=[])
+
+
+def test_fidelity_on_chain_prompts_starts_the_reply_as_the_chain_task_does(smollm2_tokenizer):
+    # `--task fidelity --source chain` is the chain task's teacher-forced half without its free-running decode
+    chain = make_task("chain").load(smollm2_tokenizer, 2, seed=0)
+    fidelity = make_task("fidelity", source="chain").load(smollm2_tokenizer, 2, seed=0)
+    assert [s.id for s in fidelity] == [s.id for s in chain]
+    assert all(torch.equal(f.input_ids, c.input_ids) for f, c in zip(fidelity, chain))
+    assert smollm2_tokenizer.decode(chain[0].input_ids[0]).endswith(chain[0].meta["response_prefix"])
 
 
 class AnswerTokenizer:

@@ -196,7 +196,8 @@ def rows_to_columns(prompt, decisions: list[Decision], teachers: tuple[str, ...]
 def _prompt_lengths(cfg: CollectConfig, tokenizer, prompts: list) -> list[int]:
     from learnkv.decode import encode_prompts
 
-    return [int(encode_prompts(tokenizer, p.text, chat=cfg.chat)[1].sum()) for p in prompts]
+    return [int(encode_prompts(tokenizer, p.text, chat=cfg.chat, reply_prefixes=[p.meta.get("response_prefix")])[1].sum())
+            for p in prompts]
 
 
 def _groups(cfg: CollectConfig, budgets: list[int | None]) -> list[list[int]]:
@@ -231,16 +232,19 @@ def record_batch(model, tokenizer, cfg: CollectConfig, prompts: list, progress: 
         budgets = [resolve_budget(prompt_budget(cfg, p.id), n + cfg.max_new_tokens) for p, n in zip(prompts, lengths)]
     for group in _groups(cfg, budgets):
         texts = [prompts[i].text for i in group]
+        prefixes = [prompts[i].meta.get("response_prefix") for i in group]  # a chain prompt's solved first problems
         if cfg.on_policy:
             got, result = onpolicy.record(model, tokenizer, texts, make_policy(cfg.policy, **cfg.policy_params),
                                           [budgets[i] for i in group], [steps[i] for i in group], cfg.teachers,
                                           cfg.horizon, cfg.label_budget, cfg.max_new_tokens, chat=cfg.chat,
+                                          reply_prefixes=prefixes,
                                           progress=progress, record_values=cfg.record_values)
         else:
             rec = Recorder(n_layers=model.config.num_hidden_layers, teachers=tuple(cfg.teachers),
                            decision_steps=tuple(steps[i] for i in group), horizon=cfg.horizon,
                            label_budget=cfg.label_budget, record_values=cfg.record_values)
             result = generate(model, tokenizer, texts, policy=rec, max_new_tokens=cfg.max_new_tokens, chat=cfg.chat,
+                              reply_prefixes=prefixes,
                               progress=progress)
             got = [rec.decisions(b, n) for b, n in enumerate(result.new_tokens)]
         for j, i in enumerate(group):

@@ -45,8 +45,9 @@ class Sample:
 
     @classmethod
     def from_prompt(cls, prompt, tokenizer) -> "Sample":
-        """Tokenize a `learnkv.prompts.Prompt` with the model's chat template."""
-        ids, _ = encode_prompts(tokenizer, prompt.text)
+        """Tokenize a `learnkv.prompts.Prompt` with the model's chat template (and its reply prefix, if it has one:
+        a chain prompt's reply starts with its first problems solved)."""
+        ids, _ = encode_prompts(tokenizer, prompt.text, reply_prefixes=[prompt.meta.get("response_prefix")])
         return cls(prompt.id, ids, prompt.answer, dict(prompt.meta))
 
     @classmethod

@@ -72,24 +72,6 @@ def grade_chain(text: str, gold: list[str], reference: list[str | None] | None =
             "correct": sum(right), "final_correct": right[-1], "agreement": agreement}
 
 
-def encode_chain(tokenizer, texts: list[str], response_prefixes: list[str]):
-    """Left-padded ``(input_ids, attention_mask)`` of chain prompts: the chat template with its assistant header,
-    then the start of each reply (`learnkv.chains.ChainProblem.reply_prefix`), so the model goes on in the asked
-    format."""
-    if len(response_prefixes) != len(texts):
-        raise ValueError(f"{len(texts)} chain prompts but {len(response_prefixes)} reply prefixes")
-    if getattr(tokenizer, "chat_template", None):
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                               tokenize=False) + pre for t, pre in zip(texts, response_prefixes)]
-    else:
-        texts = [f"{t}\n\n{pre}" for t, pre in zip(texts, response_prefixes)]
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False)
-    return enc["input_ids"], enc["attention_mask"]
-
-
 @dataclass
 class ChainRun(FullRun):
     """The full cache's run on one chain prompt (`FullRun`), with its text and its parsed answer per problem."""
@@ -131,8 +113,7 @@ class Chain(Fidelity):
             raise ValueError("the chain task needs a tokenizer (or pass token-id samples with meta['answers'])")
         prompts = load_prompts("chain", n=limit, seed=seed, split="test", n_problems=self.n_problems,
                                n_facts=self.n_facts)
-        return [Sample(p.id, encode_chain(tokenizer, [p.text], [p.meta["response_prefix"]])[0], p.answer,
-                       dict(p.meta)) for p in prompts]
+        return [Sample.from_prompt(p, tokenizer) for p in prompts]
 
     def reference_batch(self, model, tokenizer, samples: list[Sample]) -> list[ChainRun]:
         refs = []
