@@ -1,7 +1,6 @@
 """Traces collected under eviction (on-policy), and batched collection: what is recorded, and where labels come from."""
 
 import dataclasses
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -9,6 +8,7 @@ import torch
 
 import learnkv.attention as attention
 from learnkv.decode import generate
+from learnkv.prompts import Prompt
 from learnkv.traces.collect import CollectConfig, collect, merge
 from learnkv.traces.onpolicy import record
 from learnkv.traces.record import FLOAT_LABELS, Recorder
@@ -17,19 +17,16 @@ from learnkv.traces.store import load_traces
 from conftest import scorer_for
 
 
-@dataclass
-class FakePrompt:
-    id: str
-    text: str
-    split: str = "train"
-    source: str = "test"
+def make_prompt(id, text, split):
+    """A real `Prompt` record (a test double of it once drifted from the real type)."""
+    return Prompt(id=id, source="test", text=text, answer="", split=split)
 
 
 TEXTS = ["Tom has 3 apples and buys 5 more. How many apples does he have now? Count them.",
          "A train travels 60 km per hour for 2 hours. How far does it go?",
          "What is 15 plus 27?",
          "Sara reads 12 pages a day. How many pages does she read in a week of seven days?"]
-PROMPTS = [FakePrompt(f"p{i}", t, s) for i, (t, s) in enumerate(zip(TEXTS, ["train", "validation", "train", "train"]))]
+PROMPTS = [make_prompt(f"p{i}", t, s) for i, (t, s) in enumerate(zip(TEXTS, ["train", "validation", "train", "train"]))]
 TEACHERS = ("h2o", "snapkv", "lazy", "rkv")
 BASE = dict(prompts=4, max_new_tokens=24, decisions_per_prompt=2, horizon=6, prompts_per_shard=2, chat=False,
             teachers=TEACHERS)

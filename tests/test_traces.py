@@ -2,7 +2,6 @@
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -11,20 +10,18 @@ import torch
 
 from learnkv.features import FEATURES, N_FEATURES
 from learnkv.policies.base import LayerView
+from learnkv.prompts import Prompt
 from learnkv.traces.collect import CollectConfig, collect, merge
 from learnkv.traces.record import Recorder
 from learnkv.traces.store import TraceError, load_traces, read_manifest
 
 
-@dataclass
-class FakePrompt:
-    id: str
-    text: str
-    split: str = "train"
-    source: str = "test"
+def make_prompt(id, text, split):
+    """A real `Prompt` record (a test double of it once drifted from the real type)."""
+    return Prompt(id=id, source="test", text=text, answer="", split=split)
 
 
-PROMPTS = [FakePrompt(f"p{i}", t, split) for i, (t, split) in enumerate([
+PROMPTS = [make_prompt(f"p{i}", t, split) for i, (t, split) in enumerate([
     ("Tom has 3 apples and buys 5 more. How many apples does he have?", "train"),
     ("A train travels 60 km per hour for 2 hours. How far does it go?", "validation"),
     ("What is 15 plus 27?", "test"),
