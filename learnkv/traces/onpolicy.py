@@ -24,23 +24,8 @@ from torch import Tensor
 from learnkv.cache import BudgetCache
 from learnkv.model import cache_kwargs
 from learnkv.policies.base import LayerView, Policy
-from learnkv.traces.record import (Decision, Riders, add_labels, horizon_fits, label_keep, new_labels, resident,
-                                   row_steps, step_labels, teacher_view)
-
-
-@dataclass
-class Snapshot:
-    """The pre-eviction state of one layer of a batch at a decision step (the rows that decide here)."""
-
-    step: int
-    layer: int
-    rows: list[int]
-    positions: Tensor  # [B, H, T]
-    features: Tensor  # [B, H, T, F]
-    teachers: dict[str, Tensor]  # name -> [B, H, T]
-    keys: Tensor  # [B, H, T, D]
-    values: Tensor
-    evicts: list[bool]  # per row: whether the acting policy evicts at this step
+from learnkv.traces.record import (Decision, Riders, Snapshot, add_labels, horizon_fits, label_keep, new_labels,
+                                   resident, row_steps, step_labels, teacher_view)
 
 
 @dataclass
@@ -145,7 +130,7 @@ class OnPolicyRecorder(Policy):
             feats, scores = log.riders.snapshot(view)
             evicts = [k < n for k, n in zip(view.keep_rows(), view.live_tokens())]
             log.snapshots.append(Snapshot(view.step, view.layer, rows, view.positions.clone(), feats, scores,
-                                          view.keys.clone(), view.values.clone(), evicts))
+                                          values=view.values.clone(), keys=view.keys.clone(), evicts=evicts))
 
     def score(self, view: LayerView) -> Tensor:
         seen, acting_view = self.log.acting_view
@@ -256,12 +241,8 @@ def record(model, tokenizer, texts: list[str], acting: Policy, budgets: list[int
         chunk = items[k:k + branch_batch]
         for it, labels in zip(chunk, branch_labels(model, chunk, label_budget)):
             for snap, lab in zip(it.snapshots, labels):
-                ok = snap.positions[it.row] >= 0
-                decisions[it.row].append(Decision(
-                    snap.step, snap.layer, resident(snap.positions[it.row], ok), resident(snap.features[it.row], ok),
-                    {t: resident(v[it.row], ok) for t, v in snap.teachers.items()}, lab,
-                    evicts=snap.evicts[it.row], budget=budgets[it.row],
-                    values=resident(snap.values[it.row], ok) if record_values else None))
+                decisions[it.row].append(snap.decision(it.row, lab, record_values, evicts=snap.evicts[it.row],
+                                                       budget=budgets[it.row]))
     for d in decisions:
         d.sort(key=lambda x: (x.step, x.layer))
     return decisions, result

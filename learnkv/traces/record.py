@@ -188,8 +188,13 @@ def horizon_fits(step: int, horizon: int, new_tokens: int) -> bool:
 
 
 @dataclass
-class Pending:
-    """A decision snapshot of a whole batch (the rows that decide here), waiting for its future."""
+class Snapshot:
+    """One layer of a batch at a decision step, before any eviction: the candidates of the rows that decide here.
+
+    Off-policy (`Recorder`), ``labels`` accumulate online while the full cache decodes on (``seen`` steps so far).
+    On-policy (`learnkv.traces.onpolicy.OnPolicyRecorder`), ``keys`` and ``values`` are kept to branch the state
+    after the decode, and ``evicts`` says per row whether the acting policy evicted here.
+    """
 
     step: int
     layer: int
@@ -197,9 +202,22 @@ class Pending:
     positions: Tensor  # [B, H, T]
     features: Tensor  # [B, H, T, F]
     teachers: dict[str, Tensor]  # name -> [B, H, T]
-    labels: dict[str, Tensor] = field(default_factory=dict)  # name -> [B, H, T]
-    values: Tensor | None = None  # [B, H, T, D], if recorded
+    values: Tensor | None = None  # [B, H, T, D]
+    keys: Tensor | None = None  # [B, H, T, D], on-policy only
+    evicts: list[bool] | None = None  # on-policy only
+    labels: dict[str, Tensor] = field(default_factory=dict)  # name -> [B, H, T], off-policy only
     seen: int = 0
+
+    def decision(self, row: int, labels: dict[str, Tensor] | None = None, record_values: bool = False,
+                 **extra) -> Decision:
+        """Batch row ``row``'s resident tokens as a `Decision`: ``labels`` already per resident token, or (None)
+        this snapshot's own accumulated ``labels``; ``extra`` (``evicts``, ``budget``) passes through."""
+        ok = self.positions[row] >= 0
+        if labels is None:
+            labels = {k: resident(v[row], ok) for k, v in self.labels.items()}
+        values = resident(self.values[row], ok) if record_values and self.values is not None else None
+        return Decision(self.step, self.layer, resident(self.positions[row], ok), resident(self.features[row], ok),
+                        {k: resident(v[row], ok) for k, v in self.teachers.items()}, labels, values=values, **extra)
 
 
 @dataclass
@@ -236,8 +254,8 @@ class Recorder(Policy):
 
     def __post_init__(self):
         self.riders = Riders(self.n_layers, self.teachers, self.label_budget)
-        self.rows: list[Pending] = []  # decisions whose horizon is complete
-        self._pending: list[Pending] = []
+        self.rows: list[Snapshot] = []  # decisions whose horizon is complete
+        self._pending: list[Snapshot] = []
 
     @property
     def tracker(self) -> FeatureTracker:
@@ -258,9 +276,9 @@ class Recorder(Policy):
                 if view.step in steps]
         if rows:
             feats, scores = self.riders.snapshot(view)
-            self._pending.append(Pending(view.step, view.layer, rows, view.positions.clone(), feats, scores,
-                                         new_labels(view.positions.shape, view.keys.device),
-                                         view.values.clone() if self.record_values else None))
+            self._pending.append(Snapshot(view.step, view.layer, rows, view.positions.clone(), feats, scores,
+                                          values=view.values.clone() if self.record_values else None,
+                                          labels=new_labels(view.positions.shape, view.keys.device)))
 
     def _accumulate_labels(self, view: LayerView) -> None:
         mine = [p for p in self._pending if p.layer == view.layer and p.step < view.step]
@@ -282,9 +300,5 @@ class Recorder(Policy):
         for p in sorted(self.rows, key=lambda r: (r.step, r.layer)):
             if row not in p.rows or not horizon_fits(p.step, self.horizon, new_tokens):
                 continue
-            valid = p.positions[row] >= 0
-            out.append(Decision(p.step, p.layer, resident(p.positions[row], valid), resident(p.features[row], valid),
-                                {k: resident(v[row], valid) for k, v in p.teachers.items()},
-                                {k: resident(v[row], valid) for k, v in p.labels.items()},
-                                values=None if p.values is None else resident(p.values[row], valid)))
+            out.append(p.decision(row, record_values=self.record_values))
         return out
