@@ -12,6 +12,14 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# Property tests draw the same examples on every run (CI and a local run fail alike);
+# HYPOTHESIS_PROFILE=explore draws new ones.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("repeatable", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+
 
 @pytest.fixture(scope="session")
 def tiny():
