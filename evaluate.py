@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="needle: prompt lengths L[,L...] (default 1024,2048,4096)")
     p.add_argument("--depths", type=_numbers(float), default=None,
                    help="needle: depths D[,D...] in [0, 1] (default 0.1,0.5,0.9)")
+    p.add_argument("--accuracy-only", action="store_true",
+                   help="chain: grade free runs only, without the teacher-forced fidelity metrics (half the decodes, "
+                        "no reference logits or attention kept; no oracle)")
     p.add_argument("--granularity", default="token", choices=GRANULARITIES,
                    help="block: whole blocks, one decision shared by every layer and KV head (what a paged serving "
                         "engine such as vLLM can do)")
@@ -135,7 +138,8 @@ def spec_of(args: argparse.Namespace):
                       prefill_policy=args.prefill_policy, batch_size=args.batch_size, compare=args.compare,
                       max_new_tokens=args.max_new_tokens, split=args.split, context_tokens=args.context_tokens,
                       depths=args.depths, granularity=args.granularity, block_size=args.block_size,
-                      source=args.source, data_file=args.data_file)
+                      source=args.source, data_file=args.data_file,
+                      accuracy_only=args.accuracy_only or None)
 
 
 def main(argv: list[str] | None = None) -> int:

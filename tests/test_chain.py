@@ -222,6 +222,47 @@ def test_chain_batched_equals_one_prompt_at_a_time(tiny, policy):
     assert one[0]["per_prompt"]["answer_agreement"] == [1.0] * 3
 
 
+@pytest.mark.parametrize("policy", ["h2o", "lazy"])
+def test_accuracy_only_grades_the_same_free_runs_without_the_forced_half(tiny, policy):
+    """--accuracy-only: the same graded answers, agreement and lengths as the full chain task, per prompt, with no
+    fidelity metric, no reference logits or attention kept, and one decode per policy instead of two."""
+    from learnkv.eval.tasks.chain import Chain
+
+    tok = AnswerTokenizer()
+    items = samples(n=3, lengths=(18, 25, 21), n_problems=N_ANSWERED, seed=40)
+    both = evaluate(tiny, tok, build_spec(f"full,{policy}", "0.6", "chain", max_new_tokens=16, batch_size=2),
+                    samples=items)
+    decode_batch, forced = Chain.decode_batch, []
+
+    def counting(self, *args, **options):
+        forced.append("forced_tokens" in options)
+        return decode_batch(self, *args, **options)
+
+    Chain.decode_batch = counting
+    try:
+        spec = build_spec(f"full,{policy}", "0.6", "chain", max_new_tokens=16, batch_size=2, accuracy_only=True)
+        refs = spec.tasks[0].reference_batch(tiny, tok, items[:2])
+        assert refs[0].logits is None and refs[0].attention is None and refs[0].answers
+        forced.clear()
+        alone = evaluate(tiny, tok, spec, samples=items)
+    finally:
+        Chain.decode_batch = decode_batch
+    assert not any(forced) and len(forced) == 2 * 3  # batches [2, 1] x (reference, full, policy) free runs
+    graded = ("problem_accuracy", "final_accuracy", "answer_agreement", "generated_tokens")
+    for a, b in zip(both, alone):
+        assert a["policy"] == b["policy"] and a["metrics"]["budget_tokens"] == b["metrics"]["budget_tokens"]
+        assert set(b["per_prompt"]) == set(graded)
+        for metric in graded:
+            assert b["per_prompt"][metric] == pytest.approx(a["per_prompt"][metric], abs=1e-9), metric
+    assert min(alone[1]["per_prompt"]["answer_agreement"]) < 1.0  # the budget changed answers
+
+
+def test_accuracy_only_refuses_the_oracle_before_any_decode():
+    with pytest.raises(ValueError, match="accuracy_only.*oracle"):
+        build_spec("full,oracle", "0.5", "chain", accuracy_only=True)
+    build_spec("full,oracle", "0.5", "chain,fidelity")  # the forced reference is there: fine
+
+
 @pytest.mark.slow
 def test_chain_on_the_real_model(smollm2):
     model, tok = smollm2

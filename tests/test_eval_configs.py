@@ -47,3 +47,9 @@ def test_unknown_config_key_exits_with_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--config", str(cfg)])
     assert e.value.code == 2 and "unknown option(s) batchsize" in capsys.readouterr().err
+
+
+def test_accuracy_only_reaches_the_chain_task_and_only_it():
+    spec = spec_of(parse_args(["--task", "chain,fidelity", "--policy", "full,h2o", "--accuracy-only"]))
+    assert spec.tasks[0].accuracy_only and not hasattr(spec.tasks[1], "accuracy_only")
+    assert not spec_of(parse_args(["--task", "chain", "--policy", "full"])).tasks[0].accuracy_only

@@ -143,6 +143,9 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
     prefill = prefill_run(prefill_policy, "--prefill-policy", scorer, seed) if prefill_policy else None
     if compare is not None and compare not in [r.label for r in runs]:
         raise ValueError(f"--compare {compare!r} is not one of the policies: {', '.join(r.label for r in runs)}")
+    for run in runs:
+        for task in tasks:
+            task.check_policy(run.name)
     for run in runs:  # a token budget too small for the policy's windows fails now, not mid-run
         for b in budgets:
             if isinstance(b, int):

@@ -184,6 +184,9 @@ class Task:
         """The metrics this task reports, in table and plot order."""
         return self.metrics
 
+    def check_policy(self, policy: str) -> None:
+        """Raise ValueError, before any decode, if this task as configured cannot run registered ``policy``."""
+
     def options(self) -> dict:
         """The task's settings, for the results' config."""
         return dataclasses.asdict(self)

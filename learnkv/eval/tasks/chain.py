@@ -24,6 +24,12 @@ the forced decode too and its accuracy and agreement are None. The cost reported
 run (the forced one for those two); its time covers both decodes, so ``tokens_per_s`` is about half a single
 decode's rate.
 
+``accuracy_only`` drops the teacher-forced half: the full cache's reference is its free run alone (no logits, no
+attention kept), every policy is graded on its own free run, and the metrics are the three above and
+``generated_tokens``. It halves the decodes and the memory of the reference, which is what a large model at
+thousands of tokens needs (a 152k-token vocabulary's logits alone are 9.7 GB per prompt at 16k tokens); ``oracle``,
+which replays the reference's attention, is refused in that mode.
+
 Memory: the full-cache reference (`Fidelity.reference_batch`) keeps each prompt's logits (``[N, V]`` fp32, 390 MB
 for SmolLM2 at N = 2,000) and the decode steps' rows of its attention in fp16 (``[layers, H_kv, N - 1, P + N - 1]``);
 building them holds one prompt's whole ``[layers, H_kv, L, L]`` fp32 attention for a moment (3.2 GB for SmolLM2 at
@@ -92,6 +98,8 @@ class Chain(Fidelity):
         (docs/tasks-notes.md).
     n_problems, n_facts : int
         Problems per prompt and facts stated at its top (`learnkv.chains`).
+    accuracy_only : bool
+        Grade free runs only, without the teacher-forced fidelity metrics (see the module docstring).
     """
 
     name = "chain"
@@ -102,6 +110,7 @@ class Chain(Fidelity):
     source: str = "chain"
     n_problems: int = chains.N_PROBLEMS
     n_facts: int = chains.N_FACTS
+    accuracy_only: bool = False
 
     def __post_init__(self):
         self.source = "chain"  # always: --source is the fidelity task's, one set of flags serves every task
@@ -115,15 +124,36 @@ class Chain(Fidelity):
                                n_facts=self.n_facts)
         return [Sample.from_prompt(p, tokenizer) for p in prompts]
 
+    def metric_names(self) -> tuple[str, ...]:
+        if self.accuracy_only:
+            return ("problem_accuracy", "final_accuracy", "answer_agreement", "generated_tokens")
+        return self.metrics
+
+    def check_policy(self, policy: str) -> None:
+        if self.accuracy_only and replays(policy):
+            raise ValueError(f"the chain task with accuracy_only has no teacher-forced reference for {policy!r} "
+                             "to replay; drop it or the option")
+
     def reference_batch(self, model, tokenizer, samples: list[Sample]) -> list[ChainRun]:
+        if self.accuracy_only:  # the full cache's free run alone
+            result = self.decode_batch(model, tokenizer, samples, RunConfig("full", {}, [None] * len(samples)))
+            fulls = [FullRun(result.tokens[b: b + 1, :result.new_tokens[b]], None, None, s.input_ids.shape[1])
+                     for b, s in enumerate(samples)]
+        else:
+            fulls = super().reference_batch(model, tokenizer, samples)
         refs = []
-        for sample, full in zip(samples, super().reference_batch(model, tokenizer, samples)):
+        for sample, full in zip(samples, fulls):
             text = _decode(tokenizer, full.tokens[0])
             refs.append(ChainRun(full.tokens, full.logits, full.attention, full.prompt_len, text,
                                  grade_chain(text, self.gold(sample), given=self.given(sample))["parsed"]))
         return refs
 
     def run_batch(self, model, tokenizer, samples: list[Sample], refs: list[ChainRun], run: RunConfig):
+        if self.accuracy_only:  # every policy's own free run, graded (full's equals its reference, greedy)
+            result = self.decode_batch(model, tokenizer, samples, run)
+            texts = result.texts or [""] * len(samples)
+            return [{**self.grade(text, sample, ref, run.policy), "generated_tokens": float(ref.tokens.shape[1])}
+                    for sample, ref, text in zip(samples, refs, texts)], result
         metrics, result = super().run_batch(model, tokenizer, samples, refs, run)  # teacher-forced: fidelity
         if evicts(run.policy) and not replays(run.policy):
             result = self.decode_batch(model, tokenizer, samples, run)  # free-running: graded
