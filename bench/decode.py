@@ -11,7 +11,8 @@ compact), and how many greedy tokens match the full-cache output before the firs
 Table 2 (``--batch-sizes``): per policy and batch size, aggregate generated tokens per second of wall time (prefill
 included) over a batch of distinct held-out prompts (left-padded; every row decodes as it would alone) and the
 ratio to batch 1 of the same policy, all measured in one run; then each policy's step time relative to the full
-cache's at the same batch size. A prompt longer than the budget is compressed at the prefill by
+cache's at the same batch size, paired by round (``--repeats`` rounds time every policy in turn, so a policy and
+the full cache are timed seconds apart under the same load; median and range over rounds). A prompt longer than the budget is compressed at the prefill by
 ``--prefill-policy`` (default snapkv), so every policy, LazyEviction included, runs on the same batch. ``--json PATH`` writes those records
 (``{"policy", "batch_size", "tokens_per_s", ...}``).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,7 +50,8 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-sizes", default=None, help="B[,B...]: the throughput table (e.g. 1,4,16)")
     parser.add_argument("--json", default=None, help="write the throughput records here")
-    parser.add_argument("--repeats", type=int, default=1, help="best of N timings per cell")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds, each timing every policy in turn: best rate, cost ratio per round")
     parser.add_argument("--slack", type=int, default=0,
                         help="dead slots a layer may hold before it compacts (`generate(slack=...)`; same kept tokens)")
     parser.add_argument("--prefill-policy", default="snapkv",
@@ -90,43 +93,60 @@ def single_table(model, tok, names, args) -> None:
 
 
 def throughput_table(model, tok, names, args) -> list[dict]:
+    """Table 2. Each of ``--repeats`` rounds times every policy once, in turn, at each batch size: a policy's rate
+    is its best round, and its step time relative to the full cache is taken round by round (the two ran seconds
+    apart, under the same load) and reported as the median with the range over rounds."""
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     prompts = batch_prompts(tok, max(sizes))
+    rounds: dict[tuple[str, int], list[float]] = {(n, b): [] for n in names for b in sizes}
+    prompt_tokens = {}
+    for _ in range(args.repeats):
+        for b in sizes:
+            for name in names:
+                params = {"scorer": args.scorer} if name == "learned" else {}
+                t0 = time.perf_counter()
+                r = generate(model, tok, prompts[:b], policy=name, policy_params=params,
+                             budget=args.budget if POLICIES[name].evicts else None, max_new_tokens=args.new_tokens,
+                             stop_at_eos=False, **prefill(name, args))
+                rounds[name, b].append(sum(r.new_tokens) / (time.perf_counter() - t0))
+                prompt_tokens[b] = r.prompt_lengths
     records = []
-    print(f"\nthroughput: {args.new_tokens} new tokens per row, budget {args.budget}, best of {args.repeats}\n")
+    for name in names:
+        for b in sizes:
+            rates = rounds[name, b]
+            rec = {"policy": name, "batch_size": b, "tokens_per_s": max(rates), "tokens_per_s_rounds": rates,
+                   "new_tokens": args.new_tokens, "budget": args.budget, "prompt_tokens": prompt_tokens[b],
+                   "threads": args.threads, "slack": args.slack}
+            base = rounds.get((name, 1))
+            rec["ratio_to_batch_1"] = rec["tokens_per_s"] / max(base) if base else None
+            full = rounds.get(("full", b))
+            # a decode step's time relative to the full cache's at the same batch size, paired by round
+            per_round = [f / p for f, p in zip(full, rates)] if full else []
+            rec["time_vs_full_rounds"] = per_round
+            rec["time_vs_full"] = statistics.median(per_round) if per_round else None
+            records.append(rec)
+    rec_of = {(r["policy"], r["batch_size"]): r for r in records}
+    print(f"\nthroughput: {args.new_tokens} new tokens per row, budget {args.budget}, best of {args.repeats} "
+          "interleaved rounds\n")
     print("| policy | " + " | ".join(f"batch {b} tok/s" for b in sizes) + " | " +
           " | ".join(f"batch {b} / batch 1" for b in sizes if b != 1) + " |")
     print("|---|" + "---|" * (2 * len(sizes) - (1 in sizes)))
     for name in names:
-        params = {"scorer": args.scorer} if name == "learned" else {}
-        rates = {}
-        for b in sizes:
-            best = 0.0
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                r = generate(model, tok, prompts[:b], policy=name, budget=args.budget if POLICIES[name].evicts else None,
-                             policy_params=params, max_new_tokens=args.new_tokens, stop_at_eos=False,
-                             **prefill(name, args))
-                best = max(best, sum(r.new_tokens) / (time.perf_counter() - t0))
-            rates[b] = best
-            records.append({"policy": name, "batch_size": b, "tokens_per_s": best, "new_tokens": args.new_tokens,
-                            "budget": args.budget, "prompt_tokens": r.prompt_lengths, "threads": args.threads,
-                            "slack": args.slack})
-        base = rates.get(1)
-        ratios = [f"{rates[b] / base:.2f}x" if base else "—" for b in sizes if b != 1]
-        print(f"| {name} | " + " | ".join(f"{rates[b]:.1f}" for b in sizes) + " | " + " | ".join(ratios) + " |")
-    rate = {(r["policy"], r["batch_size"]): r["tokens_per_s"] for r in records}
-    for rec in records:
-        rec["ratio_to_batch_1"] = rec["tokens_per_s"] / rate.get((rec["policy"], 1), float("nan"))
-        # a decode step's time relative to the full cache's at the same batch size (same run)
-        full = rate.get(("full", rec["batch_size"]))
-        rec["time_vs_full"] = full / rec["tokens_per_s"] if full else None
+        ratios = [f"{rec_of[name, b]['ratio_to_batch_1']:.2f}x" if 1 in sizes else "—" for b in sizes if b != 1]
+        print(f"| {name} | " + " | ".join(f"{rec_of[name, b]['tokens_per_s']:.1f}" for b in sizes) + " | " +
+              " | ".join(ratios) + " |")
     if "full" in names:
-        print("\nstep time relative to the full cache at the same batch size (full tok/s / policy tok/s)\n")
+        print(f"\nstep time relative to the full cache at the same batch size (full tok/s / policy tok/s, per round: "
+              f"median{' [min, max] over ' + str(args.repeats) + ' rounds' if args.repeats > 1 else ''})\n")
         print("| policy | " + " | ".join(f"batch {b}" for b in sizes) + " |")
         print("|---|" + "---|" * len(sizes))
         for name in names:
-            print(f"| {name} | " + " | ".join(f"{rate[('full', b)] / rate[(name, b)]:.2f}x" for b in sizes) + " |")
+            cells = []
+            for b in sizes:
+                r = rec_of[name, b]["time_vs_full_rounds"]
+                spread = f" [{min(r):.2f}, {max(r):.2f}]" if len(r) > 1 else ""
+                cells.append(f"{statistics.median(r):.2f}x{spread}")
+            print(f"| {name} | " + " | ".join(cells) + " |")
     return records
 
 

@@ -16,7 +16,7 @@ def test_decode_benchmark_batch_sizes_and_json(smollm2, tmp_path):
     out = tmp_path / "decode.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "bench/decode.py", "--policies", "full,h2o,lazy", "--batch-sizes", "1,2",
-                          "--new-tokens", "6", "--budget", "96", "--threads", "1", "--json", str(out)],
+                          "--new-tokens", "6", "--budget", "96", "--threads", "1", "--repeats", "2", "--json", str(out)],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     records = json.loads(out.read_text())
@@ -26,4 +26,11 @@ def test_decode_benchmark_batch_sizes_and_json(smollm2, tmp_path):
     assert all(r["ratio_to_batch_1"] == 1.0 for r in records if r["batch_size"] == 1)
     assert all(r["time_vs_full"] == 1.0 for r in records if r["policy"] == "full")
     assert all(r["time_vs_full"] > 0 for r in records)
+    for r in records:  # two interleaved rounds: the best is reported, the cost ratio is paired round by round
+        assert len(r["tokens_per_s_rounds"]) == 2 and r["tokens_per_s"] == max(r["tokens_per_s_rounds"])
+        full = next(f for f in records if f["policy"] == "full" and f["batch_size"] == r["batch_size"])
+        ratios = [a / b for a, b in zip(full["tokens_per_s_rounds"], r["tokens_per_s_rounds"])]
+        assert r["time_vs_full_rounds"] == pytest.approx(ratios)
+        assert min(ratios) <= r["time_vs_full"] <= max(ratios)
     assert "| h2o |" in res.stdout and "batch 2 / batch 1" in res.stdout and "step time relative" in res.stdout
+    assert "over 2 rounds" in res.stdout
