@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from evaluate import parse_args, spec_of
+from conftest import scorer_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("eval-*.yaml"))
@@ -53,3 +54,16 @@ def test_accuracy_only_reaches_the_chain_task_and_only_it():
     spec = spec_of(parse_args(["--task", "chain,fidelity", "--policy", "full,h2o", "--accuracy-only"]))
     assert spec.tasks[0].accuracy_only and not hasattr(spec.tasks[1], "accuracy_only")
     assert not spec_of(parse_args(["--task", "chain", "--policy", "full"])).tasks[0].accuracy_only
+
+
+def test_long_chain_table_config_asks_what_issue_13_asks():
+    """configs/long-chain-smollm2.yaml is the README long-task table: every policy, 25% and 50%, >= 32 held-out
+    prompts of at least 1,000 decode steps, compared to the learned policy; it loads through --config."""
+    path = ROOT / "configs" / "long-chain-smollm2.yaml"
+    assert yaml.safe_load(path.read_text())["scorer"] == "runs/train/scorer"  # what `python train.py` exports
+    args = parse_args(["--config", str(path), "--scorer", scorer_for(30, 3, "smollm2-135m-instruct")])
+    spec = spec_of(args)
+    assert args.source == "chain" and spec.limit >= 32 and sorted(spec.budgets) == [0.25, 0.5]
+    assert spec.tasks[0].max_new_tokens >= 1000 and args.compare == "learned" and args.prefill_policy == "snapkv"
+    assert {"full", "streaming", "h2o", "tova", "snapkv", "roco", "knorm", "paged", "rkv", "lazy", "learned",
+            "oracle"} <= set(spec.policies)
