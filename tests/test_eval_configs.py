@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from evaluate import parse_args, spec_of
+from learnkv.model import DEFAULT_MODEL
 from conftest import scorer_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +62,7 @@ def test_long_chain_table_config_asks_what_issue_13_asks():
     prompts of at least 1,000 decode steps, compared to the learned policy; it loads through --config."""
     path = ROOT / "configs" / "long-chain-smollm2.yaml"
     assert yaml.safe_load(path.read_text())["scorer"] == "runs/train/scorer"  # what `python train.py` exports
-    args = parse_args(["--config", str(path), "--scorer", scorer_for(30, 3, "smollm2-135m-instruct")])
+    args = parse_args(["--config", str(path), "--scorer", scorer_for(30, 3, DEFAULT_MODEL)])
     spec = spec_of(args)
     assert args.source == "chain" and spec.limit >= 32 and sorted(spec.budgets) == [0.25, 0.5]
     assert spec.tasks[0].max_new_tokens >= 1000 and args.compare == "learned" and args.prefill_policy == "snapkv"
