@@ -83,6 +83,10 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=1536)
     p.add_argument("--n-problems", type=int, default=None)
     p.add_argument("--n-facts", type=int, default=None)
+    p.add_argument("--linked-share", type=float, default=None,
+                   help="share of linked problems (learnkv.chains.LINKED_SHARE by default)")
+    p.add_argument("--fact-share", type=float, default=None,
+                   help="share of fact-only problems (learnkv.chains.FACT_SHARE by default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", default="test")
     p.add_argument("--threads", type=int, default=2)
@@ -90,7 +94,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
-    kw = {k: v for k, v in (("n_problems", args.n_problems), ("n_facts", args.n_facts)) if v is not None}
+    kw = {k: v for k, v in (("n_problems", args.n_problems), ("n_facts", args.n_facts),
+                            ("linked_share", args.linked_share), ("fact_share", args.fact_share)) if v is not None}
     prompts = load_prompts("chain", args.start + args.n, seed=args.seed, split=args.split, **kw)[args.start:]
     rows, t0 = [], time.perf_counter()
     for i in range(0, len(prompts), args.batch):

@@ -29,6 +29,10 @@ from dataclasses import dataclass
 #: problems per prompt and facts stated at its top, by default (chosen by measurement: docs/tasks-notes.md)
 N_PROBLEMS = 30
 N_FACTS = 4
+#: shares of Problems 4.. that use an earlier answer (linked) and that use only a fact (chosen by measurement:
+#: `chain_problem`, docs/tasks-notes.md); the rest stand alone
+LINKED_SHARE = 0.10
+FACT_SHARE = 0.45
 MAX_ANSWER = 400
 
 NAMES = ("Ava", "Ben", "Chloe", "Dan", "Ema", "Finn", "Gia", "Hugo", "Ines", "Jon", "Kira", "Liam", "Mia", "Noah",
@@ -169,21 +173,26 @@ def worked(k: int, text: str, work: str, answer: int | str) -> str:
     return f"Problem {k}: {text}\nWork: {work} = {answer}\nAnswer {k}: {answer}\n"
 
 
-def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: int = N_FACTS) -> ChainProblem:
+def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: int = N_FACTS,
+                  linked_share: float = LINKED_SHARE, fact_share: float = FACT_SHARE) -> ChainProblem:
     """Chain prompt number ``index`` of data seed ``seed`` (deterministic).
 
     Problems 1 and 2 stand alone; Problem 3 uses the answer to Problem 1 and a fact (so the reply's worked start,
-    ``reply_prefix``, shows both kinds of look-up); each later one is, with probability 0.35 each, linked (it uses
-    the answer to a problem at least two before it, drawn from the first half of those, so the distance grows with
-    the chain; about half of the linked ones also use a fact) or a fact problem (a count of units times the value a
-    fact at the top of the prompt gives, by then hundreds of tokens back), else it stands alone. Facts not yet used
-    go first. The mix is set by measurement (docs/tasks-notes.md): Qwen2.5-Coder-0.5B looks facts up in the prompt
-    well but rarely resolves "the answer to Problem j", so an all-linked chain would leave nothing to measure under
-    eviction.
-    """
+    ``reply_prefix``, shows both kinds of look-up); each later one is, with probability ``linked_share``, linked (it
+    uses the answer to a problem at least two before it, drawn from the first half of those, so the distance grows
+    with the chain; about half of the linked ones also use a fact), with probability ``fact_share`` a fact problem (a
+    count of units times the value a fact at the top of the prompt gives, by then hundreds of tokens back), else it
+    stands alone. Facts not yet used go first. The mix is set by measurement (docs/tasks-notes.md):
+    Qwen2.5-Coder-0.5B looks facts up at the top of the prompt two times in three but resolves "the answer to
+    Problem j" about once in twenty, so at the earlier 35% linked it got 0.41 of the problems right and at 10% it
+    gets 0.60, which leaves room to measure what eviction takes away.
+        """
     if n_problems < 2 or n_facts < 1 or n_facts > len(FACTS):
         raise ValueError(f"a chain needs n_problems >= 2 and 1 <= n_facts <= {len(FACTS)}, got "
                          f"{n_problems} and {n_facts}")
+    if not (0 <= linked_share and 0 <= fact_share and linked_share + fact_share <= 1):
+        raise ValueError(f"a chain needs shares in [0, 1] summing to at most 1, got linked {linked_share} and "
+                         f"fact {fact_share}")
     rng = _rng(seed, index, n_problems, n_facts)
     facts = _pick_facts(rng, n_facts)
     unused_facts = list(range(n_facts))
@@ -192,11 +201,13 @@ def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: 
     lines, answers, depends, used, solution = [], [], [], [], []
     for k in range(1, n_problems + 1):
         name, item = names[(k - 1) % len(names)], rng.choice(ITEMS)
-        draw = 0.0 if k == 3 else rng.random()
-        if k <= 2 or draw >= 0.7:
+        draw = None if k == 3 else rng.random()
+        kind = ("linked" if k == 3 else "alone" if k <= 2 or draw >= linked_share + fact_share
+                else "fact" if draw >= linked_share else "linked")
+        if kind == "alone":
             text, value, work = _base_problem(rng, name, item)
             dep = fact_i = None
-        elif draw >= 0.35:
+        elif kind == "fact":
             dep = None
             fact_i = unused_facts.pop() if unused_facts else rng.randrange(n_facts)
             _, unit, qty, v = facts[fact_i]

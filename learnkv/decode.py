@@ -282,6 +282,7 @@ def generate(
     block_size: int = 16,
     observer: Callable[[BudgetCache], None] | None = None,
     progress: bool = False,
+    on_step: Callable[[int], None] | None = None,
     slack: int = 0,
 ) -> GenerationResult:
     """Decode with a KV cache that never holds more than ``budget`` tokens per layer and KV head.
@@ -317,6 +318,9 @@ def generate(
         budgeted run can follow a full-cache continuation.
     observer : callable, optional
         Called with the cache after every forward pass (after eviction).
+    on_step : callable, optional
+        Called after every decode step with the number of rows that generated a token at it (rows past their EOS
+        do not): what a progress bar over many decodes counts.
     slack : int
         Slots each layer may leave dead before it compacts (`BudgetCache`): the same tokens are kept, the cache is
         moved once per ``slack`` evictions instead of every step, for ``slack`` more slots of memory. Worth it on
@@ -418,6 +422,8 @@ def generate(
         tok = forced_tokens[:, i] if forced_tokens is not None else _next_token(logits, do_sample, temperature, top_k, top_p, gen)
         tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
         out_tokens.append(tok)
+        if on_step is not None:
+            on_step(B - int(finished.sum()))
         if len(eos):
             stops = torch.isin(tok, eos) & ~finished
             lengths = torch.where(stops, i + 1, lengths)

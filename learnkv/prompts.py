@@ -352,6 +352,8 @@ def _iter_chain(
     tokenizer: Any = None,
     n_problems: int | None = None,
     n_facts: int | None = None,
+    linked_share: float | None = None,
+    fact_share: float | None = None,
 ) -> Iterator[Prompt]:
     """Chain prompts 0, 1, 2, ... of one seed (`learnkv.chains.chain_problem`); the answer is the last problem's,
     ``meta["answers"]`` holds every problem's, ``meta["response_prefix"]`` the start of the reply (the first
@@ -360,13 +362,19 @@ def _iter_chain(
 
     n_problems = chains.N_PROBLEMS if n_problems is None else n_problems
     n_facts = chains.N_FACTS if n_facts is None else n_facts
+    linked_share = chains.LINKED_SHARE if linked_share is None else linked_share
+    fact_share = chains.FACT_SHARE if fact_share is None else fact_share
+    variant = []  # non-default sizes and mixes name their own prompts
+    if (n_problems, n_facts) != (chains.N_PROBLEMS, chains.N_FACTS):
+        variant.append(f"p{n_problems}f{n_facts}")
+    if (linked_share, fact_share) != (chains.LINKED_SHARE, chains.FACT_SHARE):
+        variant.append(f"mix{linked_share:g}-{fact_share:g}")
     for i in itertools.count():
-        pid = f"chain/s{seed}/{i}" if (n_problems, n_facts) == (chains.N_PROBLEMS, chains.N_FACTS) else \
-            f"chain/s{seed}/p{n_problems}f{n_facts}/{i}"
+        pid = "/".join(["chain", f"s{seed}", *variant, str(i)])
         s = split_of(pid, split_seed)
         if split is not None and s != split:
             continue
-        c = chains.chain_problem(seed, i, n_problems, n_facts)
+        c = chains.chain_problem(seed, i, n_problems, n_facts, linked_share, fact_share)
         meta = {"answers": list(c.answers), "depends": list(c.depends), "facts": list(c.facts),
                 "n_problems": n_problems, "given": c.given, "response_prefix": c.reply_prefix}
         yield Prompt(pid, "chain", c.text, c.answers[-1], s, meta)
@@ -408,7 +416,8 @@ def load_prompts(
         Seed of the split hash, independent of `seed`, so every data seed shares one train/test split.
     **kw
         Source options; for ``needle``: ``context_tokens``, ``depths`` (the grid, one haystack per round of it);
-        for ``chain``: ``n_problems``, ``n_facts`` (non-default values get their own ids, so their own split draw).
+        for ``chain``: ``n_problems``, ``n_facts``, ``linked_share``, ``fact_share`` (non-default values get their
+        own ids, so their own split draw).
 
     Returns
     -------

@@ -173,3 +173,19 @@ def test_decoding_hands_the_cache_under_the_name_this_transformers_expects(tiny)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         generate(tiny, input_ids=random_ids(12, seed=3), policy="h2o", budget=8, max_new_tokens=4)
+
+
+def test_on_step_counts_the_tokens_each_row_generates(tiny):
+    """The progress hook sees, step by step, how many rows generated a token: a row past its EOS stops counting,
+    so the counts sum to the tokens generated (what evaluate's bar shows)."""
+    ids = random_ids(12, batch=2, seed=8)
+    free = generate(tiny, input_ids=ids, max_new_tokens=20, stop_at_eos=False)
+    eos = int(free.tokens[1, 3])
+    seen = []
+    tiny.generation_config.eos_token_id = eos
+    try:
+        result = generate(tiny, input_ids=ids, max_new_tokens=20, on_step=seen.append)
+    finally:
+        tiny.generation_config.eos_token_id = None
+    assert sum(seen) == sum(result.new_tokens) and seen[0] == 2 and seen[-1] == 1
+    assert len(seen) == max(result.new_tokens)

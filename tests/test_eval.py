@@ -296,6 +296,34 @@ def test_records_cost_metrics_and_files(tiny, tmp_path):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths["plots"])
 
 
+def test_the_bar_counts_the_tokens_of_every_decode_as_they_come(tiny, monkeypatch):
+    """Evaluation's bar shows tokens decoded so far (redrawn at most every ``every_s``), counted step by step
+    through `Task.on_step` in the reference and every policy's decode, and the hook is removed afterwards."""
+    import io
+
+    from tqdm import tqdm
+
+    from learnkv.eval import run as run_module
+
+    out = io.StringIO()
+    hook = run_module._token_counter(tqdm(total=1, file=out), every_s=0)
+    for n in (2, 2, 1):
+        hook(n)
+    assert "tokens=5" in out.getvalue()
+    counted = []
+    real = run_module._token_counter
+
+    def recording(bar, every_s):
+        inner = real(bar, every_s)
+        return lambda n: (counted.append(n), inner(n))
+
+    monkeypatch.setattr(run_module, "_token_counter", recording)
+    spec = build_spec("full,h2o", "0.5", "fidelity", max_new_tokens=6, batch_size=2)
+    evaluate(tiny, None, spec, samples=samples(n=2, length=16))
+    assert len(counted) >= 2 * 6 and sum(counted) >= 2 * 2 * 6  # the reference and h2o's forced decode, 6 steps
+    assert spec.tasks[0].on_step is None
+
+
 def _strip_timing(records):
     return [{**r, "metrics": {k: v for k, v in r["metrics"].items() if k not in TIMING},
              "per_prompt": r["per_prompt"]} for r in json.loads(json.dumps(records))]

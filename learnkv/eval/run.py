@@ -290,57 +290,73 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         tty = sys.stderr.isatty()  # into a log file: a line every 30 s, as trace collection writes
         bar = tqdm(total=n_runs, desc=task.name, unit="run", disable=not tty if progress is None else not progress,
                    mininterval=1 if tty else 30, file=sys.stderr)
-        decoded, t_start = 0, time.perf_counter()  # generated tokens of every decode so far, for the bar's rate
+        task.on_step = _token_counter(bar, every_s=1 if tty else 30)  # live tokens and tok/s inside long decodes
         per_batch = n_runs // len(prompts)  # runs per prompt: the reference and every distinct (policy, budget)
-        for batch in _batches(prompts, spec.batch_size):
-            ids = [s.id for s in batch]
-            stored = finished.get((task.name, tuple(ids)), {})  # (label, budget) -> what a killed run finished
-            if all((run.label, b) in stored for run, b in keys):
+        try:
+            for batch in _batches(prompts, spec.batch_size):
+                ids = [s.id for s in batch]
+                stored = finished.get((task.name, tuple(ids)), {})  # (label, budget) -> what a killed run finished
+                if all((run.label, b) in stored for run, b in keys):
+                    for run, b in keys:
+                        _keep(per_prompt, costs, first_params, (run, b), ids, *_stored(stored[run.label, b]))
+                    bar.update(per_batch * len(batch))
+                    continue
+                refs = task.reference_batch(model, tokenizer, batch)
+                bar.update(len(batch))
+                finals = [task.final_length(s, r) for s, r in zip(batch, refs)]
+                done = {}  # (label, budget tokens per row) -> (metrics, costs, params): full once, equal budgets once
                 for run, b in keys:
-                    _keep(per_prompt, costs, first_params, (run, b), ids, *_stored(stored[run.label, b]))
-                bar.update(per_batch * len(batch))
-                continue
-            refs = task.reference_batch(model, tokenizer, batch)
-            bar.update(len(batch))
-            finals = [task.final_length(s, r) for s, r in zip(batch, refs)]
-            done = {}  # (label, budget tokens per row) -> (metrics, costs, params): full once, equal budgets once
-            for run, b in keys:
-                budgets = _budgets_for(run, b, finals)
-                key = (run.label, tuple(budgets))
-                entry = stored.get((run.label, b))
-                if entry is not None:
-                    result = _stored(entry)
-                elif key in done:
-                    result = done[key]
-                else:
-                    _check(task, spec, run, batch, budgets, b)
-                    metrics, row_costs, params = [None] * len(batch), [None] * len(batch), None
-                    for group in _groups(run, spec.prefill, task, budgets):
-                        cfg = RunConfig(run.name, run.params, [budgets[i] for i in group],
-                                        (spec.prefill.name, spec.prefill.params) if spec.prefill else None)
-                        t0 = time.perf_counter()
-                        m, generated = task.run_batch(model, tokenizer, [batch[i] for i in group],
-                                                      [refs[i] for i in group], cfg)
-                        share = (time.perf_counter() - t0) / len(group)
-                        decoded += sum(generated.new_tokens)
-                        bar.set_postfix(tokens=decoded, tok_s=f"{decoded / (time.perf_counter() - t_start):.1f}",
-                                        refresh=False)
-                        for j, i in enumerate(group):
-                            metrics[i], row_costs[i] = m[j], _cost_row(generated, j, share)
-                        params = params or generated.params
-                    result = (metrics, row_costs, params)
-                if key not in done:
-                    done[key] = result
-                    bar.update(len(batch))
-                if entry is None and resume_dir is not None:
-                    checkpoint.append_run(resume_dir, {"task": task.name, "ids": ids, "policy": run.label, "budget": b,
-                                                       "metrics": result[0], "costs": result[1], "params": result[2]})
-                _keep(per_prompt, costs, first_params, (run, b), ids, *result)
-        bar.close()
+                    budgets = _budgets_for(run, b, finals)
+                    key = (run.label, tuple(budgets))
+                    entry = stored.get((run.label, b))
+                    if entry is not None:
+                        result = _stored(entry)
+                    elif key in done:
+                        result = done[key]
+                    else:
+                        _check(task, spec, run, batch, budgets, b)
+                        metrics, row_costs, params = [None] * len(batch), [None] * len(batch), None
+                        for group in _groups(run, spec.prefill, task, budgets):
+                            cfg = RunConfig(run.name, run.params, [budgets[i] for i in group],
+                                            (spec.prefill.name, spec.prefill.params) if spec.prefill else None)
+                            t0 = time.perf_counter()
+                            m, generated = task.run_batch(model, tokenizer, [batch[i] for i in group],
+                                                          [refs[i] for i in group], cfg)
+                            share = (time.perf_counter() - t0) / len(group)
+                            for j, i in enumerate(group):
+                                metrics[i], row_costs[i] = m[j], _cost_row(generated, j, share)
+                            params = params or generated.params
+                        result = (metrics, row_costs, params)
+                    if key not in done:
+                        done[key] = result
+                        bar.update(len(batch))
+                    if entry is None and resume_dir is not None:
+                        checkpoint.append_run(resume_dir, {"task": task.name, "ids": ids, "policy": run.label, "budget": b,
+                                                           "metrics": result[0], "costs": result[1], "params": result[2]})
+                    _keep(per_prompt, costs, first_params, (run, b), ids, *result)
+        finally:
+            task.on_step = None
+            bar.close()
         for run, b in keys:
             records.append(_record(task, run, b, prompts, per_prompt[run, b], costs[run, b], first_params.get((run, b)),
                                    spec, model, model_name))
     return records
+
+
+def _token_counter(bar, every_s: float):
+    """A `Task.on_step` hook: counts the tokens every decode of the bar's task generates (references included) and
+    shows the count and the rate on the bar, redrawn at most every ``every_s`` seconds, so a decode of thousands
+    of steps is not silent between two finished runs."""
+    state = {"tokens": 0, "start": time.perf_counter(), "shown": time.perf_counter()}
+
+    def on_step(n_rows: int) -> None:
+        state["tokens"] += n_rows
+        now = time.perf_counter()
+        if now - state["shown"] >= every_s:
+            state["shown"] = now
+            bar.set_postfix(tokens=state["tokens"], tok_s=f"{state['tokens'] / (now - state['start']):.1f}")
+
+    return on_step
 
 
 def _stored(entry: dict) -> tuple[list, list, dict | None]:

@@ -114,6 +114,9 @@ class Task:
     max_new_tokens: int = 64
     granularity: str = "token"
     block_size: int = 16
+    # not a field (not an option, not in `options`): `learnkv.eval.run.evaluate` sets it on the instance to count
+    # decoded tokens for its progress bar; every decode of the task goes through `decode_batch`
+    on_step = None
 
     def __post_init__(self):
         if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
@@ -136,7 +139,7 @@ class Task:
         prefill = dict(prefill_policy=run.prefill[0], prefill_params=run.prefill[1]) if run.prefill else {}
         return generate(model, tokenizer, input_ids=ids, attention_mask=mask, policy=run.policy, budget=budget,
                         max_new_tokens=self.max_new_tokens, policy_params=run.params, granularity=self.granularity,
-                        block_size=self.block_size, **prefill, **options)
+                        block_size=self.block_size, on_step=self.on_step, **prefill, **options)
 
     def final_length(self, sample: Sample, ref: Any) -> int:
         """The full length a budget fraction is a share of: the prompt plus what the full cache generated on it,

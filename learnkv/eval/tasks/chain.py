@@ -98,6 +98,8 @@ class Chain(Fidelity):
         (docs/tasks-notes.md).
     n_problems, n_facts : int
         Problems per prompt and facts stated at its top (`learnkv.chains`).
+    linked_share, fact_share : float
+        Shares of linked and fact-only problems (`learnkv.chains.chain_problem`).
     accuracy_only : bool
         Grade free runs only, without the teacher-forced fidelity metrics (see the module docstring).
     """
@@ -110,18 +112,20 @@ class Chain(Fidelity):
     source: str = "chain"
     n_problems: int = chains.N_PROBLEMS
     n_facts: int = chains.N_FACTS
+    linked_share: float = chains.LINKED_SHARE
+    fact_share: float = chains.FACT_SHARE
     accuracy_only: bool = False
 
     def __post_init__(self):
         self.source = "chain"  # always: --source is the fidelity task's, one set of flags serves every task
         super().__post_init__()
-        chains.chain_problem(0, 0, self.n_problems, self.n_facts)  # validates both
+        chains.chain_problem(0, 0, self.n_problems, self.n_facts, self.linked_share, self.fact_share)  # validates
 
     def load(self, tokenizer, limit: int | None, seed: int) -> list[Sample]:
         if tokenizer is None:
             raise ValueError("the chain task needs a tokenizer (or pass token-id samples with meta['answers'])")
         prompts = load_prompts("chain", n=limit, seed=seed, split="test", n_problems=self.n_problems,
-                               n_facts=self.n_facts)
+                               n_facts=self.n_facts, linked_share=self.linked_share, fact_share=self.fact_share)
         return [Sample.from_prompt(p, tokenizer) for p in prompts]
 
     def metric_names(self) -> tuple[str, ...]:
