@@ -186,7 +186,7 @@ def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: 
     Qwen2.5-Coder-0.5B looks facts up at the top of the prompt two times in three but resolves "the answer to
     Problem j" about once in twenty, so at the earlier 35% linked it got 0.41 of the problems right and at 10% it
     gets 0.60, which leaves room to measure what eviction takes away.
-        """
+    """
     if n_problems < 2 or n_facts < 1 or n_facts > len(FACTS):
         raise ValueError(f"a chain needs n_problems >= 2 and 1 <= n_facts <= {len(FACTS)}, got "
                          f"{n_problems} and {n_facts}")
@@ -201,9 +201,12 @@ def chain_problem(seed: int, index: int, n_problems: int = N_PROBLEMS, n_facts: 
     lines, answers, depends, used, solution = [], [], [], [], []
     for k in range(1, n_problems + 1):
         name, item = names[(k - 1) % len(names)], rng.choice(ITEMS)
-        draw = None if k == 3 else rng.random()
-        kind = ("linked" if k == 3 else "alone" if k <= 2 or draw >= linked_share + fact_share
-                else "fact" if draw >= linked_share else "linked")
+        if k == 3:  # always linked (and with a fact): the reply prefix shows both look-ups
+            kind = "linked"
+        else:
+            draw = rng.random()
+            kind = ("alone" if k <= 2 or draw >= linked_share + fact_share
+                    else "fact" if draw >= linked_share else "linked")
         if kind == "alone":
             text, value, work = _base_problem(rng, name, item)
             dep = fact_i = None

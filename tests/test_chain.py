@@ -304,7 +304,7 @@ def test_bench_counts_right_answers_by_kind():
     spec = importlib.util.spec_from_file_location("bench_chain", Path(__file__).parents[1] / "bench" / "chain.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    c = next(c for c in map(lambda i: chain_problem(0, i), range(50)) if any(c.depends[c.given:]))  # one with links
+    c = next(c for c in (chain_problem(0, i) for i in range(50)) if any(c.depends[c.given:]))  # one with links
     meta = {"given": c.given, "answers": c.answers, "depends": c.depends, "facts": c.facts}
     parsed = list(c.answers)
     wrong = next(k for k in range(c.given, len(c.answers)) if c.depends[k] is not None)

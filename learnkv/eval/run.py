@@ -287,10 +287,11 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         costs = {key: {} for key in keys}
         first_params = {}
         n_runs = len(prompts) * (1 + len({(r.label, b) if evicts(r.name) else r.label for r, b in keys}))
-        tty = sys.stderr.isatty()  # into a log file: a line every 30 s, as trace collection writes
+        tty = sys.stderr.isatty()
+        redraw_s = 1 if tty else 30  # into a log file: a line every 30 s, as trace collection writes
         bar = tqdm(total=n_runs, desc=task.name, unit="run", disable=not tty if progress is None else not progress,
-                   mininterval=1 if tty else 30, file=sys.stderr)
-        task.on_step = _token_counter(bar, every_s=1 if tty else 30)  # live tokens and tok/s inside long decodes
+                   mininterval=redraw_s, file=sys.stderr)
+        task.on_step = _token_counter(bar, every_s=redraw_s)  # live tokens and tok/s inside long decodes
         per_batch = n_runs // len(prompts)  # runs per prompt: the reference and every distinct (policy, budget)
         try:
             for batch in _batches(prompts, spec.batch_size):
