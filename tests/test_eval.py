@@ -306,18 +306,20 @@ def test_the_bar_counts_the_tokens_of_every_decode_as_they_come(tiny, monkeypatc
     from learnkv.eval import run as run_module
 
     out = io.StringIO()
-    hook = run_module._token_counter(tqdm(total=1, file=out), every_s=0)
+    hook = run_module.token_counter(tqdm(total=1, file=out), every_s=3600)
     for n in (2, 2, 1):
         hook(n)
+    assert "tokens=" not in out.getvalue()  # not yet due
+    hook(0, redraw=True)
     assert "tokens=5" in out.getvalue()
     counted = []
-    real = run_module._token_counter
+    real = run_module.token_counter
 
     def recording(bar, every_s):
         inner = real(bar, every_s)
         return lambda n: (counted.append(n), inner(n))
 
-    monkeypatch.setattr(run_module, "_token_counter", recording)
+    monkeypatch.setattr(run_module, "token_counter", recording)
     spec = build_spec("full,h2o", "0.5", "fidelity", max_new_tokens=6, batch_size=2)
     evaluate(tiny, None, spec, samples=samples(n=2, length=16))
     assert len(counted) >= 2 * 6 and sum(counted) >= 2 * 2 * 6  # the reference and h2o's forced decode, 6 steps

@@ -134,6 +134,18 @@ def test_killed_collector_resumes_without_duplicates_or_losses(small, collected,
     assert _rows(tmp_path) == _rows(reference)
 
 
+def test_a_resumed_collection_shows_the_finished_shards_and_the_tokens(small, tmp_path, capsys):
+    """The bar starts at the prompts of shards an earlier run finished (2 of 4 here) and ends with the tokens
+    this run decoded, counted step by step."""
+    model, tok = small
+    collect(tmp_path, CFG, model=model, tokenizer=tok, prompts=PROMPTS, progress=False, max_shards=1)
+    capsys.readouterr()
+    _, stats = collect(tmp_path, CFG, model=model, tokenizer=tok, prompts=PROMPTS, progress=True)
+    err = capsys.readouterr().err
+    assert "2/4" in err and "4/4" in err, err
+    assert f"tokens={stats.decode_tokens}" in err, err
+
+
 def test_sharded_collectors_and_merge(small, collected, tmp_path):
     model, tok = small
     reference, _, _ = collected

@@ -28,6 +28,7 @@ from learnkv.cache import blind_prefill_error, prefill_policy_error
 from learnkv.decode import GenerationResult, parse_number, resolve_budget, resolve_policy
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
+from learnkv.progress import redraw_seconds, token_counter
 from learnkv.eval.tasks.base import RunConfig, evicts
 from learnkv.policies import POLICIES, make_policy
 from learnkv.policies.base import shared_fields
@@ -287,11 +288,11 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         costs = {key: {} for key in keys}
         first_params = {}
         n_runs = len(prompts) * (1 + len({(r.label, b) if evicts(r.name) else r.label for r, b in keys}))
-        tty = sys.stderr.isatty()
-        redraw_s = 1 if tty else 30  # into a log file: a line every 30 s, as trace collection writes
-        bar = tqdm(total=n_runs, desc=task.name, unit="run", disable=not tty if progress is None else not progress,
+        redraw_s = redraw_seconds()
+        bar = tqdm(total=n_runs, desc=task.name, unit="run",
+                   disable=not sys.stderr.isatty() if progress is None else not progress,
                    mininterval=redraw_s, file=sys.stderr)
-        task.on_step = _token_counter(bar, every_s=redraw_s)  # live tokens and tok/s inside long decodes
+        task.on_step = token_counter(bar, every_s=redraw_s)  # live tokens and tok/s inside long decodes
         per_batch = n_runs // len(prompts)  # runs per prompt: the reference and every distinct (policy, budget)
         try:
             for batch in _batches(prompts, spec.batch_size):
@@ -342,22 +343,6 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
             records.append(_record(task, run, b, prompts, per_prompt[run, b], costs[run, b], first_params.get((run, b)),
                                    spec, model, model_name))
     return records
-
-
-def _token_counter(bar, every_s: float):
-    """A `Task.on_step` hook: counts the tokens every decode of the bar's task generates (references included) and
-    shows the count and the rate on the bar, redrawn at most every ``every_s`` seconds, so a decode of thousands
-    of steps is not silent between two finished runs."""
-    state = {"tokens": 0, "start": time.perf_counter(), "shown": time.perf_counter()}
-
-    def on_step(n_rows: int) -> None:
-        state["tokens"] += n_rows
-        now = time.perf_counter()
-        if now - state["shown"] >= every_s:
-            state["shown"] = now
-            bar.set_postfix(tokens=state["tokens"], tok_s=f"{state['tokens'] / (now - state['start']):.1f}")
-
-    return on_step
 
 
 def _stored(entry: dict) -> tuple[list, list, dict | None]:

@@ -33,6 +33,7 @@ import numpy as np
 
 from learnkv.atomic import ensure_dir
 from learnkv.fields import check_fields, setting
+from learnkv.progress import redraw_seconds, token_counter
 from learnkv.traces.record import FLOAT_LABELS, Decision, Recorder, horizon_fits
 from learnkv.traces.store import (MANIFEST, TraceError, finished_shards, read_manifest, remove_stale_temps, shard_name,
                                   write_manifest, write_shard)
@@ -214,9 +215,9 @@ def _groups(cfg: CollectConfig, budgets: list[int | None]) -> list[list[int]]:
     return list(groups.values())
 
 
-def record_batch(model, tokenizer, cfg: CollectConfig, prompts: list, progress: bool = False):
+def record_batch(model, tokenizer, cfg: CollectConfig, prompts: list, on_step=None):
     """Decode ``prompts`` together and record them. Returns (per prompt: its decisions, tokens generated per prompt,
-    decisions dropped because a generation ended before their horizon)."""
+    decisions dropped because a generation ended before their horizon). ``on_step`` as in `learnkv.decode.generate`."""
     from learnkv.decode import generate
     from learnkv.policies import make_policy
     from learnkv.traces import onpolicy
@@ -238,14 +239,13 @@ def record_batch(model, tokenizer, cfg: CollectConfig, prompts: list, progress: 
                                           [budgets[i] for i in group], [steps[i] for i in group], cfg.teachers,
                                           cfg.horizon, cfg.label_budget, cfg.max_new_tokens, chat=cfg.chat,
                                           reply_prefixes=prefixes,
-                                          progress=progress, record_values=cfg.record_values)
+                                          record_values=cfg.record_values, on_step=on_step)
         else:
             rec = Recorder(n_layers=model.config.num_hidden_layers, teachers=tuple(cfg.teachers),
                            decision_steps=tuple(steps[i] for i in group), horizon=cfg.horizon,
                            label_budget=cfg.label_budget, record_values=cfg.record_values)
             result = generate(model, tokenizer, texts, policy=rec, max_new_tokens=cfg.max_new_tokens, chat=cfg.chat,
-                              reply_prefixes=prefixes,
-                              progress=progress)
+                              reply_prefixes=prefixes, on_step=on_step)
             got = [rec.decisions(b, n) for b, n in enumerate(result.new_tokens)]
         for j, i in enumerate(group):
             decisions[i], new_tokens[i] = got[j], result.new_tokens[j]
@@ -260,8 +260,9 @@ def collect(out: str | Path, cfg: CollectConfig | None = None, shard: tuple[int,
 
     ``shard=(i, n)`` takes every n-th shard starting at i. ``max_shards`` stops after that many new shards.
     ``prompts`` overrides the config's prompt sources (objects with ``id``, ``source``, ``split``, ``text``).
-    ``progress`` shows a bar of prompts done, decode tokens, tokens/s and the time left (on a terminal it redraws;
-    elsewhere it prints a line every 30 s).
+    ``progress`` shows a bar of prompts done (earlier runs' shards included), decode tokens, tokens/s and the time
+    left, the tokens counted at every decode step (on a terminal it redraws every second; elsewhere it prints a line
+    every 30 s).
     """
     from tqdm.auto import tqdm
 
@@ -303,25 +304,27 @@ def collect(out: str | Path, cfg: CollectConfig | None = None, shard: tuple[int,
     if max_shards is not None:
         todo = todo[:max_shards]
     stats.skipped_shards = len(mine) - len([j for j in mine if j not in done])
-    tty = sys.stderr.isatty()
-    bar = tqdm(total=sum(len(shards[j]) for j in todo), desc=f"collect [{cfg.policy}]", unit="prompt",
-               disable=not progress, mininterval=1 if tty else 30, file=sys.stderr)
+    # the bar counts every prompt of this collector's shards, those finished by an earlier run included, so a
+    # resumed collection shows where it stands; tokens and tok/s come live from the decode (`token_counter`)
+    redraw_s = redraw_seconds()
+    bar = tqdm(total=sum(len(shards[j]) for j in mine if j in done or j in todo),
+               initial=sum(len(shards[j]) for j in mine if j in done), desc=f"collect [{cfg.policy}]", unit="prompt",
+               disable=not progress, mininterval=redraw_s, file=sys.stderr)
+    on_step = token_counter(bar, every_s=redraw_s)
     t0 = time.perf_counter()
     try:
         for j in todo:
             columns: dict[str, list] = {}
             for k in range(0, len(shards[j]), cfg.batch_size):
                 batch = shards[j][k: k + cfg.batch_size]
-                decisions, new_tokens, dropped = record_batch(model, tokenizer, cfg, batch, progress=progress and tty)
+                decisions, new_tokens, dropped = record_batch(model, tokenizer, cfg, batch, on_step=on_step)
                 stats.decode_tokens += sum(new_tokens)
                 stats.dropped_decisions += dropped
                 for prompt, rows in zip(batch, decisions):
                     for key, v in rows_to_columns(prompt, rows, tuple(cfg.teachers), cfg.policy).items():
                         columns.setdefault(key, []).extend(v)
-                elapsed = time.perf_counter() - t0
                 bar.update(len(batch))
-                bar.set_postfix_str(f"{stats.decode_tokens} tok, {stats.decode_tokens / max(elapsed, 1e-9):.1f} tok/s",
-                                    refresh=False)
+                on_step(0, redraw=True)
             entry = write_shard(out, j, columns, [p.id for p in shards[j]], digest)
             write_manifest(out, header, len(shards))
             stats.rows += entry["rows"]
