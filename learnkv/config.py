@@ -36,6 +36,9 @@ class TrainConfig:
     membership_budget: float = setting(0.25, gt=0, le=1)
     distill: dict[str, float] = setting({}, ge=0)  # teacher name -> weight
     content: bool = False  # also score each token's value vector (needs traces with collect.record_values)
+    # features the scorer may not read (their first-layer weights are held at zero), to ablate a group of them, e.g.
+    # [acc_sum, age, n_returns]: the ones that grow with the decode length
+    ignore_features: tuple[str, ...] = ()
     accelerator: str = "auto"
     devices: int | str = 1
     strategy: str = "auto"  # Lightning strategy, e.g. "ddp" to scale out
@@ -135,6 +138,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pi
     if unknown:
         raise ValueError(f"train.distill names {', '.join(unknown)}, not among collect.teachers "
                          f"({', '.join(cfg.collect.teachers)})")
+    from learnkv.features import FEATURES
+
+    unknown = [f for f in cfg.train.ignore_features if f not in FEATURES]
+    if unknown:
+        raise ValueError(f"train.ignore_features names {', '.join(unknown)}, not features; features: {', '.join(FEATURES)}")
     check_report(cfg.report)
     return cfg
 

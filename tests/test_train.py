@@ -91,6 +91,28 @@ def test_exported_artifact_reproduces_the_trained_scores(synthetic_run):
     assert manifest["model"] == "synthetic" and manifest["n_kv_heads"] == H
 
 
+def test_an_ignored_feature_is_never_read(synthetic_run, tmp_path):
+    """`train.ignore_features` holds a feature's weights at exactly zero: ignoring one of the two features the utility
+    depends on costs recall (so the ablation can show a feature matters), and the exported scores do not move when
+    that feature does."""
+    from learnkv.features import FEATURES
+    from learnkv.scorer.artifact import load_scorer
+    from learnkv.scorer.fit import train
+
+    src, _, full_metrics, _ = synthetic_run
+    artifact, metrics, _ = train(config(tmp_path, f"trace_dir={src / 'traces'}", f"train.ignore_features=[{FEATURES[2]}]"),
+                                 progress=False)
+    assert metrics["val/recall@25"] < full_metrics["val/recall@25"] - 0.1
+    scorer, _ = load_scorer(artifact)
+    assert torch.count_nonzero(scorer.w1[:, 2, :]) == 0 and torch.count_nonzero(scorer.w1[:, 7, :]) > 0
+    x = torch.randn(3, H, T, N_FEATURES)
+    moved = x.clone()
+    moved[..., 2] += 5.0
+    assert torch.equal(scorer(x, 1), scorer(moved, 1))
+    with pytest.raises(ValueError, match="not features"):
+        config(tmp_path, "train.ignore_features=[acc_total]")
+
+
 def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
     from learnkv.scorer.fit import train
 

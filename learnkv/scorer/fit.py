@@ -221,7 +221,8 @@ def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = Tru
     module = ScorerModule(manifest["n_layers"], hidden=t.hidden, lr=t.lr, weight_decay=t.weight_decay,
                           temperature=t.temperature, membership_weight=t.membership_weight,
                           membership_budget=t.membership_budget, distill=dict(t.distill), teachers=tuple(teachers),
-                          content_dim=content_dim, n_heads=manifest["n_kv_heads"] if t.content else 0)
+                          content_dim=content_dim, n_heads=manifest["n_kv_heads"] if t.content else 0,
+                          ignore_features=tuple(t.ignore_features))
     module.scorer.set_normalization(*feature_stats(dm.train_rows, seed=cfg.seed))
     n_params = module.scorer.n_params()
     print(f"scorer: {n_params} parameters ({n_params // manifest['n_layers']} per layer), "

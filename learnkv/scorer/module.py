@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from learnkv.features import FEATURES
 from learnkv.scorer.model import Scorer
 
 BUDGETS = (0.1, 0.25, 0.5)
@@ -70,10 +71,17 @@ class ScorerModule(L.LightningModule):
     def __init__(self, n_layers: int, hidden: int = 32, lr: float = 3e-3, weight_decay: float = 1e-4,
                  temperature: float = 1.0, membership_weight: float = 0.5, membership_budget: float = 0.25,
                  distill: dict[str, float] | None = None, teachers: tuple[str, ...] = (), content_dim: int = 0,
-                 n_heads: int = 0):
+                 n_heads: int = 0, ignore_features: tuple[str, ...] = ()):
         super().__init__()
         self.save_hyperparameters()
         self.scorer = Scorer(n_layers, hidden=hidden, content_dim=content_dim, n_heads=n_heads)
+        if ignore_features:
+            # an ignored feature's first-layer weights start at zero and get no gradient, so they stay exactly zero
+            # (AdamW's decay of a zero is zero) and the exported scorer needs nothing new to ignore it
+            read = torch.tensor([f not in ignore_features for f in FEATURES], dtype=torch.float32)
+            with torch.no_grad():
+                self.scorer.w1.mul_(read[None, :, None])
+            self.scorer.w1.register_hook(lambda grad: grad * read[None, :, None].to(grad.device))
         self.teachers = tuple(teachers)
         unknown = set(distill or {}) - set(self.teachers)
         if unknown:
