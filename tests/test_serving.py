@@ -185,6 +185,13 @@ def test_tampered_or_foreign_artifact_refused(tmp_path):
         ServingRuntime(path, 32, block_size=8)
 
 
+def test_a_content_scorer_is_refused_at_start_up(tmp_path):
+    """A scorer that reads value vectors (train.content=true) would fail at the first decision: refused up front."""
+    path = export_scorer(Scorer(2, content_dim=4, n_heads=2), tmp_path / "content", model="tiny", n_kv_heads=2)
+    with pytest.raises(ArtifactError, match="value vectors"):
+        ServingRuntime(path, 32, block_size=8, n_layers=2, n_kv_heads=2)
+
+
 def test_infeasible_budget_refused(tmp_path):
     path = scorer(tmp_path, 2, "tiny", 2)
     with pytest.raises(ValueError, match="do not fit in a budget of 20"):

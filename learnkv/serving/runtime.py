@@ -35,7 +35,7 @@ from torch import Tensor
 
 from learnkv.features import FEATURES, FeatureTracker
 from learnkv.pooling import shared_keep_slots
-from learnkv.scorer.artifact import load_scorer
+from learnkv.scorer.artifact import ArtifactError, load_scorer
 from learnkv.serving.batch import DecodeBatch
 
 
@@ -111,6 +111,11 @@ class ServingRuntime:
         # the same checks as the decode loop's `learned` policy (`learnkv.scorer.artifact.check_binding`)
         self.model, self.manifest = load_scorer(scorer, expect_model=expect_model, expect_layers=n_layers,
                                                 expect_kv_heads=n_kv_heads)
+        if self.model.content_dim:
+            # its score reads each token's whole value vector; the runtime keeps per-token norms only
+            raise ArtifactError(f"scorer {str(scorer)!r} reads the tokens' value vectors (trained with "
+                                "train.content=true), which the serving runtime does not keep: serve a scorer "
+                                "trained without content features")
         self.model = self.model.to(device)
         self.n_layers = self.model.n_layers
         self.tracker = FeatureTracker(self.n_layers)
