@@ -76,6 +76,81 @@ def test_runtime_frees_what_the_decode_loop_evicts_tiny(tiny, tmp_path):
     check_same_as_decode_loop(tiny, path, prompts, [48, 40], bs=8, new=30, sink_blocks=2, recent_blocks=2)
 
 
+def test_a_scorer_with_content_features_frees_what_the_decode_loop_evicts(tiny, tmp_path):
+    """A scorer that reads value vectors (train.content=true): the runtime keeps each token's content term from
+    when it was written and decides as the decode loop does, which reads the cached values; the gate matters (the
+    same scorer without it evicts other blocks), and a step shown without values is refused."""
+    cfg = tiny.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    torch.manual_seed(3)
+    model = Scorer(2, content_dim=head_dim, n_heads=2)
+    with torch.no_grad():
+        model.wc.normal_(0, 2.0)
+    path = export_scorer(model, tmp_path / "content", model="tiny", n_kv_heads=2)
+    with torch.no_grad():
+        model.wc.zero_()
+    gateless = export_scorer(model, tmp_path / "gateless", model="tiny", n_kv_heads=2)
+    prompts = [random_ids(45, seed=11)[0], random_ids(20, seed=12)[0]]
+    check_same_as_decode_loop(tiny, path, prompts, [32, 40], bs=8, new=30)
+    assert decode_loop_evictions(tiny, prompts[1], path, 40, 8, 30) != decode_loop_evictions(tiny, prompts[1],
+                                                                                               gateless, 40, 8, 30)
+    rt = ServingRuntime(path, 32, block_size=8)
+    assert rt.reads_values
+    with pytest.raises(ValueError, match="pass values"):
+        rt.observe_step(["r0"], torch.rand(2, 1, 2, 1, 4), torch.rand(2, 1, 2), torch.rand(2, 1, 2))
+
+
+def _drive(rt, batched: bool, n_steps=40, L=2, H=2, D=4, prompts=(("r0", 20), ("r1", 13))):
+    """Synthetic engine steps (seeded attention, keys and values) into ``rt``, the decoding requests shown one by one
+    (`observe`, the simulator's path) or all at once (`observe_step` with values, the vLLM worker's path)."""
+    def draw(*seed_and_shape):
+        g = torch.Generator().manual_seed(hash(seed_and_shape[:3]) % (1 << 31))
+        return torch.rand(*seed_and_shape[3:], generator=g)
+
+    decided = []
+    for rid, n in prompts:
+        rt.add_request(rid)
+        rt.begin_step(rid, n)
+        for layer in range(L):
+            attn = torch.softmax(draw(rid, layer, -1, H, 1, n, n).masked_fill(torch.ones(n, n).triu(1).bool(), -1e9), -1)
+            rt.observe(rid, layer, attn, draw(rid, layer, -2, H, n, D), draw(rid, layer, -3, H, n, D))
+        decided += [(d.req_id, d.blocks) for d in rt.decide([rid])]
+    ids = [rid for rid, _ in prompts]
+    for step in range(n_steps):
+        for rid in ids:
+            rt.begin_step(rid, 1)
+        lens = [rt.batch.n_resident(rid) + 1 for rid in ids]
+        attn = [[torch.softmax(draw(rid, layer, step, H, 1, 1, T), -1) for rid, T in zip(ids, lens)] for layer in range(L)]
+        keys = [[draw(rid, layer, 1000 + step, H, 1, D) for rid in ids] for layer in range(L)]
+        values = [[draw(rid, layer, 2000 + step, H, 1, D) for rid in ids] for layer in range(L)]
+        if batched:
+            Tb = max(lens)
+            a = torch.stack([torch.stack([torch.nn.functional.pad(x[:, :, 0], (0, Tb - x.shape[-1])) for x in row])
+                             for row in attn])  # [L, R, H, G, Tb], left-aligned
+            k = torch.stack([torch.stack([x[:, 0] for x in row]) for row in keys])  # [L, R, H, D]
+            v = torch.stack([torch.stack([x[:, 0] for x in row]) for row in values])
+            rt.observe_step(ids, a, k.norm(dim=-1), v.norm(dim=-1), torch.tensor(lens), values=v)
+        else:
+            for layer in range(L):
+                for j, rid in enumerate(ids):
+                    rt.observe(rid, layer, attn[layer][j], keys[layer][j], values[layer][j])
+        decided += [(d.req_id, d.blocks, d.resident_tokens) for d in rt.decide(ids)]
+    return decided
+
+
+def test_batched_observation_with_content_decides_as_one_by_one(tmp_path):
+    """The vLLM worker's path (every layer and request at once, values passed for the content term) decides what
+    the per-request path decides, for a scorer with content features."""
+    torch.manual_seed(5)
+    model = Scorer(2, content_dim=4, n_heads=2)
+    with torch.no_grad():
+        model.wc.normal_(0, 2.0)
+    path = export_scorer(model, tmp_path / "content", model="tiny", n_kv_heads=2)
+    one_by_one = _drive(ServingRuntime(path, 24, block_size=4), batched=False)
+    assert any(d[1] for d in one_by_one[2:]), "no decode-time eviction: the test proves nothing"
+    assert _drive(ServingRuntime(path, 24, block_size=4), batched=True) == one_by_one
+
+
 @pytest.mark.slow
 def test_runtime_frees_what_the_decode_loop_evicts_smollm2(smollm2, tmp_path):
     """The acceptance test: a real decode of the default model, block size 16, batched decisions."""
@@ -183,13 +258,6 @@ def test_tampered_or_foreign_artifact_refused(tmp_path):
     w.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="does not match"):
         ServingRuntime(path, 32, block_size=8)
-
-
-def test_a_content_scorer_is_refused_at_start_up(tmp_path):
-    """A scorer that reads value vectors (train.content=true) would fail at the first decision: refused up front."""
-    path = export_scorer(Scorer(2, content_dim=4, n_heads=2), tmp_path / "content", model="tiny", n_kv_heads=2)
-    with pytest.raises(ArtifactError, match="value vectors"):
-        ServingRuntime(path, 32, block_size=8, n_layers=2, n_kv_heads=2)
 
 
 def test_infeasible_budget_refused(tmp_path):

@@ -257,8 +257,8 @@ def _record(runtime, events: list) -> None:
     def wrap(name, convert):
         orig = getattr(runtime, name)
 
-        def call(*args):
-            result = orig(*args)
+        def call(*args, **kwargs):  # keyword arguments (values for a content scorer) are not replayed
+            result = orig(*args, **kwargs)
             events.append((name, convert(args, result)))
             return result
         setattr(runtime, name, call)

@@ -58,19 +58,28 @@ class Scorer(nn.Module):
         self.mean.copy_(mean)
         self.std.copy_(std.clamp(min=1e-6))
 
-    def forward(self, features: Tensor, layer: int | Tensor, values: Tensor | None = None) -> Tensor:
+    def forward(self, features: Tensor, layer: int | Tensor, values: Tensor | None = None,
+                content: Tensor | None = None) -> Tensor:
         """``features [..., F]`` of tokens of ``layer`` (an int, or a LongTensor broadcastable to ``[...]``) -> ``[...]``.
 
         A scorer with content features also needs ``values [B, H, T, D]`` (features then ``[B, H, T, F]``; ``layer``
-        an int, or ``[B, 1, 1]`` in training)."""
+        an int, or ``[B, 1, 1]`` in training), or their `content_term` computed earlier (``content [B, H, T]``:
+        a token's value never changes, so the serving runtime computes it once, when the token is written)."""
         score = self._mlp(features, layer)
         if not self.content_dim:
             return score
-        if values is None:
-            raise ValueError("this scorer reads the tokens' value vectors (content features): pass values")
+        if content is None:
+            if values is None:
+                raise ValueError("this scorer reads the tokens' value vectors (content features): pass values")
+            content = self.content_term(values, layer)
+        return score + content
+
+    def content_term(self, values: Tensor, layer: int | Tensor) -> Tensor:
+        """The content gate's score of each token: ``values [..., H, T, D]`` -> ``[..., H, T]`` for an int ``layer``
+        (``[N, H, T, D]`` with ``layer [N, ...]`` in training)."""
         if isinstance(layer, int):
-            return score + torch.einsum("...htd,hd->...ht", values.float(), self.wc[layer])
-        return score + torch.einsum("nhtd,nhd->nht", values.float(), self.wc[layer.reshape(-1)])
+            return torch.einsum("...htd,hd->...ht", values.float(), self.wc[layer])
+        return torch.einsum("nhtd,nhd->nht", values.float(), self.wc[layer.reshape(-1)])
 
     def _mlp(self, features: Tensor, layer: int | Tensor) -> Tensor:
         import kernels

@@ -2,7 +2,8 @@
 step for all requests and all layers, instead of one per request and layer.
 
 `DecodeBatch` stores what `learnkv.serving.runtime.ServingRuntime` keeps per request (positions, the
-`learnkv.features.FeatureTracker` state, key and value norms) stacked over layers and requests, tokens
+`learnkv.features.FeatureTracker` state, and each token's constants: key and value norms, and for a scorer with
+content features its content term) stacked over layers and requests, tokens
 **right-aligned**: a request with T resident tokens holds columns ``C - T .. C - 1`` of a width-C batch, in
 ascending position, and positions -1 pad the left. Right alignment is what `FeatureTracker.update` assumes (the
 step's new tokens are the last columns), so the batch calls it unchanged, once, with the layers and requests
@@ -25,6 +26,9 @@ from torch import Tensor
 
 from learnkv.features import FeatureTracker
 
+# what a token carries from its creation on, as state entries: key and value norms (features), and the content
+# gate's term of a scorer that reads value vectors (`learnkv.scorer.model.Scorer.content_term`)
+TOKEN_CONSTANTS = ("norm.k", "norm.v", "norm.c")
 _REBASE = 1 << 20  # f.last_high is float32: rebase the clock long before 2**24 loses whole steps
 
 
@@ -48,9 +52,10 @@ class DecodeBatch:
         self.last_attn: Tensor | None = None  # [L, R, H, G, C] the latest step's attention, right-aligned
         self.clock = 0
         self._stepping: list[str] = []
-        self._chunks: list[list] = [[] for _ in range(n_layers)]  # per layer: (ids, attn, k_norm, v_norm, lens)
-        self._single: list[dict] = [{} for _ in range(n_layers)]  # per layer: id -> (attn, k_norm, v_norm)
-        self._all = None  # every layer at once: (ids, attn [L, R, H, G, Tb], k_norm, v_norm, lens)
+        # a step's observations; ``consts`` are the new token's constants in `TOKEN_CONSTANTS` order
+        self._chunks: list[list] = [[] for _ in range(n_layers)]  # per layer: (ids, attn, consts, lens)
+        self._single: list[dict] = [{} for _ in range(n_layers)]  # per layer: id -> (attn, consts)
+        self._all = None  # every layer at once: (ids, attn [L, R, H, G, Tb], consts, lens)
 
     # -- membership --------------------------------------------------------------------------------------------
 
@@ -121,7 +126,7 @@ class DecodeBatch:
         self._stepping.append(req_id)
 
     def observe(self, layer: int, req_ids: list[str], attn: Tensor, k_norm: Tensor, v_norm: Tensor,
-                lens: Tensor | None = None) -> None:
+                lens: Tensor | None = None, content: Tensor | None = None) -> None:
         """One layer's view of several decoding requests (the engine's batched path).
 
         Parameters
@@ -133,25 +138,28 @@ class DecodeBatch:
             ``[R', H]`` the new token's key and value norms.
         lens : Tensor, optional
             ``[R']`` the engine's T_r, checked against the runtime's own count at `fold`.
+        content : Tensor, optional
+            ``[R', H]`` the new token's content term (a scorer with content features; then always given).
         """
-        self._chunks[layer].append((tuple(req_ids), attn, k_norm, v_norm, lens))
+        self._chunks[layer].append((tuple(req_ids), attn, _consts(k_norm, v_norm, content), lens))
 
     def observe_all(self, req_ids: list[str], attn: Tensor, k_norm: Tensor, v_norm: Tensor,
-                    lens: Tensor | None = None) -> None:
+                    lens: Tensor | None = None, content: Tensor | None = None) -> None:
         """Every layer's view of several decoding requests: `observe` with a leading layer axis on ``attn``
-        (``[L, R', H, G, Tb]``) and the norms (``[L, R', H]``)."""
-        self._all = (tuple(req_ids), attn, k_norm, v_norm, lens)
+        (``[L, R', H, G, Tb]``) and the token's constants (``[L, R', H]``)."""
+        self._all = (tuple(req_ids), attn, _consts(k_norm, v_norm, content), lens)
 
-    def observe_one(self, layer: int, req_id: str, attn: Tensor, k_norm: Tensor, v_norm: Tensor) -> None:
-        """One layer's view of one decoding request: ``attn [H, G, T]``, ``k_norm, v_norm [H]``."""
-        self._single[layer][req_id] = (attn, k_norm, v_norm)
+    def observe_one(self, layer: int, req_id: str, attn: Tensor, k_norm: Tensor, v_norm: Tensor,
+                    content: Tensor | None = None) -> None:
+        """One layer's view of one decoding request: ``attn [H, G, T]``, ``k_norm, v_norm`` (``content``) ``[H]``."""
+        self._single[layer][req_id] = (attn, _consts(k_norm, v_norm, content))
 
     def fold(self) -> None:
         """Append this step's token to every stepping row and fold its attention into the tracker state."""
         ids = self._stepping
         if not ids:
             return
-        attn, k_norm, v_norm, ids, lens = self._assemble(ids)
+        attn, consts, ids, lens = self._assemble(ids)
         rows = [self.index[rid] for rid in ids]
         new_lens = [self.lens[i] + 1 for i in rows]
         if lens is not None and lens.tolist() != new_lens:
@@ -171,8 +179,11 @@ class DecodeBatch:
         sel = None if everyone else torch.tensor(rows, device=self.device)
         take = (lambda t: t) if everyone else (lambda t: t.index_select(1, sel))  # noqa: E731
         state = {name: _shift(take(t)) for name, t in self.state.items() if not name.startswith("norm.")}
-        state["norm.k"] = _shift(take(self.state["norm.k"]), k_norm.float()[..., None])
-        state["norm.v"] = _shift(take(self.state["norm.v"]), v_norm.float()[..., None])
+        if len(consts) != sum(name in self.state for name in TOKEN_CONSTANTS):
+            raise RuntimeError("every decoding token needs the same constants as its request's prompt: key and value "
+                               "norms, and a content term exactly when the scorer reads values")
+        for name, c in zip(TOKEN_CONSTANTS, consts):
+            state[name] = _shift(take(self.state[name]), c.float()[..., None])
         new_pos = self.next_pos if everyone else self.next_pos[sel]
         positions = _shift(self.positions if everyone else self.positions[sel], new_pos[:, None])
         self.clock += 1
@@ -201,39 +212,43 @@ class DecodeBatch:
             self._rebase()
 
     def _assemble(self, ids: list[str]):
-        """The step's observations as ``[L, S, H, G, Tb]`` attention and ``[L, S, H]`` norms, plus their order."""
+        """The step's observations as ``[L, S, H, G, Tb]`` attention and a tuple of ``[L, S, H]`` token constants,
+        plus their order and lengths."""
         chunks = self._chunks
         if self._all is not None:
             if any(chunks) or any(self._single) or set(self._all[0]) != set(ids) or len(self._all[0]) != len(ids):
                 raise RuntimeError("a step's decoding requests must be shown either all layers at once or per layer")
-            all_ids, attn, k_norm, v_norm, lens = self._all
-            return attn, k_norm, v_norm, list(all_ids), lens
+            all_ids, attn, consts, lens = self._all
+            return attn, consts, list(all_ids), lens
         first = chunks[0][0][0] if len(chunks[0]) == 1 else None
         if first is not None and set(first) == set(ids) and len(first) == len(ids) and \
                 all(len(c) == 1 and c[0][0] == first for c in chunks) and not any(self._single):
             # the engine's path: one chunk per layer, the same requests in the same order
             attn = torch.stack([c[0][1] for c in chunks])
-            return (attn, torch.stack([c[0][2] for c in chunks]), torch.stack([c[0][3] for c in chunks]),
-                    list(first), chunks[0][0][4])
+            consts = tuple(torch.stack([c[0][2][k] for c in chunks]) for k in range(len(chunks[0][0][2])))
+            return attn, consts, list(first), chunks[0][0][3]
         per_layer = []
         for layer in range(self.n_layers):
             seen = dict(self._single[layer])
-            for cids, a, kn, vn, lens in chunks[layer]:
+            for cids, a, consts, lens in chunks[layer]:
                 for j, rid in enumerate(cids):
                     T = a.shape[-1] if lens is None else int(lens[j])
-                    seen[rid] = (a[j, ..., :T], kn[j], vn[j])
+                    seen[rid] = (a[j, ..., :T], tuple(c[j] for c in consts))
             missing = [rid for rid in ids if rid not in seen]
             if missing:
                 raise RuntimeError(f"request {missing[0]!r}: layer {layer} was not observed this step; every layer "
                                    "must be observed before deciding")
             per_layer.append([seen[rid] for rid in ids])
-        Tb = max(a.shape[-1] for a, _, _ in per_layer[0])
-        attn = torch.stack([torch.stack([torch.nn.functional.pad(a, (0, Tb - a.shape[-1])) for a, _, _ in layer])
+        Tb = max(a.shape[-1] for a, _ in per_layer[0])
+        attn = torch.stack([torch.stack([torch.nn.functional.pad(a, (0, Tb - a.shape[-1])) for a, _ in layer])
                             for layer in per_layer])
-        k_norm = torch.stack([torch.stack([kn for _, kn, _ in layer]) for layer in per_layer])
-        v_norm = torch.stack([torch.stack([vn for _, _, vn in layer]) for layer in per_layer])
-        lens = torch.tensor([a.shape[-1] for a, _, _ in per_layer[0]])
-        return attn, k_norm, v_norm, list(ids), lens
+        n_consts = {len(c) for layer in per_layer for _, c in layer}
+        if len(n_consts) != 1:
+            raise RuntimeError("a step's decoding requests were observed with and without a content term")
+        consts = tuple(torch.stack([torch.stack([c[k] for _, c in layer]) for layer in per_layer])
+                       for k in range(n_consts.pop()))
+        lens = torch.tensor([a.shape[-1] for a, _ in per_layer[0]])
+        return attn, consts, list(ids), lens
 
     def _rebase(self) -> None:
         shift = min(self.offset)
@@ -285,6 +300,11 @@ class DecodeBatch:
         R, C = len(self.rows), self.width
         per = sum(t.numel() // (R * C) * t.element_size() for t in self.state.values())
         return per + self.positions.element_size()
+
+
+def _consts(k_norm: Tensor, v_norm: Tensor, content: Tensor | None) -> tuple[Tensor, ...]:
+    """A new token's constants in `TOKEN_CONSTANTS` order."""
+    return (k_norm, v_norm) if content is None else (k_norm, v_norm, content)
 
 
 def _right(t: Tensor, width: int, fill: float = 0) -> Tensor:

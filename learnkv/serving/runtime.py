@@ -111,12 +111,10 @@ class ServingRuntime:
         # the same checks as the decode loop's `learned` policy (`learnkv.scorer.artifact.check_binding`)
         self.model, self.manifest = load_scorer(scorer, expect_model=expect_model, expect_layers=n_layers,
                                                 expect_kv_heads=n_kv_heads)
-        if self.model.content_dim:
-            # its score reads each token's whole value vector; the runtime keeps per-token norms only
-            raise ArtifactError(f"scorer {str(scorer)!r} reads the tokens' value vectors (trained with "
-                                "train.content=true), which the serving runtime does not keep: serve a scorer "
-                                "trained without content features")
         self.model = self.model.to(device)
+        # a scorer with content features reads each token's value vector; a value never changes, so the runtime
+        # keeps its content term (one number per token, layer and KV head, as the norms) from when it is written
+        self.reads_values = bool(self.model.content_dim)
         self.n_layers = self.model.n_layers
         self.tracker = FeatureTracker(self.n_layers)
         self.block_size = block_size
@@ -198,7 +196,8 @@ class ServingRuntime:
             if q != 1:
                 raise ValueError(f"request {req_id!r} layer {layer}: a decode step has one query, got {q}")
             self.batch.observe_one(layer, req_id, attn[:, :, 0], keys[:, 0].float().norm(dim=-1),
-                                   values[:, 0].float().norm(dim=-1))
+                                   values[:, 0].float().norm(dim=-1), self._content(values[None], layer)[0, :, 0]
+                                   if self.reads_values else None)
             return
         if q != req.n_new or T != req.positions.shape[-1]:
             raise ValueError(f"request {req_id!r} layer {layer}: attention {tuple(attn.shape)} does not match "
@@ -213,6 +212,9 @@ class ServingRuntime:
         v_norm = values.float().norm(dim=-1)[None]
         state["norm.k"] = k_norm if "norm.k" not in state else torch.cat([state["norm.k"], k_norm], dim=-1)
         state["norm.v"] = v_norm if "norm.v" not in state else torch.cat([state["norm.v"], v_norm], dim=-1)
+        if self.reads_values:
+            c = self._content(values[None], layer)  # [1, H, q]
+            state["norm.c"] = c if "norm.c" not in state else torch.cat([state["norm.c"], c], dim=-1)
         a = attn.float()[None]  # [1, H, G, q, T]
         tracker_state = {k: v for k, v in state.items() if not k.startswith("norm.")}
         self.tracker.update(a, req.positions, q, req.step, tracker_state)
@@ -220,7 +222,7 @@ class ServingRuntime:
         req.last_row[layer] = a[:, :, :, -1:, :]
 
     def observe_batch(self, layer: int, req_ids: list[str], attn: Tensor, k_norm: Tensor, v_norm: Tensor,
-                      lens: Tensor | None = None) -> None:
+                      lens: Tensor | None = None, values: Tensor | None = None) -> None:
         """One layer's view of several decoding requests at once (each past its prompt, one new token).
 
         Parameters
@@ -232,13 +234,30 @@ class ServingRuntime:
             ``[R, H]`` norms of the new tokens' keys (after RoPE) and values.
         lens : Tensor, optional
             ``[R]`` the engine's T_r; a mismatch with the runtime's resident count is an error at `decide`.
+        values : Tensor, optional
+            ``[R, H, D]`` the new tokens' values: needed when the scorer reads them (`reads_values`).
         """
-        self.batch.observe(layer, req_ids, attn, k_norm, v_norm, lens)
+        content = self._content(values[:, :, None], layer)[:, :, 0] if self._needs(values) else None
+        self.batch.observe(layer, req_ids, attn, k_norm, v_norm, lens, content)
 
     def observe_step(self, req_ids: list[str], attn: Tensor, k_norm: Tensor, v_norm: Tensor,
-                     lens: Tensor | None = None) -> None:
-        """`observe_batch` for every layer at once: ``attn [L, R, H, G, Tb]``, ``k_norm, v_norm [L, R, H]``."""
-        self.batch.observe_all(req_ids, attn, k_norm, v_norm, lens)
+                     lens: Tensor | None = None, values: Tensor | None = None) -> None:
+        """`observe_batch` for every layer at once: ``attn [L, R, H, G, Tb]``, ``k_norm, v_norm [L, R, H]``,
+        ``values [L, R, H, D]`` (when the scorer reads them)."""
+        content = None
+        if self._needs(values):
+            content = torch.stack([self._content(values[i][:, :, None], i)[:, :, 0] for i in range(self.n_layers)])
+        self.batch.observe_all(req_ids, attn, k_norm, v_norm, lens, content)
+
+    def _needs(self, values: Tensor | None) -> bool:
+        """Whether to compute content terms; refuses a missing ``values`` for a scorer that reads them."""
+        if self.reads_values and values is None:
+            raise ValueError("this scorer reads the tokens' value vectors (content features): pass values")
+        return self.reads_values
+
+    def _content(self, values: Tensor, layer: int) -> Tensor:
+        """``values [..., H, T, D]`` -> the content gate's term ``[..., H, T]``, as the decode loop's scorer adds it."""
+        return self.model.content_term(values.to(self._device), layer)
 
     # -- the decision ----------------------------------------------------------------------------------------
 
@@ -281,7 +300,7 @@ class ServingRuntime:
                 f = self.tracker.features(req.last_row[layer], state["norm.k"][..., None], state["norm.v"][..., None],
                                           req.positions, layer, req.step, _tracker_state(state))
                 with torch.no_grad():
-                    scores.append(self.model(f, layer))
+                    scores.append(self.model(f, layer, content=state.get("norm.c")))
             index = self._keep_index(req, scores, req.positions)
             blocks = self._dropped_blocks(req, req.positions, index)
             if blocks:
@@ -303,13 +322,15 @@ class ServingRuntime:
             return []
         positions, state, attn, step = self.batch.extract(rid)  # layers on the batch axis
         norms = state.pop("norm.k")[..., None], state.pop("norm.v")[..., None]
+        content = state.pop("norm.c", None)  # [L, H, T]
         feats = self.tracker.features(attn, norms[0], norms[1], positions, 0, step, state)  # [L, H, T, F]
         # the layer column, which `features` fills with one layer's value: every layer's own, computed as the
         # decode loop computes it (a Python float per layer, rounded once to float32)
         layer_col = torch.tensor([i / max(self.n_layers - 1, 1) for i in range(self.n_layers)], dtype=torch.float64)
         feats[..., FEATURES.index("layer")] = layer_col.to(feats)[:, None, None]
         with torch.no_grad():
-            scores = [self.model(feats[i:i + 1], i) for i in range(self.n_layers)]
+            scores = [self.model(feats[i:i + 1], i, content=None if content is None else content[i:i + 1])
+                      for i in range(self.n_layers)]
         index = self._keep_index(req, scores, positions[:1])
         blocks = self._dropped_blocks(req, positions[:1], index)
         if blocks:

@@ -146,7 +146,7 @@ class WorkerHalf:
             keys = torch.stack([self.layout.gather_keys(c, plan.blocks) for c in self._caches])
         probs = block_attention(self._q, keys, plan.valid, self._scale)  # [L, R, H, G, T]
         self.runtime.observe_step(plan.ids, probs, self._k.float().norm(dim=-1), self._v.float().norm(dim=-1),
-                                  plan.lens)
+                                  plan.lens, values=self._v if self.runtime.reads_values else None)
 
     def _attend_prompt(self, layer, rid, query, key, value, kv_cache, metadata, row, scale) -> None:
         """A prompt chunk of one request (no evicted block yet: decisions start when the prompt is complete)."""
