@@ -28,11 +28,11 @@ from learnkv.cache import blind_prefill_error, prefill_policy_error
 from learnkv.decode import GenerationResult, parse_number, resolve_budget, resolve_policy
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
-from learnkv.progress import redraw_seconds, token_counter
 from learnkv.eval.tasks.base import RunConfig, evicts
 from learnkv.policies import POLICIES, make_policy
 from learnkv.policies.base import shared_fields
 from learnkv.policies.params import parse_policy, parse_policy_list
+from learnkv.progress import redraw_seconds, token_counter
 
 DEFAULT_POLICIES = ("full", "streaming", "h2o", "tova", "snapkv", "roco", "lazy", "paged")
 DEFAULT_BUDGETS = (0.25, 0.5)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from learnkv.features import FEATURES, FeatureTracker
 from learnkv.pooling import shared_keep_slots
-from learnkv.scorer.artifact import ArtifactError, load_scorer
+from learnkv.scorer.artifact import load_scorer
 from learnkv.serving.batch import DecodeBatch
 
 
