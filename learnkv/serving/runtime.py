@@ -245,8 +245,9 @@ class ServingRuntime:
         """`observe_batch` for every layer at once: ``attn [L, R, H, G, Tb]``, ``k_norm, v_norm [L, R, H]``,
         ``values [L, R, H, D]`` (when the scorer reads them)."""
         content = None
-        if self._needs(values):
-            content = torch.stack([self._content(values[i][:, :, None], i)[:, :, 0] for i in range(self.n_layers)])
+        if self._needs(values):  # every layer's gate in one einsum: [L, R, H, D] -> [L, H, R] -> [L, R, H]
+            layers = torch.arange(self.n_layers, device=self._device)
+            content = self.model.content_term(values.transpose(1, 2).to(self._device), layers).transpose(1, 2)
         self.batch.observe_all(req_ids, attn, k_norm, v_norm, lens, content)
 
     def _needs(self, values: Tensor | None) -> bool:

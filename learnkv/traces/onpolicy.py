@@ -214,7 +214,7 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
 
 def record(model, tokenizer, texts: list[str], acting: Policy, budgets: list[int], decision_steps: list[frozenset],
            teachers: tuple[str, ...], horizon: int, label_budget: float, max_new_tokens: int, chat: bool = True,
-           branch_batch: int = 16, progress: bool = False, record_values: bool = False,
+           branch_batch: int = 16, record_values: bool = False,
            reply_prefixes: list[str | None] | None = None, on_step=None):
     """Decode ``texts`` (one batch) under ``acting`` at per-row ``budgets`` (tokens), snapshot the decision steps and
     branch them. Returns (per row: its `Decision` list in (step, layer) order, the `GenerationResult`).
@@ -225,7 +225,7 @@ def record(model, tokenizer, texts: list[str], acting: Policy, budgets: list[int
     rec = OnPolicyRecorder(acting=acting, n_layers=model.config.num_hidden_layers, teachers=tuple(teachers),
                            decision_steps=tuple(decision_steps), label_budget=label_budget)
     result = generate(model, tokenizer, texts, policy=rec, budget=budgets, max_new_tokens=max_new_tokens, chat=chat,
-                      reply_prefixes=reply_prefixes, progress=progress, on_step=on_step)
+                      reply_prefixes=reply_prefixes, on_step=on_step)
     by_step: dict[int, list[Snapshot]] = {}
     for snap in rec.log.snapshots:
         by_step.setdefault(snap.step, []).append(snap)
