@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         from learnkv.scorer.report import decode_report
 
         artifact, metrics, table = train(cfg, progress=True)
-        report = decode_report(cfg, artifact, progress=sys.stderr.isatty()) if cfg.report.prompts else None
+        report = decode_report(cfg, artifact, progress=True) if cfg.report.prompts else None
     except ValueError as e:  # bad config, bad traces, bad model: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

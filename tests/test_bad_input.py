@@ -85,6 +85,9 @@ def traces(out: Path, cfg: CollectConfig | None = None, rows=(16, 8), seed=0) ->
                 "future_max": [np.exp(x[..., 2]).ravel() for x in f],
                 "future_out": [np.exp(x[..., 2]).ravel() for x in f],
                 "reenter": [np.zeros(H * T, dtype=np.int8)] * n, "teacher_h2o": [x[..., 5].ravel() for x in f]}
+        if cfg.record_values:  # the default config trains a content scorer, which reads them
+            cols["head_dim"] = [4] * n
+            cols["values"] = [rng.normal(size=H * T * 4).astype(np.float16) for _ in range(n)]
         write_shard(out, index, cols, cols["prompt_id"], cfg.digest())
     write_manifest(out, {"model": "synthetic", "n_layers": LAYERS, "n_kv_heads": H, "teachers": ["h2o"],
                          "config": dataclasses.asdict(cfg), "config_digest": cfg.digest()}, 2)

@@ -157,13 +157,15 @@ def test_shadow_decisions_equal_the_runtime_replayed(shadow, scorer):
         elif kind == "observe":
             rt.observe(*args)
         elif kind == "observe_step":
-            ids, attn, k_norm, v_norm, lens = args
+            ids, attn, k_norm, v_norm, lens, step_values = args
             D = 64
             for layer in range(attn.shape[0]):
                 for j, rid in enumerate(ids):
                     T = int(lens[j])
                     keys, values = torch.zeros(3, 1, D), torch.zeros(3, 1, D)
                     keys[:, 0, 0], values[:, 0, 0] = k_norm[layer, j], v_norm[layer, j]  # norm == the norm shown
+                    if step_values is not None:  # a content scorer reads the values themselves
+                        values = step_values[layer, j][:, None, :]
                     rt.observe(rid, layer, attn[layer, j, ..., :T][:, :, None, :], keys, values)
         elif kind == "decide":
             tracked, got = args
@@ -285,19 +287,23 @@ def _record(runtime, events: list) -> None:
     def wrap(name, convert):
         orig = getattr(runtime, name)
 
-        def call(*args, **kwargs):  # keyword arguments (values for a content scorer) are not replayed
+        def call(*args, **kwargs):
             result = orig(*args, **kwargs)
-            events.append((name, convert(args, result)))
+            events.append((name, convert(args, result, kwargs)))
             return result
         setattr(runtime, name, call)
 
-    clone = lambda a, _: tuple(x.clone() if hasattr(x, "clone") else x for x in a)  # noqa: E731
-    wrap("add_request", lambda a, _: a)
-    wrap("finish", lambda a, _: a)
-    wrap("begin_step", lambda a, _: a)
+    def observe_step(a, _, kw):  # the values a content scorer reads (None for one that does not)
+        values = kw.get("values", a[5] if len(a) > 5 else None)
+        return (list(a[0]),) + tuple(x.clone() for x in a[1:5]) + (None if values is None else values.clone(),)
+
+    clone = lambda a, *_: tuple(x.clone() if hasattr(x, "clone") else x for x in a)  # noqa: E731
+    wrap("add_request", lambda a, *_: a)
+    wrap("finish", lambda a, *_: a)
+    wrap("begin_step", lambda a, *_: a)
     wrap("observe", clone)
-    wrap("observe_step", lambda a, _: (list(a[0]),) + tuple(x.clone() for x in a[1:]))
-    wrap("decide", lambda a, r: (list(a[0]), [(d.req_id, d.blocks, d.resident_tokens) for d in r]))
+    wrap("observe_step", observe_step)
+    wrap("decide", lambda a, r, _: (list(a[0]), [(d.req_id, d.blocks, d.resident_tokens) for d in r]))
 
 
 def _attention_checks(worker, checks: list):
