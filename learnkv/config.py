@@ -33,7 +33,9 @@ class TrainConfig:
     label: str = setting("future_out", choices=("future_sum", "future_max", "future_out", "future_attnv"))
     temperature: float = setting(1.0, gt=0)
     membership_weight: float = setting(0.5, ge=0)
-    membership_budget: float = setting(0.25, gt=0, le=1)
+    # the top shares the membership loss separates from the rest: one, or several to train the boundary at each
+    # budget the policy is deployed at (a cache under eviction keeps between the budget's share and all of it)
+    membership_budget: tuple[float, ...] = setting((0.25,), gt=0, le=1)
     distill: dict[str, float] = setting({}, ge=0)  # teacher name -> weight
     content: bool = False  # also score each token's value vector (needs traces with collect.record_values)
     # features the scorer may not read (their first-layer weights are held at zero), to ablate a group of them, e.g.

@@ -24,7 +24,7 @@ import typing
 
 def setting(default, *, ge=None, gt=None, le=None, choices=None, fraction=False):
     """A dataclass field with a checked range: ``ge`` / ``gt`` lower bounds, ``le`` upper bound, or ``choices``.
-    For a dict the range applies to its values. ``fraction``: a float value is a fraction in [0, 1] (the range
+    For a dict the range applies to its values, for a tuple to its items. ``fraction``: a float value is a fraction in [0, 1] (the range
     applies to ints). A mutable default (dict, list) is copied per instance."""
     rule = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("choices", choices)) if v is not None}
     rule["declared"] = True
@@ -48,7 +48,12 @@ def check_fields(obj, where: str = "", declared_only: bool = False) -> None:
             check_fields(value, name + ".")
             continue
         value = coerce(value, hints[f.name], name)
-        items = {f"{name}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {name: value}
+        if isinstance(value, dict):
+            items = {f"{name}.{k}": v for k, v in value.items()}
+        elif isinstance(value, tuple):
+            items = {f"{name}[{i}]": v for i, v in enumerate(value)}
+        else:
+            items = {name: value}
         for item_name, v in items.items():
             _check_range(v, f.metadata, item_name)
         setattr(obj, f.name, value)

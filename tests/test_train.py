@@ -125,6 +125,50 @@ def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
         assert math.isclose(resumed[key], value, rel_tol=1e-4, abs_tol=1e-6), key
 
 
+def test_training_does_not_depend_on_what_ran_before_it(synthetic_run, tmp_path, monkeypatch):
+    """Collecting in the same process draws from the global random generators (model loading, decoding); the
+    scorer must come out the same as when the traces were already there."""
+    from learnkv.scorer import fit
+
+    src, artifact, _, _ = synthetic_run
+    ensure = fit.ensure_traces
+
+    def collect_then_return(cfg, progress=True):
+        torch.rand(1000), np.random.rand(10)  # what a collection would draw
+        return ensure(cfg, progress)
+
+    monkeypatch.setattr(fit, "ensure_traces", collect_then_return)
+    again, _, _ = fit.train(config(tmp_path, f"trace_dir={src / 'traces'}"), progress=False)
+    from safetensors.torch import load_file
+
+    a, b = (load_file(next(Path(p).glob("*.safetensors"))) for p in (artifact, again))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_membership_at_several_budgets(synthetic_run, tmp_path):
+    """`train.membership_budget` takes one share or several (the loss averages them); a scalar still loads, an
+    out-of-range share is refused by name."""
+    from learnkv.scorer.fit import train
+    from learnkv.scorer.module import membership_loss, membership_shares
+
+    assert config(tmp_path, "train.membership_budget=0.3").train.membership_budget == (0.3,)
+    with pytest.raises(ValueError, match=r"train.membership_budget\[1\] must be in \(0, 1\]"):
+        config(tmp_path, "train.membership_budget=[0.25,1.5]")
+    assert membership_shares(0.25) == (0.25,) and membership_shares([0.25, 0.5]) == (0.25, 0.5)
+    # a ranking right about the top quarter but reversed below it: only the loss at 50% sees the error
+    label = torch.arange(8.0, 0, -1)[None]
+    mask = torch.ones_like(label, dtype=torch.bool)
+    scores = torch.tensor([[8.0, 7.0, -10.0, -9.0, -8.0, -7.0, -6.0, -5.0]])
+    good = torch.tensor([[8.0, 7.0, -5.0, -6.0, -7.0, -8.0, -9.0, -10.0]])
+    assert membership_loss(scores, label, mask, 0.5) > membership_loss(good, label, mask, 0.5) + 0.5
+    assert membership_loss(scores, label, mask, 0.25) == pytest.approx(membership_loss(good, label, mask, 0.25).item())
+
+    src, _, _, _ = synthetic_run
+    _, metrics, _ = train(config(tmp_path, f"trace_dir={src / 'traces'}", "train.membership_budget=[0.25,0.5]"),
+                          progress=False)
+    assert metrics["val/recall@25"] >= 0.95 and metrics["val/recall@50"] >= 0.95
+
+
 def test_bad_config_is_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  lrate: 1\n")

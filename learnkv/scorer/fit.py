@@ -191,7 +191,6 @@ def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = Tru
     from learnkv.scorer.data import TraceDataModule, feature_stats
     from learnkv.scorer.module import ScorerModule
 
-    L.seed_everything(cfg.seed, verbose=False)
     out = ensure_dir(cfg.out_dir, "out_dir", create=False)  # created once the traces are there
     earlier = trace_dirs[:-1]  # finished rounds: their manifests identify them
     if all((Path(d) / "manifest.json").exists() for d in earlier):
@@ -213,6 +212,9 @@ def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = Tru
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
 
+    # seeded here, after any collection: collecting in this process (loading the model, decoding) draws from the
+    # global generators, and the scorer's initialisation must not depend on whether the traces were already there
+    L.seed_everything(cfg.seed, verbose=False)
     t = cfg.train
     dm = TraceDataModule(trace_dirs, label=t.label, teachers=tuple(teachers), batch_size=t.batch_size, seed=cfg.seed,
                          values=t.content)

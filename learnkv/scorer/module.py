@@ -5,7 +5,7 @@ What matters is *which tokens stay*, so the objective ranks tokens within each (
 - a listwise loss (ListNet): cross-entropy between the softmax of the scores and the oracle's future utility
   (the label, normalised over the group, sharpened or flattened by ``temperature``);
 - a top-budget membership loss: binary cross-entropy pushing the oracle's top ``membership_budget`` share above the
-  current score boundary of the group and the rest below it;
+  current score boundary of the group and the rest below it (averaged over several shares when given several);
 - optional distillation toward any mix of teachers (weights per teacher): listwise cross-entropy toward the softmax
   of each teacher's rank percentiles (ranks, because teacher scores live on unrelated scales, some infinite).
 
@@ -65,11 +65,26 @@ def budget_recall(scores: Tensor, label: Tensor, mask: Tensor, share: float) -> 
     return ((kept & best).sum(-1).float() / best.sum(-1).clamp(min=1)).mean()
 
 
+def membership_shares(budget: float | tuple[float, ...] | list[float]) -> tuple[float, ...]:
+    """The membership budgets as a tuple (checkpoints before multi-budget membership saved one float)."""
+    return tuple(budget) if isinstance(budget, (tuple, list)) else (float(budget),)
+
+
+def membership_loss(scores: Tensor, label: Tensor, mask: Tensor, share: float) -> Tensor:
+    """Binary cross-entropy pushing the label's top ``share`` of each group above the group's current keep boundary
+    (the lowest score still inside the predicted top ``share``) and the rest below it."""
+    target = topk_mask(label, mask, share).float()
+    kept = topk_mask(scores.detach(), mask, share)
+    boundary = scores.detach().masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
+    return F.binary_cross_entropy_with_logits(scores - boundary, target, weight=mask.float(), reduction="sum") / mask.sum()
+
+
 class ScorerModule(L.LightningModule):
     """Trains a `Scorer`; all hyperparameters are saved in the checkpoint."""
 
     def __init__(self, n_layers: int, hidden: int = 32, lr: float = 3e-3, weight_decay: float = 1e-4,
-                 temperature: float = 1.0, membership_weight: float = 0.5, membership_budget: float = 0.25,
+                 temperature: float = 1.0, membership_weight: float = 0.5,
+                 membership_budget: float | tuple[float, ...] = (0.25,),
                  distill: dict[str, float] | None = None, teachers: tuple[str, ...] = (), content_dim: int = 0,
                  n_heads: int = 0, ignore_features: tuple[str, ...] = ()):
         super().__init__()
@@ -98,12 +113,8 @@ class ScorerModule(L.LightningModule):
         loss = listwise_loss(scores, label, mask, hp.temperature)
         logs = {f"{stage}/listwise": loss.detach()}
         if hp.membership_weight:
-            target = topk_mask(label, mask, hp.membership_budget).float()
-            # the group's current keep boundary: the lowest score still inside the predicted top-b
-            kept = topk_mask(scores.detach(), mask, hp.membership_budget)
-            boundary = scores.detach().masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
-            logits = scores - boundary
-            member = F.binary_cross_entropy_with_logits(logits, target, weight=mask.float(), reduction="sum") / mask.sum()
+            shares = membership_shares(hp.membership_budget)
+            member = sum(membership_loss(scores, label, mask, share) for share in shares) / len(shares)
             loss = loss + hp.membership_weight * member
             logs[f"{stage}/membership"] = member.detach()
         for name, weight in (hp.distill or {}).items():
