@@ -24,8 +24,8 @@ import typing
 
 def setting(default, *, ge=None, gt=None, le=None, choices=None, fraction=False):
     """A dataclass field with a checked range: ``ge`` / ``gt`` lower bounds, ``le`` upper bound, or ``choices``.
-    For a dict the range applies to its values, for a tuple to its items. ``fraction``: a float value is a fraction in [0, 1] (the range
-    applies to ints). A mutable default (dict, list) is copied per instance."""
+    For a dict the range applies to its values, for a tuple to its items. ``fraction``: a float value is a fraction
+    in [0, 1] (the range applies to ints). A mutable default (dict, list) is copied per instance."""
     rule = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("choices", choices)) if v is not None}
     rule["declared"] = True
     if fraction:

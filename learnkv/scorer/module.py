@@ -76,7 +76,8 @@ def membership_loss(scores: Tensor, label: Tensor, mask: Tensor, share: float) -
     target = topk_mask(label, mask, share).float()
     kept = topk_mask(scores.detach(), mask, share)
     boundary = scores.detach().masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
-    return F.binary_cross_entropy_with_logits(scores - boundary, target, weight=mask.float(), reduction="sum") / mask.sum()
+    bce = F.binary_cross_entropy_with_logits(scores - boundary, target, weight=mask.float(), reduction="sum")
+    return bce / mask.sum()
 
 
 class ScorerModule(L.LightningModule):
