@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-policy", default=None, metavar="ITEM",
                    help="compresses prompts over the budget at the prefill, then each policy decodes (e.g. snapkv)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (each row as alone)")
+    p.add_argument("--slack", type=int, default=0,
+                   help="dead slots a layer may hold before it compacts: the same kept tokens (metrics equal to float "
+                        "rounding), faster on long caches, for up to this many more slots of memory (default 0)")
     p.add_argument("--compare", default=None, metavar="ITEM",
                    help="paired differences of every other policy to this one, with 95%% intervals")
     p.add_argument("--budget", default=",".join(map(str, DEFAULT_BUDGETS)),
@@ -136,7 +139,7 @@ def spec_of(args: argparse.Namespace):
 
     return build_spec(args.policy, args.budget, args.task, scorer=args.scorer, limit=args.limit, seed=args.seed,
                       prefill_policy=args.prefill_policy, batch_size=args.batch_size, compare=args.compare,
-                      max_new_tokens=args.max_new_tokens, split=args.split, context_tokens=args.context_tokens,
+                      slack=args.slack, max_new_tokens=args.max_new_tokens, split=args.split, context_tokens=args.context_tokens,
                       depths=args.depths, granularity=args.granularity, block_size=args.block_size,
                       source=args.source, data_file=args.data_file,
                       accuracy_only=args.accuracy_only or None)

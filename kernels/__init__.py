@@ -78,11 +78,20 @@ def use_triton(*tensors) -> bool:
     return _use_triton(*tensors)
 
 
-def select_keep(scores, positions, keep, n_sink, n_recent, block_size=1):
-    """Kept slot indices ``[B, H, K]`` (ascending) from scores ``[B, H, T]``; see `kernels.reference`."""
+def select_keep(scores, positions, keep, n_sink, n_recent, block_size=1, live=None):
+    """Kept slot indices ``[B, H, K]`` (ascending) from scores ``[B, H, T]``; see `kernels.reference`.
+
+    ``live``: each row's live slots (one int, or one per row), if the caller knows them; on the torch path it lets
+    a step that drops at most one live slot per row take `kernels.cpu.select_keep_one_drop` (the same result)."""
     if _use_triton(scores, positions):
         from kernels.select import select_keep as impl
     else:
+        if live is not None and block_size == 1:
+            from kernels.cpu import select_keep_one_drop
+
+            index = select_keep_one_drop(scores, positions, keep, n_sink, n_recent, live)
+            if index is not None:
+                return index
         from kernels.reference import select_keep_reference as impl
     return impl(scores, positions, keep, n_sink, n_recent, block_size)
 

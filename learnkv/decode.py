@@ -323,8 +323,9 @@ def generate(
         do not): what a progress bar over many decodes counts.
     slack : int
         Slots each layer may leave dead before it compacts (`BudgetCache`): the same tokens are kept, the cache is
-        moved once per ``slack`` evictions instead of every step, for ``slack`` more slots of memory. Worth it on
-        GPU for policies that evict every step (h2o, tova, roco, learned); 0 by default.
+        moved once per ``slack`` evictions instead of every step, for ``slack`` more slots of memory. Worth it for
+        policies that evict every step (h2o, tova, roco, learned), on GPU and on the CPU, where the compaction is
+        memory-bound (bench/RESULTS.md); 0 by default.
     """
     policy_obj = make_policy(policy, **(policy_params or {}))
     if granularity not in GRANULARITIES:

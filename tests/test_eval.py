@@ -246,6 +246,20 @@ def test_batched_evaluation_equals_one_prompt_at_a_time(tiny, policy):
         assert a["metrics"]["kept_share"] == pytest.approx(b["metrics"]["kept_share"])
 
 
+@pytest.mark.parametrize("policy", ["h2o", "lazy", "learned", "oracle", "snapkv"])
+def test_slack_gives_the_same_metrics(tiny, policy):
+    """--slack: dead slots compacted late change speed and peak memory, not the kept tokens, so the metrics agree to
+    rounding (attention sums over masked dead slots in other places; snapkv always compacts)."""
+    items = [Sample.from_ids(random_ids(n, seed=40 + n)[0], id=f"ids/{n}") for n in (18, 25)]
+    spec = lambda slack: build_spec(f"full,{policy}", "0.8", "fidelity", max_new_tokens=16, batch_size=2,  # noqa
+                                    slack=slack, scorer=params_for(policy, 2).get("scorer"))
+    base, slack = (evaluate(tiny, None, spec(s), samples=items) for s in (0, 5))
+    for a, b in zip(base, slack):
+        for metric, values in a["per_prompt"].items():
+            assert b["per_prompt"][metric] == pytest.approx(values, abs=1e-5), metric
+    assert slack[1]["config"]["slack"] == 5 and slack[0]["config"]["slack"] is None  # the full cache never evicts
+
+
 @pytest.mark.parametrize("policy", ["h2o", "lazy"])
 def test_batched_evaluation_with_a_prefill_policy_resolving_per_row(tiny, policy):
     """A prefill policy whose default depends on the budget (SnapKV's window, a quarter of small budgets) splits a
@@ -468,6 +482,7 @@ BAD = [
     (["--compare", "knorm"], "--compare 'knorm' is not one of the policies"),
     (["--prefill-policy", "lazy"], "--prefill-policy: policy 'lazy' cannot be a prefill policy"),
     (["--batch-size", "0"], "--batch-size must be a number of prompts >= 1"),
+    (["--slack", "-1"], "--slack must be a number of dead slots >= 0"),
     (["--config", "no/such.yaml"], "--config 'no/such.yaml' does not exist"),
     (["--policy", "full,learned"], "policy 'learned' needs a scorer artifact: --scorer PATH"),
     (["--policy", "learned", "--scorer", "no/such/scorer"], "scorer artifact 'no/such/scorer' does not exist"),

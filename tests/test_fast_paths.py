@@ -51,6 +51,65 @@ def test_select_keep_token_path_equals_the_rank_formulation(B, H, T, ties, per_r
         assert torch.equal(ref.select_keep_reference(scores, pos, keep, n_sink, n_recent), expected), f"trial {trial}"
 
 
+def one_drop_case(B, H, T, g, kind):
+    """Scores, positions, per-row keep and live counts of a decode step: rows left-padded or with dead slots, every
+    (b, h) of a row with the same number of live slots, each row over its budget by one or not at all."""
+    pos = torch.full((B, H, T), -1, dtype=torch.int64)
+    lives = []
+    for b in range(B):
+        n_live = int(torch.randint(max(1, T // 2), T + 1, (1,), generator=g))  # a row near its budget
+        lives.append(n_live)
+        for h in range(H):  # a random ascending set of live slots per head (dead ones anywhere: slack, padding)
+            slots = torch.randperm(T, generator=g)[:n_live].sort().values
+            pos[b, h, slots] = torch.arange(n_live) * 2 + int(torch.randint(0, 3, (1,), generator=g))
+    if kind == "ties":
+        scores = torch.randint(0, 3, (B, H, T), generator=g).float()
+    elif kind == "special":  # inf on live slots ties with the protected ones; -inf and NaN force the fallback
+        scores = torch.randn(B, H, T, generator=g)
+        pick = torch.rand(B, H, T, generator=g)
+        scores[pick < 0.05] = float("inf")
+        scores[(pick > 0.05) & (pick < 0.07)] = float("-inf")
+        scores[(pick > 0.07) & (pick < 0.08)] = float("nan")
+    else:
+        scores = torch.randn(B, H, T, generator=g)
+    keeps = [n - int(torch.rand(1, generator=g) < 0.7) for n in lives]
+    if kind == "over":  # one row drops two: not this shortcut's case
+        keeps[0] = lives[0] - 2
+    return scores, pos, keeps, lives
+
+
+@pytest.mark.parametrize("B, H, T", [(1, 1, 1), (1, 3, 17), (2, 2, 33), (4, 3, 129), (16, 3, 40)])
+@pytest.mark.parametrize("kind", ["randn", "ties", "special", "over"])
+@pytest.mark.parametrize("one_keep", [False, True])
+def test_select_keep_one_drop_equals_the_reference(B, H, T, kind, one_keep):
+    """The decode step's shortcut (`kernels.cpu.select_keep_one_drop`, one argmin instead of two sorts) keeps
+    exactly the reference's slots, and `kernels.select_keep(live=...)` falls back to the reference where it cannot."""
+    import kernels
+    from kernels.cpu import select_keep_one_drop
+
+    g = torch.Generator().manual_seed(B * 1000 + T)
+    taken = 0
+    for trial in range(20):
+        scores, pos, keeps, lives = one_drop_case(B, H, T, g, kind)
+        if kind == "over" and lives[0] < 2:
+            continue
+        if one_keep:  # one keep and one live count for every row, as the cache passes them when the rows agree
+            keeps, lives = [keeps[0]] * B, [lives[0]] * B
+            pos[:] = pos[:1]
+        keep = keeps[0] if one_keep else keeps
+        n_sink, n_recent = trial % 3, trial % 5
+        expected = ref.select_keep_reference(scores, pos, keep, n_sink, n_recent)
+        shortcut = select_keep_one_drop(scores, pos, keep, n_sink, n_recent, lives[0] if one_keep else lives)
+        if shortcut is not None:
+            taken += 1
+            assert torch.equal(shortcut, expected), f"trial {trial}: {shortcut.tolist()} != {expected.tolist()}"
+        assert torch.equal(kernels.select_keep(scores, pos, keep, n_sink, n_recent, live=lives), expected)
+    if kind == "over":
+        assert taken == 0
+    elif kind != "special":
+        assert taken >= 15, f"the shortcut decided only {taken} of 20 steps"
+
+
 @pytest.mark.parametrize("shape, dim", [((2, 3, 9, 4), -2), ((1, 1, 5, 1), 2), ((3, 2, 7, 4, 2), 2),
                                         ((2, 3, 9), -1), ((2, 3, 16, 9), -1), ((0, 3, 9, 4), -2)])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])

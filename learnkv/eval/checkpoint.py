@@ -49,6 +49,8 @@ def grid_identity(spec, model_name: str | None) -> dict:
         "prefill": _run_identity(spec.prefill) if spec.prefill else None,
         "batch_size": spec.batch_size,
     }
+    if spec.slack:  # speed only, but its peak KV differs; absent at 0, so grids from before it still resume
+        identity["slack"] = spec.slack
     return json.loads(json.dumps(identity, default=str))  # the form it has after a round trip through the file
 
 

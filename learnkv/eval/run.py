@@ -70,6 +70,9 @@ class EvalSpec:
         Prompts decoded together (speed only: each row decodes as alone).
     compare : str or None
         The label every other policy is compared with (paired differences).
+    slack : int
+        Dead slots a layer may hold before it compacts (speed and memory only: the same kept tokens, see
+        `learnkv.generate`); 0 compacts at every eviction.
     """
 
     runs: list[PolicyRun]
@@ -80,6 +83,7 @@ class EvalSpec:
     prefill: PolicyRun | None = None
     batch_size: int = 1
     compare: str | None = None
+    slack: int = 0
 
     @property
     def policies(self) -> list[str]:
@@ -132,7 +136,7 @@ def prefill_run(item: str, where: str, scorer: str | None = None, seed: int = 0)
 
 def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidelity",), scorer: str | None = None,
                limit: int | None = None, seed: int = 0, prefill_policy: str | None = None, batch_size: int = 1,
-               compare: str | None = None, **task_options) -> EvalSpec:
+               compare: str | None = None, slack: int = 0, **task_options) -> EvalSpec:
     """Validate a grid (no model needed). ``task_options`` go to every task that has them (`make_task`)."""
     tasks = [make_task(name, **task_options) for name in split_list(tasks, "task")]
     budgets = [parse_budget(b) for b in split_list(budgets, "budget")]
@@ -141,6 +145,8 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
         raise ValueError(f"--limit must be a number of prompts >= 1, got {limit}")
     if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
         raise ValueError(f"--batch-size must be a number of prompts >= 1, got {batch_size}")
+    if isinstance(slack, bool) or int(slack) != slack or slack < 0:
+        raise ValueError(f"--slack must be a number of dead slots >= 0, got {slack}")
     prefill = prefill_run(prefill_policy, "--prefill-policy", scorer, seed) if prefill_policy else None
     if compare is not None and compare not in [r.label for r in runs]:
         raise ValueError(f"--compare {compare!r} is not one of the policies: {', '.join(r.label for r in runs)}")
@@ -156,7 +162,7 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
                         resolve_policy(prefill.name, b, task.granularity, task.block_size, prefill.params)
     if scorer:  # checked even when unused: a typo should not pass silently
         make_policy("learned", scorer=str(scorer)).resolve_defaults(1)
-    return EvalSpec(runs, budgets, tasks, limit, seed, prefill, int(batch_size), compare)
+    return EvalSpec(runs, budgets, tasks, limit, seed, prefill, int(batch_size), compare, int(slack))
 
 
 def _mean(values) -> float | None:
@@ -320,7 +326,8 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                         metrics, row_costs, params = [None] * len(batch), [None] * len(batch), None
                         for group in _groups(run, spec.prefill, task, budgets):
                             cfg = RunConfig(run.name, run.params, [budgets[i] for i in group],
-                                            (spec.prefill.name, spec.prefill.params) if spec.prefill else None)
+                                            (spec.prefill.name, spec.prefill.params) if spec.prefill else None,
+                                            spec.slack)
                             t0 = time.perf_counter()
                             m, generated = task.run_batch(model, tokenizer, [batch[i] for i in group],
                                                           [refs[i] for i in group], cfg)
@@ -385,6 +392,7 @@ def _record(task, run, b, prompts, per_prompt, costs, params, spec, model, model
         "prompt_ids": [s.id for s in prompts],
         "seed": spec.seed,
         "batch_size": spec.batch_size,
+        "slack": spec.slack if evicts(run.name) else None,
         "device": str(next(model.parameters()).device),
         "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d"),

@@ -32,9 +32,9 @@ class Learned(Policy):
     steps down to ``budget - interval + 1``), which gives up ``(interval - 1) / 2`` slots on average: on
     validation prompts (SmolLM2, 50% of the final length, n = 8) it cost the learned policy a third more KL than
     evicting every step (bench/RESULTS.md, "The learned policy: schedule, label, traces"). On the CPU torch path
-    (budget 128, two threads, bench/RESULTS.md "Packed policy state") a step costs about 1.3x the full cache's at
-    batch 1 and 16: a selection and a compaction at every step, as for H2O, plus the tracker's update and the
-    refreshes.
+    (budget 128, two threads, ``slack=16``, bench/RESULTS.md "Compaction is memory-bound on this CPU") a step costs
+    1.27x the full cache's at batch 1 and 1.30x at batch 16: a selection at every step, as for H2O, plus the
+    tracker's update and the refreshes; with ``slack=0`` a compaction of every layer at every step on top.
 
     Parameters
     ----------

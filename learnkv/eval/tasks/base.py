@@ -71,12 +71,15 @@ class RunConfig:
         Per prompt of the batch: the budget in tokens (None for a policy that never evicts).
     prefill : tuple of (str, dict), optional
         The prefill policy and its parameters (`learnkv.generate`'s ``prefill_policy``).
+    slack : int
+        Dead slots a layer may hold before it compacts (`learnkv.generate`'s ``slack``; the same kept tokens).
     """
 
     policy: str
     params: dict
     budgets: list[int | None]
     prefill: tuple[str, dict] | None = None
+    slack: int = 0
 
 
 def left_pad(samples: list[Sample], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +140,8 @@ class Task:
         ids, mask = left_pad(samples, pad_id or 0)
         budget = run.budgets if POLICIES[run.policy].evicts else None
         prefill = dict(prefill_policy=run.prefill[0], prefill_params=run.prefill[1]) if run.prefill else {}
+        if run.slack and budget is not None:
+            options = {"slack": run.slack, **options}
         return generate(model, tokenizer, input_ids=ids, attention_mask=mask, policy=run.policy, budget=budget,
                         max_new_tokens=self.max_new_tokens, policy_params=run.params, granularity=self.granularity,
                         block_size=self.block_size, on_step=self.on_step, **prefill, **options)

@@ -1,0 +1,58 @@
+"""Shortcuts of the references for the CPU decode loop, equal to them bit for bit (tests/test_fast_paths.py).
+
+A shortcut covers one common case in fewer or cheaper tensor ops and returns None outside it, so the caller falls
+back to the reference. It is not a spec: `kernels.reference` stays the one definition of every result.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.reference import per_row, protected_slots
+
+
+def select_keep_one_drop(scores: Tensor, positions: Tensor, keep, n_sink, n_recent, live) -> Tensor | None:
+    """`select_keep_reference` (token granularity) when no row drops more than one live slot, else None.
+
+    That is every decode step of a policy that evicts at each overflow: the new token puts a row one over its
+    budget. The reference ranks every slot with two sorts per step; here the one slot that goes is the argmin of
+    the same priorities (the first one, so ties drop the older slot, as the reference's preference for recent
+    slots does), dead and padding slots go with it, and the kept slots are listed by a cumulative sum.
+
+    Parameters
+    ----------
+    keep, live : int or sequence of int
+        Slots to keep, and the live (non-negative position) slots of each row, one for every row or one per row;
+        ``live`` is what the caller knows of ``positions`` (`learnkv.cache.BudgetLayer.live`), so the case is
+        decided on the host.
+
+    Returns None (use the reference) when a row drops more than one live slot or asks for more than it holds, and
+    where the argmin could differ from the reference's order: a NaN or -inf priority on a live slot (it would tie
+    with, or rank among, the dead slots' -inf), or a row whose lowest live priority is not below every dead slot's
+    masked one (all of its live slots +inf).
+    """
+    B, H, T = scores.shape
+    keeps = [keep] * B if isinstance(keep, int) else list(keep)
+    lives = [live] * B if isinstance(live, int) else list(live)
+    drops = [n - k for n, k in zip(lives, keeps)]
+    if B * H == 0 or any(d not in (0, 1) for d in drops) or max(keeps) > T:
+        return None
+    device = scores.device
+    valid = positions >= 0
+    prio = scores.float().masked_fill(~valid, float("-inf"))
+    prio = prio.masked_fill(protected_slots(positions, n_sink, n_recent), float("inf"))
+    live_prio = prio.masked_fill(~valid, float("inf"))
+    victim = live_prio.argmin(dim=-1, keepdim=True)  # [B, H, 1]: the lowest live priority, the oldest among ties
+    # one synchronisation for every case the argmin would not reproduce (NaN > -inf is False too)
+    if bool((~(live_prio > float("-inf"))).any() | (~valid.gather(-1, victim)).any()):
+        return None
+    dropping = torch.tensor(drops, dtype=torch.bool, device=device).view(B, 1, 1).expand(B, H, 1)
+    kept = valid.scatter(-1, victim, valid.gather(-1, victim) & ~dropping)
+    K = max(keeps)
+    # a row that keeps k < K slots lists them after K - k entries of -1, as the reference does
+    first = (K - per_row(keeps, B, device)) - 1
+    dest = torch.where(kept, kept.cumsum(-1) + first, K)  # slots not kept land in an extra column, cut below
+    out = torch.full((B, H, K + 1), -1, dtype=torch.int64, device=device)
+    out.scatter_(-1, dest, torch.arange(T, device=device).expand(B, H, T))
+    return out[..., :K]
