@@ -33,8 +33,9 @@ class Learned(Policy):
     validation prompts (SmolLM2, 50% of the final length, n = 8) it cost the learned policy a third more KL than
     evicting every step (bench/RESULTS.md, "The learned policy: schedule, label, traces"). On the CPU torch path
     (budget 128, two threads, ``slack=16``, bench/RESULTS.md "Compaction is memory-bound on this CPU") a step costs
-    1.27x the full cache's at batch 1 and 1.30x at batch 16: a selection at every step, as for H2O, plus the
-    tracker's update and the refreshes; with ``slack=0`` a compaction of every layer at every step on top.
+    1.27x / 1.47x the full cache's at batch 1 and 1.30x / 1.18x at batch 16 in two runs: a selection at every
+    step, as for H2O, plus the tracker's update and the refreshes; with ``slack=0`` a compaction of every layer at
+    every step on top.
 
     Parameters
     ----------
