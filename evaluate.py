@@ -139,7 +139,8 @@ def spec_of(args: argparse.Namespace):
 
     return build_spec(args.policy, args.budget, args.task, scorer=args.scorer, limit=args.limit, seed=args.seed,
                       prefill_policy=args.prefill_policy, batch_size=args.batch_size, compare=args.compare,
-                      slack=args.slack, max_new_tokens=args.max_new_tokens, split=args.split, context_tokens=args.context_tokens,
+                      slack=args.slack, max_new_tokens=args.max_new_tokens, split=args.split,
+                      context_tokens=args.context_tokens,
                       depths=args.depths, granularity=args.granularity, block_size=args.block_size,
                       source=args.source, data_file=args.data_file,
                       accuracy_only=args.accuracy_only or None)

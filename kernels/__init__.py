@@ -6,7 +6,8 @@ The public functions import their implementation on first call.
 
 Every public function has a reference with the same signature in `kernels.reference` (the spec and the CPU path)
 and a Triton launcher in its own module (`kernels.select`, `kernels.compact`, `kernels.decode_attn`,
-`kernels.block_score`, `kernels.state_update`, `kernels.scorer`, `kernels.features`). No module may be named after
+`kernels.block_score`, `kernels.state_update`, `kernels.scorer`, `kernels.features`); `kernels.cpu` holds shortcuts
+of the references for common cases of the CPU decode loop, bit-equal to them. No module may be named after
 a public function: importing `kernels.<name>` binds the attribute `kernels.<name>` to the module and would shadow
 the function.
 
