@@ -40,15 +40,17 @@ def select_keep_one_drop(scores: Tensor, positions: Tensor, keep, n_sink, n_rece
         return None
     device = scores.device
     valid = positions >= 0
-    prio = scores.float().masked_fill(~valid, float("-inf"))
-    prio = prio.masked_fill(protected_slots(positions, n_sink, n_recent), float("inf"))
-    live_prio = prio.masked_fill(~valid, float("inf"))
+    # the reference's priorities on live slots (protected ones +inf; a protected slot is never dead), dead ones +inf
+    # here so that the argmin finds the lowest live one
+    live_prio = scores.float().masked_fill(protected_slots(positions, n_sink, n_recent), float("inf"))
+    live_prio = live_prio.masked_fill(~valid, float("inf"))
     victim = live_prio.argmin(dim=-1, keepdim=True)  # [B, H, 1]: the lowest live priority, the oldest among ties
+    victim_live = valid.gather(-1, victim)
     # one synchronisation for every case the argmin would not reproduce (NaN > -inf is False too)
-    if bool((~(live_prio > float("-inf"))).any() | (~valid.gather(-1, victim)).any()):
+    if bool((~(live_prio > float("-inf"))).any() | (~victim_live).any()):
         return None
     dropping = torch.tensor(drops, dtype=torch.bool, device=device).view(B, 1, 1).expand(B, H, 1)
-    kept = valid.scatter(-1, victim, valid.gather(-1, victim) & ~dropping)
+    kept = valid.scatter(-1, victim, victim_live & ~dropping)
     K = max(keeps)
     # a row that keeps k < K slots lists them after K - k entries of -1, as the reference does
     first = (K - per_row(keeps, B, device)) - 1

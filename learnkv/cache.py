@@ -433,7 +433,7 @@ class BudgetCache(Cache):
                 index = kernels.select_keep(scores, layer.positions, _one_or_rows(keep),
                                             _one_or_rows([p.n_sink for p in rows]),
                                             _one_or_rows([p.n_recent for p in rows]), block,
-                                            live=_one_or_rows(layer.live))
+                                            live=layer.live)
                 layer.evict(index, self.slack, live=keep if block == 1 else None)
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
         self.eviction_s += time.perf_counter() - t0

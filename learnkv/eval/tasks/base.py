@@ -72,7 +72,8 @@ class RunConfig:
     prefill : tuple of (str, dict), optional
         The prefill policy and its parameters (`learnkv.generate`'s ``prefill_policy``).
     slack : int
-        Dead slots a layer may hold before it compacts (`learnkv.generate`'s ``slack``; the same kept tokens).
+        Dead slots a layer may hold before it compacts (`learnkv.generate`'s ``slack``; the same kept tokens; the
+        cache ignores it where nothing is evicted or slots are grouped).
     """
 
     policy: str
@@ -140,11 +141,9 @@ class Task:
         ids, mask = left_pad(samples, pad_id or 0)
         budget = run.budgets if POLICIES[run.policy].evicts else None
         prefill = dict(prefill_policy=run.prefill[0], prefill_params=run.prefill[1]) if run.prefill else {}
-        if run.slack and budget is not None:
-            options = {"slack": run.slack, **options}
         return generate(model, tokenizer, input_ids=ids, attention_mask=mask, policy=run.policy, budget=budget,
                         max_new_tokens=self.max_new_tokens, policy_params=run.params, granularity=self.granularity,
-                        block_size=self.block_size, on_step=self.on_step, **prefill, **options)
+                        block_size=self.block_size, on_step=self.on_step, slack=run.slack, **prefill, **options)
 
     def final_length(self, sample: Sample, ref: Any) -> int:
         """The full length a budget fraction is a share of: the prompt plus what the full cache generated on it,
