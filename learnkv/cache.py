@@ -9,6 +9,14 @@ Order within a step (for every layer): append the step's keys/values -> attentio
 statistics handed to the policy (`learnkv.attention`) -> policy state update -> evict if the cache is over the
 budget. So a step's attention always sees the full pre-eviction cache, as in LazyEviction, EasyKV and kvpress.
 
+Stacked layers: a layer's eviction at a step is first read by that layer's attention at the next step, so the
+update and eviction of every layer may wait for the end of the forward pass. For a policy with
+``stacks_layers``, on the torch path, a decode step does exactly that: `end_step` hands the policy one view of
+every layer (`LayerView.layers`; the layers' positions and state are views of one stacked buffer each) and selects
+and marks dead slots once for the whole model. On a CPU at batch 1 a small tensor op costs more in dispatch than
+in arithmetic: per layer, the learned policy's ~60 ops per step cost ~20% of the decode; stacked, ~6%
+(bench/RESULTS.md, "Stacked layers"). The decisions are the same, bit for bit.
+
 When it evicts: only at a step where a row would otherwise end over its budget, and then down to the policy's
 keep target (`Policy.keep_target`: the budget, or ``budget - interval + 1`` for a lagged policy, which thus evicts
 every ``interval`` steps once full and observes the steps in between). A prompt within the budget is never
@@ -56,6 +64,14 @@ def prefill_policy_error(policy: Policy) -> str | None:
         return None
     return (f"policy {policy.name!r} cannot be a prefill policy: it must evict and decide on what it observes at the "
             "prefill (e.g. snapkv, h2o, tova, streaming; not full, lazy or oracle)")
+
+
+def mark_dead(positions: Tensor, index: Tensor) -> None:
+    """Set the position of every slot not in ``index [B, H, K]`` (kept slots, -1 = none) to -1, in place."""
+    T = positions.shape[-1]
+    slot = torch.where(index >= 0, index, T)  # -1 entries mark the extra column, dropped below
+    kept = torch.zeros((*index.shape[:2], T + 1), dtype=torch.bool, device=index.device)
+    positions.masked_fill_(~kept.scatter_(-1, slot, True)[..., :T], -1)  # writes through to the buffer
 
 
 def _one_or_rows(values: list[int]) -> int | list[int]:
@@ -203,10 +219,7 @@ class BudgetLayer(DynamicLayer):
         if self.n_slots - index.shape[-1] > slack:
             self.keep_slots(index)
         else:
-            T = self.n_slots
-            slot = torch.where(index >= 0, index, T)  # -1 entries mark the extra column, dropped below
-            kept = torch.zeros((*index.shape[:2], T + 1), dtype=torch.bool, device=index.device)
-            self.positions.masked_fill_(~kept.scatter_(-1, slot, True)[..., :T], -1)  # writes through to the buffer
+            mark_dead(self.positions, index)
         self.live = list(live) if live is not None else self.count_live()
 
     def count_live(self) -> list[int]:
@@ -316,6 +329,11 @@ class BudgetCache(Cache):
         self.step_valid: list[int] = []  # per row: valid (non-padding) tokens of the current step
         # accounting: live tokens each layer held for each row after each step (what the budget bounds)
         self.kept_rows: list[list[list[int]]] = []  # [step][layer][row]
+        # stacked layers (`_observe_stacked`): whether this step stacks, the statistics each layer handed over, and
+        # the stacked positions and state buffers every layer's are views of
+        self._stack_step = False
+        self._stash: dict[int, tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
+        self._stack: tuple[Tensor, dict[torch.dtype, Tensor]] | None = None
         self.eviction_s = 0.0
 
     @property
@@ -366,9 +384,15 @@ class BudgetCache(Cache):
         if self.decode_policy.evicts:
             steps_left = None if self.last_step is None else self.last_step - self.step
             self.keep = [p.keep_target(b, steps_left) for p, b in zip(self.row_policies, self.budgets)]
+        policy = self.decode_policy
+        self._stack_step = (self.step >= 1 and positions.shape[1] == 1 and policy.evicts and policy.stacks_layers
+                            and self.shared_block is None and policy.block_size_at(self.step) == 1
+                            and not kernels.use_triton(self.step_positions))  # fmt: skip
 
     def end_step(self) -> None:
         """After the forward pass: the layer-shared eviction if one is due, then book-keeping."""
+        if self._stash:
+            self._observe_stacked()
         if self._shared_scores:
             self._evict_shared()
         if self.step == 0 and self.prefill_rows:
@@ -395,11 +419,21 @@ class BudgetCache(Cache):
         attn_sq_sum: Tensor | None = None,
     ) -> None:
         """Hand the step's attention statistics to the policy, then evict if a row is over its budget. Called once
-        per layer per step."""
-        layer: BudgetLayer = self.layers[layer_idx]
+        per layer per step. On a stacked step (see the class docstring) the statistics are kept, and `end_step`
+        runs every layer's update and eviction at once."""
         policy = self.policy
         if not (policy.evicts or policy.needs_attention):
             return
+        if self._stack_step:
+            self._stash[layer_idx] = (attn, attn_sum, attn_sq_sum)
+            return
+        self._observe_layer(layer_idx, attn, attn_sum, attn_sq_sum)
+
+    def _observe_layer(self, layer_idx: int, attn: Tensor | None, attn_sum: Tensor | None,
+                       attn_sq_sum: Tensor | None) -> None:
+        """One layer's policy update and eviction (`observe`)."""
+        layer: BudgetLayer = self.layers[layer_idx]
+        policy = self.policy
         keep, due = self._row_decision(layer) if policy.evicts else (layer.live, False)
         if due and self.step == 0:
             for live, budget in zip(layer.live, self.budgets):
@@ -437,6 +471,91 @@ class BudgetCache(Cache):
                 layer.evict(index, self.slack, live=keep if block == 1 else None)
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
         self.eviction_s += time.perf_counter() - t0
+
+    def _observe_stacked(self) -> None:
+        """Every layer's update and eviction of this decode step in one view (`LayerView.layers`): the policy's
+        update, the selection and the marking of dead slots each run once for the whole model instead of once per
+        layer. The same decisions, bit for bit, as layer by layer (the policy treats rows independently;
+        tests/test_cache_layout.py); layers that do not hold the same slots and state layout go layer by layer."""
+        stash, self._stash = self._stash, {}
+        order = sorted(stash)
+        layers = [self.layers[i] for i in order]
+        stacked = self._link_layers(layers) if len(layers) == len(self.layers) else None
+        if stacked is None:
+            for i in order:
+                self._observe_layer(i, *stash[i])
+            return
+        t0 = time.perf_counter()
+        positions, state = stacked
+        first, L = layers[0], len(layers)
+        policy = self.decode_policy
+        keep, due = self._row_decision(first)
+        cat = lambda k: None if stash[order[0]][k] is None else torch.cat([stash[i][k] for i in order])  # noqa: E731
+        view = LayerView(layer=order[0], step=self.step, keys=None, values=None, positions=positions,
+                         n_new=first.n_new, attn=cat(0), attn_sum=cat(1), attn_sq_sum=cat(2),
+                         keep=_one_or_rows(keep * L), state=dict(state), live=first.live * L, layers=L,
+                         layer_kv=[(layer.keys, layer.values) for layer in layers])  # fmt: skip
+        policy.update(view)
+        B = first.positions.shape[0]
+        for name, t in view.state.items():  # what the policy rebound or added, back into each layer's state
+            if name in state:
+                if t is not state[name]:
+                    state[name].copy_(t)
+            else:
+                for i, layer in enumerate(layers):
+                    layer.state[name] = t[i * B : (i + 1) * B]
+        if due:
+            rows = self.row_policies
+            index = kernels.select_keep(policy.score(view), positions, _one_or_rows(keep * L),
+                                        _one_or_rows([p.n_sink for p in rows] * L),
+                                        _one_or_rows([p.n_recent for p in rows] * L), 1, live=first.live * L)
+            if first.n_slots - index.shape[-1] > self.slack:
+                for i, layer in enumerate(layers):
+                    layer.keep_slots(index[i * B : (i + 1) * B])
+            else:
+                mark_dead(positions, index)  # writes through to every layer's positions
+            for layer in layers:
+                layer.live = list(keep)
+        self.eviction_s += time.perf_counter() - t0
+
+    def _link_layers(self, layers: list[BudgetLayer]) -> tuple[Tensor, dict[str, Tensor]] | None:
+        """The stacked positions ``[L * B, H, T]`` and state entries of ``layers``, views of one buffer each that
+        every layer's own positions and state are views of too (so the policy's in-place updates and the marking of
+        dead slots write through). The buffers are stacked once, and again only after a compaction or reallocation
+        gave a layer fresh ones. None when the layers do not hold the same slots, live tokens and state layout."""
+        first = layers[0]
+        n, pos_shape = first.n_slots, first._buffers[2].shape
+        if any(layer.n_slots != n or layer.live != first.live or layer._buffers[2].shape != pos_shape
+               or layer._layout != first._layout or layer.state.keys() != first._layout.keys() for layer in layers):
+            return None
+        link = self._stack
+        linked = link is not None and link[0].shape[1:] == pos_shape and all(
+            layer._buffers[2].data_ptr() == link[0][i].data_ptr()
+            and layer._packed.keys() == link[1].keys()
+            and all(t.data_ptr() == link[1][d][i].data_ptr() and t.shape == link[1][d].shape[1:]
+                    for d, t in layer._packed.items())
+            for i, layer in enumerate(layers))  # fmt: skip
+        if not linked:
+            if any({d: t.shape for d, t in layer._packed.items()} != {d: t.shape for d, t in first._packed.items()}
+                   for layer in layers):
+                return None
+            link = self._stack = (torch.stack([layer._buffers[2] for layer in layers]),
+                                  {d: torch.stack([layer._packed[d] for layer in layers]) for d in first._packed})
+            for i, layer in enumerate(layers):
+                keys, values, _ = layer._buffers
+                layer._buffers = (keys, values, link[0][i])
+                layer._view(n)
+                layer._packed = {d: t[i] for d, t in link[1].items()}
+                layer._view_channels()
+                for name, full in layer._channels.items():
+                    layer.state[name] = full[..., :n]
+        positions = link[0][..., :n].flatten(0, 1)
+        state = {}
+        for name, (dtype, c0, extra) in first._layout.items():
+            buf = link[1][dtype]  # [L, B, H, S, C]
+            t = buf[:, :, :, c0] if not extra else buf[:, :, :, c0 : c0 + math.prod(extra)].unflatten(3, extra)
+            state[name] = t[..., :n].flatten(0, 1)
+        return positions, state
 
     def _evict_shared(self) -> None:
         """One block decision from every layer's scores, applied to every layer and KV head alike."""

@@ -171,3 +171,50 @@ def test_state_updated_in_place_stays_in_its_buffer_and_aligned(tiny, slack):
     appended = [(a, b) for a, b in zip(seen[1:], seen[2:]) if b[1] == a[1] + 1 or b[2] == a[2] + 1]
     assert appended and all(a[0] == b[0] for a, b in appended), "an append moved the state"
     assert len(moved) <= 1 + (25 - 1) // (slack + 1)  # one buffer at the first append, then only compactions
+
+
+def _layer_by_layer(monkeypatch, policy: str) -> None:
+    """Make ``policy`` update and evict one layer at a time, as a policy without ``stacks_layers`` does."""
+    cls = type(make_policy(policy, **params_for(policy, 2)))
+    monkeypatch.setattr(cls, "stacks_layers", property(lambda self: False) if policy == "learned" else False)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "learned"])
+@pytest.mark.parametrize("slack, prefill", [(0, None), (4, None), (3, "snapkv")])
+def test_stacked_layers_decide_as_layer_by_layer(tiny, monkeypatch, policy, slack, prefill):
+    """A policy with ``stacks_layers`` updates and evicts every layer of a decode step at once: the same tokens,
+    the same live positions in every layer after every step, and the same policy state as layer by layer. On a
+    padded batch of two prompts over the budget, with and without dead slots, and with a prefill policy (the
+    decode policy then starts its state inside a stacked step)."""
+    ids, mask = padded_batch()
+    runs = []
+    for stacked in (True, False):
+        if not stacked:
+            _layer_by_layer(monkeypatch, policy)
+        live, states, linked = [], [], []
+        link = BudgetCache._link_layers
+
+        def spy(self, layers):
+            out = link(self, layers)
+            linked.append(out is not None)
+            return out
+
+        monkeypatch.setattr(BudgetCache, "_link_layers", spy)
+
+        def observe(cache):
+            live.append([live_positions(layer) for layer in cache.layers])
+            states.append([{k: v.clone() for k, v in layer.state.items()} for layer in cache.layers])
+
+        result = generate(tiny, input_ids=ids, attention_mask=mask, policy=policy, budget=12, max_new_tokens=16,
+                          policy_params=params_for(policy, 2), stop_at_eos=False, observer=observe, slack=slack,
+                          prefill_policy=prefill)  # fmt: skip
+        runs.append((result, live, states, linked))
+    (ours, live, states, linked), (base, base_live, base_states, base_linked) = runs
+    assert linked and all(linked) and not base_linked  # every decode step stacked, none in the base run
+    assert ours.tokens.tolist() == base.tokens.tolist()
+    for step, (a, b, sa, sb) in enumerate(zip(live, base_live, states, base_states)):
+        for layer in range(len(a)):
+            assert torch.equal(a[layer], b[layer]), f"step {step}, layer {layer}: other tokens kept"
+            assert sa[layer].keys() == sb[layer].keys()
+            for name in sa[layer]:
+                assert torch.equal(sa[layer][name], sb[layer][name]), f"step {step}, layer {layer}: {name} differs"

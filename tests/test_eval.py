@@ -356,9 +356,16 @@ def test_a_killed_evaluation_resumes_at_its_last_finished_batch(tiny, tmp_path, 
     whole = evaluate(tiny, None, spec(), samples=items)
 
     decoded = []  # (prompt id, policy) of every decode
+    references = []  # prompt ids of every full-cache reference decoded
 
     def counting(task, crash_at=None):
         real = task.run_batch
+        real_reference = task.reference_batch
+
+        def reference_batch(model, tok, batch):
+            references.extend(s.id for s in batch)
+            return real_reference(model, tok, batch)
+        monkeypatch.setattr(task, "reference_batch", reference_batch)
 
         def run_batch(model, tok, batch, refs, cfg):
             if crash_at in [(s.id, cfg.policy) for s in batch]:
@@ -373,14 +380,20 @@ def test_a_killed_evaluation_resumes_at_its_last_finished_batch(tiny, tmp_path, 
     with pytest.raises(KeyboardInterrupt):
         evaluate(tiny, None, first, samples=items, resume_dir=tmp_path)
     assert {i for i, _ in decoded} == {"ids/0", "ids/1", "ids/2"}
+    # the unfinished batch's reference is kept (the finished batch's was dropped)
+    assert len(list(tmp_path.glob("reference-*.safetensors"))) == 1
     with open(tmp_path / PARTIAL, "a") as f:
         f.write('{"task": "fidelity", "ids": ["ids/2"], "po')  # killed while appending
     decoded.clear()
+    references.clear()
     again = spec()
     counting(again.tasks[0])
     resumed = evaluate(tiny, None, again, samples=items, resume_dir=tmp_path, progress=True)
-    # left: h2o at the second budget, lazy and learned at both; the finished full and h2o runs are read back
+    # left: h2o at the second budget, lazy and learned at both; the finished full and h2o runs are read back, and
+    # so is the reference they were measured against
     assert sorted(decoded) == [("ids/2", "h2o"), *[("ids/2", "lazy")] * 2, *[("ids/2", "learned")] * 2]
+    assert references == []
+    assert not list(tmp_path.glob("reference-*"))  # dropped once its batch finished
     err = capsys.readouterr().err
     assert "resuming from" in err and "fidelity: 100%" in err  # the bar counts what was read back
     assert _strip_timing(resumed) == _strip_timing(whole)
@@ -574,3 +587,30 @@ def test_reasoning_and_needle_on_the_real_model(smollm2):
     needle_full, needle_h2o = got["full", 0.5, "needle"], got["h2o", 0.5, "needle"]
     assert needle_full["accuracy"] == 1.0 and needle_full["accuracy@384"] == 1.0  # SmolLM2 finds it in 384 tokens
     assert needle_h2o["accuracy"] in (0.0, 1.0) and needle_h2o["budget_tokens"] > 150
+
+
+def test_stored_references_come_back_equal_or_not_at_all(tmp_path):
+    """A batch's reference round-trips through its file bit for bit (tensors, learnkv dataclasses, lists, dicts,
+    plain values); another identity, a damaged file or an unstorable value gives None (decode it again)."""
+    from learnkv.eval.checkpoint import drop_references, load_references, save_references
+    from learnkv.eval.tasks.chain import ChainRun
+
+    torch.manual_seed(0)
+    refs = [ChainRun(torch.randint(0, 9, (1, 5)), torch.randn(5, 7), [torch.randn(2, 4, 9).half()] * 2, 4,
+                     text="x", answers=["3", None]),
+            {"text": "y", "new_tokens": 3}]  # fmt: skip
+    ident = {"model": "m", "task": "chain", "options": {"a": 1}, "ids": ["p/0", "p/1"]}
+    path = save_references(tmp_path, ident, refs)
+    back = load_references(tmp_path, ident)
+    assert isinstance(back[0], ChainRun) and back[1] == refs[1]
+    a, b = back[0], refs[0]
+    assert (a.prompt_len, a.text, a.answers) == (b.prompt_len, b.text, b.answers)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logits, b.logits)
+    assert all(torch.equal(x, y) and x.dtype == torch.float16 for x, y in zip(a.attention, b.attention))
+    assert load_references(tmp_path, {**ident, "ids": ["p/0"]}) is None  # another batch: not this file
+    path.write_bytes(path.read_bytes()[:100])  # damaged
+    assert load_references(tmp_path, ident) is None
+    drop_references(tmp_path, ident)
+    assert not path.exists()
+    assert save_references(tmp_path, ident, [{"parsed": object()}]) is None  # not storable: nothing written
+    assert save_references(tmp_path, ident, [None, None]) is None and not list(tmp_path.iterdir())

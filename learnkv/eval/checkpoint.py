@@ -4,18 +4,29 @@ An evaluation of the README's size runs for hours on a CPU. `evaluate` appends o
 (policy, budget) of a batch of prompts (the per-prompt metrics and costs) to ``partial.jsonl`` in the output
 directory, after a first line naming the grid (`grid_identity`: model, tasks, policies with the scorer's weights
 digest, budgets, prompts, seed, prefill policy, batch size). A rerun of the same grid into the same directory reads
-what was finished and decodes only the rest (the full-cache reference of a batch is recomputed if any of its
-runs is left); the values come back bit for bit (JSON keeps floats exact), so the results equal an uninterrupted
+what was finished and decodes only the rest (the full-cache reference of a batch is read back, see below, or
+recomputed); the values come back bit for bit (JSON keeps floats exact), so the results equal an uninterrupted
 run's except the timings. A partial run of another grid, or a damaged file, is moved
 into ``earlier-<time>/`` (never deleted), and the run starts over. ``evaluate.py`` removes the file once
 results.json is written.
+
+The full-cache reference of a batch is kept too, while some of the batch's runs are left
+(``reference-<digest>.safetensors``, `save_references`): at length it is the costliest single decode of a batch
+(the long-chain table's: ~25 min per batch of 4 prompts, ~1 GB per prompt of logits and fp16 attention), so a
+resumed run reads it back instead of decoding it again. A reference that holds something other than tensors, dataclasses of learnkv,
+lists, dicts and plain values (a math task's parsed sympy answers) is not stored and is recomputed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib
 import json
 import os
 from pathlib import Path
+
+import torch
 
 from learnkv.atomic import ensure_dir, write_text_atomic
 from learnkv.eval.report import keep_aside
@@ -115,8 +126,108 @@ def append_run(out_dir: str | Path, entry: dict) -> None:
 
 
 def finish(out_dir: str | Path) -> None:
-    """The results are written: the partial file has nothing left to give."""
+    """The results are written: the partial file and any stored reference have nothing left to give."""
     (Path(out_dir) / PARTIAL).unlink(missing_ok=True)
+    for path in Path(out_dir).glob("reference-*.safetensors"):
+        path.unlink(missing_ok=True)
 
 
-__all__ = ["PARTIAL", "append_run", "finish", "grid_identity", "open_partial"]
+class _NotStorable(Exception):
+    pass
+
+
+def _pack(value, tensors: dict, name: str):
+    """``value`` as JSON, its tensors moved into ``tensors`` (named by their path in the value)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        storage = t.untyped_storage()
+        if any(o.untyped_storage().data_ptr() == storage.data_ptr() for o in tensors.values()) or \
+                storage.nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # safetensors stores each tensor's own bytes: no views, no tensor twice
+        tensors[name] = t
+        return {"tensor": name}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        if not cls.__module__.startswith("learnkv."):
+            raise _NotStorable(cls.__qualname__)
+        return {"dataclass": f"{cls.__module__}:{cls.__qualname__}",
+                "fields": {f.name: _pack(getattr(value, f.name), tensors, f"{name}.{f.name}")
+                           for f in dataclasses.fields(value)}}  # fmt: skip
+    if isinstance(value, (list, tuple)):
+        return {"list": [_pack(v, tensors, f"{name}.{i}") for i, v in enumerate(value)]}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"dict": {k: _pack(v, tensors, f"{name}.{k}") for k, v in value.items()}}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    raise _NotStorable(type(value).__qualname__)
+
+
+def _unpack(packed: dict, tensors: dict):
+    if "tensor" in packed:
+        return tensors[packed["tensor"]]
+    if "dataclass" in packed:
+        module, qualname = packed["dataclass"].split(":")
+        if not module.startswith("learnkv."):
+            raise ValueError(f"not a learnkv class: {packed['dataclass']}")
+        cls = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        return cls(**{k: _unpack(v, tensors) for k, v in packed["fields"].items()})
+    if "list" in packed:
+        return [_unpack(v, tensors) for v in packed["list"]]
+    if "dict" in packed:
+        return {k: _unpack(v, tensors) for k, v in packed["dict"].items()}
+    return packed["value"]
+
+
+def _reference_path(out_dir: str | Path, identity: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Path(out_dir) / f"reference-{digest}.safetensors"
+
+
+def save_references(out_dir: str | Path, identity: dict, refs: list) -> Path | None:
+    """Store a batch's references (``identity``: what they depend on: model, task and its options, prompt ids);
+    None, and nothing written, where a reference holds something that cannot be stored."""
+    from safetensors.torch import save_file
+
+    if all(ref is None for ref in refs):  # a task without a reference
+        return None
+    tensors: dict = {}
+    try:
+        packed = _pack(list(refs), tensors, "refs")
+    except _NotStorable:
+        return None
+    path = _reference_path(out_dir, identity)
+    tmp = path.with_name(path.name + ".tmp")
+    meta = json.dumps({"identity": identity, "refs": packed}, default=str)
+    save_file(tensors, str(tmp), metadata={"learnkv": meta})
+    os.replace(tmp, path)  # a run killed while writing leaves no torn file under the real name
+    return path
+
+
+def load_references(out_dir: str | Path, identity: dict) -> list | None:
+    """The references `save_references` stored for ``identity``, or None (none stored, or a damaged or foreign
+    file: the caller decodes them again)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = _reference_path(out_dir, identity)
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["learnkv"])
+        if meta["identity"] != json.loads(json.dumps(identity, default=str)):
+            return None
+        return _unpack(meta["refs"], load_file(str(path)))
+    except Exception:  # noqa: BLE001 - any damage means: decode the reference again
+        return None
+
+
+def drop_references(out_dir: str | Path, identity: dict) -> None:
+    """A batch is finished: its stored references are no longer needed."""
+    _reference_path(out_dir, identity).unlink(missing_ok=True)
+
+
+__all__ = ["PARTIAL", "append_run", "drop_references", "finish", "grid_identity", "load_references", "open_partial",
+           "save_references"]

@@ -309,7 +309,12 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                         _keep(per_prompt, costs, first_params, (run, b), ids, *_stored(stored[run.label, b]))
                     bar.update(per_batch * len(batch))
                     continue
-                refs = task.reference_batch(model, tokenizer, batch)
+                ref_identity = {"model": model_name, "task": task.name, "options": task.options(), "ids": ids}
+                refs = checkpoint.load_references(resume_dir, ref_identity) if resume_dir is not None else None
+                if refs is None:
+                    refs = task.reference_batch(model, tokenizer, batch)
+                    if resume_dir is not None:
+                        checkpoint.save_references(resume_dir, ref_identity, refs)
                 bar.update(len(batch))
                 finals = [task.final_length(s, r) for s, r in zip(batch, refs)]
                 done = {}  # (label, budget tokens per row) -> (metrics, costs, params): full once, equal budgets once
@@ -343,6 +348,8 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                         checkpoint.append_run(resume_dir, {"task": task.name, "ids": ids, "policy": run.label, "budget": b,
                                                            "metrics": result[0], "costs": result[1], "params": result[2]})
                     _keep(per_prompt, costs, first_params, (run, b), ids, *result)
+                if resume_dir is not None:
+                    checkpoint.drop_references(resume_dir, ref_identity)
         finally:
             task.on_step = None
             bar.close()

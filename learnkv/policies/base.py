@@ -53,6 +53,12 @@ class LayerView:
     live : list[int] or None
         Live tokens per row (not padding, not an evicted slot awaiting compaction: both have position -1), the
         same in every KV head of a row. None: count them from ``positions`` (`live_tokens`).
+    layers : int
+        Decoder layers this view stacks along its batch axis, layer-major: rows ``l * B .. l * B + B - 1`` are
+        layer ``layer + l`` (`BudgetCache` hands a policy with ``stacks_layers`` one view of every layer per decode
+        step). Keys and values are not stacked (None then): `split_layers` gives each layer's view with its own.
+    layer_kv : sequence of (Tensor, Tensor)
+        With ``layers > 1``: each stacked layer's keys and values, ``[B, H, T, D]``.
     """
 
     layer: int
@@ -67,6 +73,8 @@ class LayerView:
     keep: int | list[int] = 0
     state: dict[str, Tensor] = field(default_factory=dict)
     live: list[int] | None = None
+    layers: int = 1
+    layer_kv: Sequence[tuple[Tensor, Tensor]] = ()
 
     @property
     def valid(self) -> Tensor:
@@ -83,6 +91,26 @@ class LayerView:
         if self.live is not None:
             return list(self.live)
         return self.valid.sum(-1).amax(-1).tolist()
+
+    def split_layers(self) -> list[LayerView]:
+        """One view per stacked layer (slices of this view's tensors, each with its layer's keys and values);
+        ``[self]`` for a view of one layer."""
+        if self.layers == 1:
+            return [self]
+        B = self.positions.shape[0] // self.layers
+
+        def rows(x, l):  # noqa: E741 - the layer index
+            return None if x is None else x[l * B : (l + 1) * B]
+
+        return [
+            LayerView(layer=self.layer + l, step=self.step, keys=k, values=v, positions=rows(self.positions, l),
+                      n_new=self.n_new, attn=rows(self.attn, l), attn_sum=rows(self.attn_sum, l),
+                      attn_sq_sum=rows(self.attn_sq_sum, l),
+                      keep=self.keep if isinstance(self.keep, int) else rows(self.keep, l),
+                      state={name: rows(t, l) for name, t in self.state.items()},
+                      live=rows(self.live, l))  # fmt: skip
+            for l, (k, v) in enumerate(self.layer_kv)  # noqa: E741
+        ]
 
 
 def exact_map(fn: Callable[..., Tensor], *keys: Tensor) -> Tensor:
@@ -176,6 +204,11 @@ class Policy:
     #: the fields that may differ between the rows of one batch once resolved for each row's budget: the cache
     #: applies them per row (protected windows, the lagged headroom); every other field must be equal
     per_row_fields: ClassVar[tuple[str, ...]] = ("n_sink", "n_recent", "interval")
+    #: whether the cache may hand `update` and `score` every layer of a decode step in one view (`LayerView.layers`)
+    #: on the torch path: the policy then treats rows independently and reads a layer's keys, values or index only
+    #: through `LayerView.split_layers`. On a CPU a small tensor op costs more in dispatch than in arithmetic, so one
+    #: op over every layer replaces one per layer (`BudgetCache`, "stacked layers")
+    stacks_layers: ClassVar[bool] = False
 
     n_sink: int | float = setting(0, ge=0, fraction=True)
     n_recent: int | float = setting(0, ge=0, fraction=True)

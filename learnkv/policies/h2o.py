@@ -26,6 +26,7 @@ class H2O(Policy):
 
     name = "h2o"
     pooling = "mean_mass"  # accumulated attention: comparable across layers and heads
+    stacks_layers = True
     n_recent: int | float = setting(0.5, ge=0, fraction=True)
 
     def update(self, view: LayerView) -> None:
@@ -35,7 +36,7 @@ class H2O(Policy):
             kernels.update_token_state(view.attn_sum, None, view.positions, view.step, 1, 0.0, acc=acc)
             return
         if acc is None:
-            acc = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
+            acc = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.positions.device)
             view.state["acc"] = acc + view.attn_sum
         else:  # in place: the cache's buffer stays the state's (no copy at the next append)
             acc.add_(view.attn_sum)

@@ -31,11 +31,11 @@ class Learned(Policy):
     This is not the lagged schedule (``interval > 1``, as LazyEviction's and R-KV's: evict every ``interval``
     steps down to ``budget - interval + 1``), which gives up ``(interval - 1) / 2`` slots on average: on
     validation prompts (SmolLM2, 50% of the final length, n = 8) it cost the learned policy a third more KL than
-    evicting every step (bench/RESULTS.md, "The learned policy: schedule, label, traces"). On the CPU torch path
-    (budget 128, two threads, ``slack=16``, bench/RESULTS.md "Compaction is memory-bound on this CPU") a step costs
-    1.27x / 1.47x the full cache's at batch 1 and 1.30x / 1.18x at batch 16 in two runs: a selection at every
-    step, as for H2O, plus the tracker's update and the refreshes; with ``slack=0`` a compaction of every layer at
-    every step on top.
+    evicting every step (bench/RESULTS.md, "The learned policy: schedule, label, traces"). On the CPU torch path the
+    cache hands it every layer of a decode step in one view (``stacks_layers``): one tracker update and one
+    selection for the whole model; the refresh stays per layer (per-layer scorers). There (budget 128, two threads,
+    ``slack=16``, bench/RESULTS.md "Stacked layers") a step costs 1.15x the full cache's at batch 1 and 1.14x at
+    batch 16; with ``slack=0`` a compaction of every layer at every step comes on top.
 
     Parameters
     ----------
@@ -57,6 +57,12 @@ class Learned(Policy):
     n_sink: int | float = setting(4, ge=0, fraction=True)
     n_recent: int | float = setting(8, ge=0, fraction=True)
     refresh: int = setting(8, ge=1)
+
+    @property
+    def stacks_layers(self) -> bool:
+        """Every layer in one view (`LayerView.layers`), except with ``refresh=1``, which scores each layer's
+        evicting rows at each eviction."""
+        return self.refresh > 1
 
     @property
     def obs_window(self) -> int:
@@ -92,9 +98,9 @@ class Learned(Policy):
             from learnkv.features import FeatureTracker
             from learnkv.scorer.artifact import load_scorer
 
-            model, manifest = load_scorer(self.scorer, expect_kv_heads=view.keys.shape[1])
+            model, manifest = load_scorer(self.scorer, expect_kv_heads=view.positions.shape[1])
             cached = self.__dict__["_loaded_scorer"] = (model, FeatureTracker(manifest["n_layers"]))
-        if view.layer >= cached[0].n_layers:
+        if view.layer + view.layers - 1 >= cached[0].n_layers:
             raise ValueError(f"scorer {self.scorer!r} has {cached[0].n_layers} layers; the model has more")
         return cached
 
@@ -107,6 +113,13 @@ class Learned(Policy):
     def update(self, view: LayerView) -> None:
         _, tracker = self._loaded(view)
         self.__dict__["_fused_features"] = None
+        if view.layers > 1:  # every layer at once (torch path): one tracker update, the refresh layer by layer
+            tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
+            if self._refresh_due(view):
+                per_layer = view.split_layers()
+                view.state["learned.score"] = torch.cat([self._scores(v, None) for v in per_layer])
+                self.__dict__.setdefault("_refreshed_at", {}).update({v.layer: view.step for v in per_layer})
+            return
         feats = None
         if _fused_step(view):
             # one launch updates the state and computes the features; `score`, which the cache calls right after
