@@ -39,6 +39,7 @@ class RoCo(Policy):
     name = "roco"
     needs_sq_sum = True
     per_row_fields = ("interval",)  # its scope excludes the protected tokens itself, so they are one for the batch
+    stacks_layers = True
     recent_ratio: float = setting(0.3, ge=0.0, le=1.0)
     n_recent: int | float = setting(10, ge=0, fraction=True)
 
@@ -51,7 +52,7 @@ class RoCo(Policy):
                                        s1=st["s1"], s2=st["s2"], count=st["count"])  # fmt: skip
             return
         if "s1" not in st:
-            zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
+            zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.positions.device)
             st["s1"], st["s2"], st["count"] = zeros, zeros.clone(), zeros.clone()
         # the step's queries are its new slots: each valid query sees every valid key at or before its position
         q_pos = view.positions[..., -view.n_new :]
