@@ -74,6 +74,14 @@ def mark_dead(positions: Tensor, index: Tensor) -> None:
     positions.masked_fill_(~kept.scatter_(-1, slot, True)[..., :T], -1)  # writes through to the buffer
 
 
+def _channel_view(packed: Tensor, first: int, extra: tuple[int, ...], axis: int) -> Tensor:
+    """One state entry's view of a packed buffer whose channel axis is ``axis``: channel ``first``, or the
+    ``prod(extra)`` channels from it, shaped ``extra``."""
+    if not extra:
+        return packed.select(axis, first)
+    return packed.narrow(axis, first, math.prod(extra)).unflatten(axis, extra)
+
+
 def _one_or_rows(values: list[int]) -> int | list[int]:
     """One int when every row has the same value (the kernels' fast path), else the per-row list."""
     return values[0] if len(set(values)) == 1 else values
@@ -196,8 +204,7 @@ class BudgetLayer(DynamicLayer):
         """Each entry's whole-capacity view of its channels in the packed buffers (per `_layout`)."""
         self._channels = {}
         for name, (dtype, first, extra) in self._layout.items():
-            buf = self._packed[dtype]
-            self._channels[name] = buf[:, :, first] if not extra else buf[:, :, first : first + math.prod(extra)].unflatten(2, extra)
+            self._channels[name] = _channel_view(self._packed[dtype], first, extra, 2)
 
     def state_buffers(self) -> dict[str, Tensor]:
         """Each state entry's whole-capacity view of the packed buffers (tests check they are zero past the slots
@@ -216,11 +223,15 @@ class BudgetLayer(DynamicLayer):
         """Keep the slots ``index [B, H, K]`` (ascending, -1 = none, see `kernels.select_keep`): mark the rest dead,
         or compact if more than ``slack`` slots would be freed. ``live``: each row's live tokens afterwards, if the
         caller knows them (token eviction: what it asked to keep); else they are counted."""
-        if self.n_slots - index.shape[-1] > slack:
+        if self.compacts(index.shape[-1], slack):
             self.keep_slots(index)
         else:
             mark_dead(self.positions, index)
         self.live = list(live) if live is not None else self.count_live()
+
+    def compacts(self, kept: int, slack: int) -> bool:
+        """Whether keeping ``kept`` slots compacts (it would leave more than ``slack`` dead) rather than marks."""
+        return self.n_slots - kept > slack
 
     def count_live(self) -> list[int]:
         """Live tokens per row, counted on the device (a synchronisation; block evictions only)."""
@@ -509,7 +520,7 @@ class BudgetCache(Cache):
             index = kernels.select_keep(policy.score(view), positions, _one_or_rows(keep * L),
                                         _one_or_rows([p.n_sink for p in rows] * L),
                                         _one_or_rows([p.n_recent for p in rows] * L), 1, live=first.live * L)
-            if first.n_slots - index.shape[-1] > self.slack:
+            if first.compacts(index.shape[-1], self.slack):
                 for i, layer in enumerate(layers):
                     layer.keep_slots(index[i * B : (i + 1) * B])
             else:
@@ -550,11 +561,8 @@ class BudgetCache(Cache):
                 for name, full in layer._channels.items():
                     layer.state[name] = full[..., :n]
         positions = link[0][..., :n].flatten(0, 1)
-        state = {}
-        for name, (dtype, c0, extra) in first._layout.items():
-            buf = link[1][dtype]  # [L, B, H, S, C]
-            t = buf[:, :, :, c0] if not extra else buf[:, :, :, c0 : c0 + math.prod(extra)].unflatten(3, extra)
-            state[name] = t[..., :n].flatten(0, 1)
+        state = {name: _channel_view(link[1][dtype], c0, extra, 3)[..., :n].flatten(0, 1)  # from [L, B, H, S, C]
+                 for name, (dtype, c0, extra) in first._layout.items()}
         return positions, state
 
     def _evict_shared(self) -> None:

@@ -113,25 +113,20 @@ class Learned(Policy):
     def update(self, view: LayerView) -> None:
         _, tracker = self._loaded(view)
         self.__dict__["_fused_features"] = None
-        if view.layers > 1:  # every layer at once (torch path): one tracker update, the refresh layer by layer
-            tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
-            if self._refresh_due(view):
-                per_layer = view.split_layers()
-                view.state["learned.score"] = torch.cat([self._scores(v, None) for v in per_layer])
-                self.__dict__.setdefault("_refreshed_at", {}).update({v.layer: view.step for v in per_layer})
-            return
         feats = None
-        if _fused_step(view):
+        if view.layers == 1 and _fused_step(view):
             # one launch updates the state and computes the features; `score`, which the cache calls right after
             # this update when it evicts, takes them from here (only the latest layer's are kept)
             feats = kernels.decode_features(view.attn, view.keys, view.values, view.positions, view.layer,
                                             tracker.n_layers, view.step, view.state)  # fmt: skip
             self.__dict__["_fused_features"] = (view.layer, view.step, view.positions, feats)
-        else:
+        else:  # on a stacked view (every layer at once, torch path) one update for the whole model
             tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
         if self._refresh_due(view):
-            view.state["learned.score"] = self._scores(view, feats)
-            self.__dict__.setdefault("_refreshed_at", {})[view.layer] = view.step
+            per_layer = view.split_layers()  # the refresh runs layer by layer: each layer has its own scorer
+            scores = [self._scores(v, feats) for v in per_layer]
+            view.state["learned.score"] = scores[0] if len(scores) == 1 else torch.cat(scores)
+            self.__dict__.setdefault("_refreshed_at", {}).update({v.layer: view.step for v in per_layer})
 
     def score(self, view: LayerView) -> Tensor:
         if self.refresh == 1:
