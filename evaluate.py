@@ -26,7 +26,9 @@ at the end) and DIR/<task>_<metric>.png (metric vs budget, one line per policy, 
 budget is a token count (64) or a fraction of each prompt's final length (0.25: a quarter of the prompt plus the
 full cache's continuation). Bad input exits with code 2 and one line on stderr, before the model is loaded.
 A killed run resumes: rerun the same command and the (policy, budget) runs of each batch of prompts it finished
-(kept in DIR/partial.jsonl until results.json is written) are not decoded again.
+(kept in DIR/partial.jsonl until results.json is written) are not decoded again. The same command with
+--finished-only, while the run goes on or after it was killed, writes the tables of the batches it has finished so
+far into DIR/finished/ (their number of prompts in every record).
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="slots per block with --granularity block")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--finished-only", action="store_true",
+                   help="decode nothing: the tables of the batches of prompts that a running or killed evaluation of "
+                        "this grid into --output has finished so far, written into OUTPUT/finished/ (n stated)")
     return p
 
 
@@ -150,14 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         from learnkv.eval import evaluate, markdown_table, write_results
-        from learnkv.eval.checkpoint import finish
+        from learnkv.eval.checkpoint import PARTIAL, finish
         from learnkv.eval.report import paired_table
         from learnkv.eval.run import paired
 
         spec = spec_of(args)
+        from pathlib import Path
+
         from learnkv.eval.report import prepare_output
 
-        note = prepare_output(args.output)  # before any decode: a bad --output must not cost a finished run
+        out = Path(args.output) / "finished" if args.finished_only else args.output
+        if args.finished_only and not (Path(args.output) / PARTIAL).is_file():
+            raise ValueError(f"{args.output} holds no running or killed evaluation ({PARTIAL}) to report on")
+        note = prepare_output(out)  # before any decode: a bad --output must not cost a finished run
         if note:
             print(f"note: {note}", file=sys.stderr)
         # ------------------------------------------------------------------ everything valid: load and run
@@ -170,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(args.seed)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model, tokenizer = load_model(args.model or DEFAULT_MODEL, device=device)
-        records = evaluate(model, tokenizer, spec, progress=not args.no_progress,
-                           model_name=args.model or DEFAULT_MODEL, resume_dir=args.output)
+        records = evaluate(model, tokenizer, spec, progress=not args.no_progress and not args.finished_only,
+                           model_name=args.model or DEFAULT_MODEL, resume_dir=args.output,
+                           finished_only=args.finished_only)
         pairs = paired(records, spec.compare, seed=args.seed) if spec.compare else []
-        paths = write_results(records, args.output, pairs)
-        finish(args.output)  # results.json holds it all now
+        paths = write_results(records, out, pairs)
+        if not args.finished_only:
+            finish(args.output)  # results.json holds it all now
     except ValueError as e:  # bad input, bad scorer, bad model: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -468,7 +468,7 @@ class BudgetCache(Cache):
         t0 = time.perf_counter()
         policy.update(view)
         if due:
-            scores = policy.score(view)
+            scores = self._score_due_rows(view, layer) if self.shared_block is None else policy.score(view)
             if self.shared_block is not None:
                 self._shared_scores[layer_idx] = scores  # decided in end_step, once every layer has scored
                 self._shared_keep = keep
@@ -482,6 +482,16 @@ class BudgetCache(Cache):
                 layer.evict(index, self.slack, live=keep if block == 1 else None)
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
         self.eviction_s += time.perf_counter() - t0
+
+    def _score_due_rows(self, view: LayerView, layer: BudgetLayer) -> Tensor:
+        """The policy's scores of the rows over their budget (the others keep every live token whatever their
+        scores, so they get zeros) where it can score a subset of rows (`Policy.scores_row_subsets`) and not every
+        row is due; else of every row."""
+        due = [i for i, (live, budget) in enumerate(zip(layer.live, self.budgets)) if live > budget]
+        if not self.policy.scores_row_subsets or len(due) == len(layer.live):
+            return self.policy.score(view)
+        some = self.policy.score(view.select_rows(due))
+        return some.new_zeros(view.positions.shape).index_copy_(0, torch.tensor(due, device=some.device), some)
 
     def _observe_stacked(self) -> None:
         """Every layer's update and eviction of this decode step in one view (`LayerView.layers`): the policy's

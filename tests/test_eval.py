@@ -348,6 +348,7 @@ def _strip_timing(records):
 def test_a_killed_evaluation_resumes_at_its_last_finished_batch(tiny, tmp_path, monkeypatch, capsys):
     """Batches finished before a crash are read back, not decoded again; the results equal an uninterrupted run's
     (timings aside); the partial file survives a torn last line."""
+    from learnkv.eval import checkpoint
     from learnkv.eval.checkpoint import PARTIAL
 
     items = samples(n=3, length=24)
@@ -386,6 +387,26 @@ def test_a_killed_evaluation_resumes_at_its_last_finished_batch(tiny, tmp_path, 
         f.write('{"task": "fidelity", "ids": ["ids/2"], "po')  # killed while appending
     decoded.clear()
     references.clear()
+    # what it has finished so far: the first batch's records, read only, nothing decoded, the file as it was
+    before = (tmp_path / PARTIAL).read_bytes()
+    so_far_spec = spec()
+    counting(so_far_spec.tasks[0])
+    so_far = evaluate(tiny, None, so_far_spec, samples=items, resume_dir=tmp_path, finished_only=True)
+    assert decoded == [] and references == [] and (tmp_path / PARTIAL).read_bytes() == before
+    assert [(r["policy"], r["budget"]) for r in so_far] == [(r["policy"], r["budget"]) for r in whole]
+    for r, w in zip(so_far, whole):
+        assert r["config"]["prompt_ids"] == ["ids/0", "ids/1"] and r["metrics"]["n_prompts"] == 2
+        assert {m: v for m, v in r["per_prompt"].items() if m not in TIMING} == {
+            m: v[:2] for m, v in w["per_prompt"].items() if m not in TIMING}
+    with pytest.raises(ValueError, match="another grid"):  # read only: another grid's file is not moved
+        evaluate(tiny, None, build_spec("full", "0.5", "fidelity", max_new_tokens=8, batch_size=2), samples=items,
+                 resume_dir=tmp_path, finished_only=True)
+    with pytest.raises(ValueError, match="does not exist"):
+        evaluate(tiny, None, spec(), samples=items, resume_dir=tmp_path / "none", finished_only=True)
+    checkpoint.open_partial(tmp_path / "started", checkpoint.grid_identity(spec(), None))  # nothing finished yet
+    with pytest.raises(ValueError, match="no batch of 2 prompts is finished yet"):
+        evaluate(tiny, None, spec(), samples=items, resume_dir=tmp_path / "started", finished_only=True)
+    assert (tmp_path / PARTIAL).read_bytes() == before
     again = spec()
     counting(again.tasks[0])
     resumed = evaluate(tiny, None, again, samples=items, resume_dir=tmp_path, progress=True)
@@ -510,6 +531,7 @@ BAD = [
     (["--split", "train"], "argument --split: invalid choice: 'train'"),
     (["--split", "all"], "fidelity split must be one of test, validation, got 'all'"),
     (["--granularity", "block", "--block-size", "0"], "block size must be an integer >= 1"),
+    (["--finished-only"], "/nonexistent/out holds no running or killed evaluation (partial.jsonl) to report on"),
 ]
 
 

@@ -190,11 +190,17 @@ def test_roco_and_paged_equal_state_equal_scores(T):
                                         ("learned", {}), ("rkv", {}),
                                         ("h2o", {"granularity": "block", "block_size": 4}), ("paged", {}),
                                         ("h2o", {"slack": 3})])
-def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw):
+def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw, monkeypatch):
     """Two prompts of different lengths with different budgets: each row keeps, step by step, what it keeps alone.
-    ``snapkv-own-windows``: SnapKV's default window (a quarter of the budget) differs between the rows, 5 and 4."""
+    ``snapkv-own-windows``: SnapKV's default window (a quarter of the budget) differs between the rows, 5 and 4.
+    A lagged policy that scores a subset of rows (LazyEviction, R-KV) is scored on the due row alone at some steps."""
     own_windows = policy.endswith("-own-windows")
     policy = policy.removesuffix("-own-windows")
+    scored_rows = []  # rows of each view the policy scores
+    cls = POLICIES[policy]
+    real_score = cls.score
+    monkeypatch.setattr(cls, "score", lambda self, view: (scored_rows.append(view.positions.shape[0]),
+                                                          real_score(self, view))[1])
     a, b = random_ids(20, seed=4)[0], random_ids(13, seed=5)[0]
     ids = torch.zeros(2, 20, dtype=torch.long)
     mask = torch.zeros(2, 20, dtype=torch.long)
@@ -213,6 +219,7 @@ def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw):
         return r, kept
 
     batch, kept_batch = run(ids, mask, budgets)
+    scored_in_batch = list(scored_rows)
     for row, single in ((0, a), (1, b)):
         alone, kept_alone = run(single[None], None, budgets[row])
         assert batch.tokens[row].tolist() == alone.tokens[0].tolist(), f"row {row}"
@@ -223,6 +230,8 @@ def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw):
                 assert got == want, f"row {row}, step {step}, layer {layer}"
         assert batch.budgets[row] == budgets[row] and batch.kept_share(row) == pytest.approx(alone.kept_share(0))
         assert batch.peak_kv_bytes_rows[row] == alone.peak_kv_bytes_rows[0]
+    if cls.scores_row_subsets:  # the two rows' schedules differ, so the batch had steps with one row due
+        assert 1 in scored_in_batch
 
 
 # -- checked parameters --------------------------------------------------------------------------------------------

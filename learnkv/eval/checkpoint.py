@@ -65,8 +65,34 @@ def grid_identity(spec, model_name: str | None) -> dict:
     return json.loads(json.dumps(identity, default=str))  # the form it has after a round trip through the file
 
 
-def _differences(old: dict, new: dict) -> list[str]:
-    return [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+def _mismatch(head, identity: dict) -> str | None:
+    """Why a partial file whose identity is ``head`` is not a run of this grid (None if it is)."""
+    if head == identity:
+        return None
+    if head == "damaged":
+        return "is damaged"
+    differ = [k for k in dict.fromkeys([*head, *identity]) if head.get(k) != identity.get(k)]
+    return f"is a run of another grid ({', '.join(differ)} differ)"
+
+
+def _read(path: Path) -> tuple[object, list[dict], list[str], bool]:
+    """``(identity, entries, finished lines, torn)`` of a partial file (identity "damaged" if it cannot be read).
+    A line is finished only with its newline: a run killed mid-write leaves a torn tail, which is not an entry."""
+    lines = path.read_text().split("\n")
+    complete, torn = lines[:-1], bool(lines[-1])
+    try:
+        head = json.loads(complete[0]) if complete else None
+        entries = [json.loads(line) for line in complete[1:]]
+    except (json.JSONDecodeError, IndexError):
+        return "damaged", [], complete, torn
+    return (head.get("identity") if isinstance(head, dict) else None) or "damaged", entries, complete, torn
+
+
+def _by_batch(entries: list[dict]) -> dict:
+    finished: dict = {}
+    for entry in entries:
+        finished.setdefault((entry["task"], tuple(entry["ids"])), {})[entry["policy"], entry["budget"]] = entry
+    return finished
 
 
 def open_partial(out_dir: str | Path, identity: dict) -> tuple[dict, str | None]:
@@ -83,29 +109,31 @@ def open_partial(out_dir: str | Path, identity: dict) -> tuple[dict, str | None]
     """
     out_dir = ensure_dir(out_dir, "output directory")
     path = out_dir / PARTIAL
-    finished: dict = {}
     if not path.is_file():
         _start(path, identity)
-        return finished, None
-    lines = path.read_text().split("\n")
-    complete = lines[:-1]  # a line is finished only with its newline: a run killed mid-write leaves a torn tail
-    try:
-        head = json.loads(complete[0]) if complete else None
-        entries = [json.loads(line) for line in complete[1:]]
-    except (json.JSONDecodeError, IndexError):
-        head, entries = "damaged", []
-    if not isinstance(head, dict) or head.get("identity") != identity:
-        why = ("is damaged" if head == "damaged" or not isinstance(head, dict) else
-               f"is a run of another grid ({', '.join(_differences(head.get('identity') or {}, identity))} differ)")
+        return {}, None
+    head, entries, complete, torn = _read(path)
+    if why := _mismatch(head, identity):
         keep = keep_aside(out_dir, [path])
         _start(path, identity)
-        return finished, f"{path} {why}; moved to {keep}/, starting over"
-    for entry in entries:
-        finished.setdefault((entry["task"], tuple(entry["ids"])), {})[entry["policy"], entry["budget"]] = entry
-    if lines[-1]:  # drop the torn tail so the next append starts on a line of its own
+        return {}, f"{path} {why}; moved to {keep}/, starting over"
+    if torn:  # drop the torn tail so the next append starts on a line of its own
         _write_lines(path, complete)
+    finished = _by_batch(entries)
     return finished, (f"resuming from {path}: {len(entries)} runs of {len(finished)} batches of prompts already "
                       "evaluated")
+
+
+def read_partial(out_dir: str | Path, identity: dict) -> dict:
+    """What a running or killed evaluation of this grid in ``out_dir`` has finished so far, read only (the file is
+    left as it is, so the run that writes it can go on); raises ValueError if there is none of this grid."""
+    path = Path(out_dir) / PARTIAL
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: no evaluation of this grid has started in {out_dir}")
+    head, entries, _, _ = _read(path)
+    if why := _mismatch(head, identity):
+        raise ValueError(f"{path} {why}")
+    return _by_batch(entries)
 
 
 def _start(path: Path, identity: dict) -> None:

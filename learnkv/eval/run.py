@@ -250,7 +250,8 @@ def _batches(items: list, size: int):
 
 
 def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None = None, progress: bool | None = None,
-             model_name: str | None = None, resume_dir: str | Path | None = None) -> list[dict]:
+             model_name: str | None = None, resume_dir: str | Path | None = None,
+             finished_only: bool = False) -> list[dict]:
     """Run every policy x budget x task of ``spec``.
 
     Parameters
@@ -264,6 +265,9 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
     resume_dir : path, optional
         Keep every finished (policy, budget) of each batch of prompts in ``resume_dir/partial.jsonl`` and skip what
         an earlier, killed run of the same grid finished there (`learnkv.eval.checkpoint`).
+    finished_only : bool
+        Decode nothing: the records of the batches of prompts that a running or killed evaluation of this grid into
+        ``resume_dir`` has finished so far (its partial file is only read). Raises ValueError if none is.
 
     Returns
     -------
@@ -278,7 +282,11 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
 
     torch.manual_seed(spec.seed)
     finished = {}
-    if resume_dir is not None:
+    if finished_only:
+        if resume_dir is None:
+            raise ValueError("finished_only reads the finished runs of an evaluation into resume_dir: give it")
+        finished = checkpoint.read_partial(resume_dir, checkpoint.grid_identity(spec, model_name))
+    elif resume_dir is not None:
         finished, note = checkpoint.open_partial(resume_dir, checkpoint.grid_identity(spec, model_name))
         if note:
             print(f"note: {note}", file=sys.stderr)
@@ -300,6 +308,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                    mininterval=redraw_s, file=sys.stderr)
         task.on_step = token_counter(bar, every_s=redraw_s)  # live tokens and tok/s inside long decodes
         per_batch = n_runs // len(prompts)  # runs per prompt: the reference and every distinct (policy, budget)
+        done_prompts = []  # the prompts of every batch evaluated (or read back) in full
         try:
             for batch in _batches(prompts, spec.batch_size):
                 ids = [s.id for s in batch]
@@ -308,6 +317,9 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                     for run, b in keys:
                         _keep(per_prompt, costs, first_params, (run, b), ids, *_stored(stored[run.label, b]))
                     bar.update(per_batch * len(batch))
+                    done_prompts += batch
+                    continue
+                if finished_only:
                     continue
                 ref_identity = {"model": model_name, "task": task.name, "options": task.options(), "ids": ids}
                 refs = checkpoint.load_references(resume_dir, ref_identity) if resume_dir is not None else None
@@ -350,12 +362,16 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                     _keep(per_prompt, costs, first_params, (run, b), ids, *result)
                 if resume_dir is not None:
                     checkpoint.drop_references(resume_dir, ref_identity)
+                done_prompts += batch
         finally:
             task.on_step = None
             bar.close()
+        if not done_prompts:
+            raise ValueError(f"{task.name}: no batch of {spec.batch_size} prompts is finished yet in {resume_dir} "
+                             f"(finished runs: {sum(map(len, finished.values()))})")
         for run, b in keys:
-            records.append(_record(task, run, b, prompts, per_prompt[run, b], costs[run, b], first_params.get((run, b)),
-                                   spec, model, model_name))
+            records.append(_record(task, run, b, done_prompts, per_prompt[run, b], costs[run, b],
+                                   first_params.get((run, b)), spec, model, model_name))
     return records
 
 

@@ -92,6 +92,20 @@ class LayerView:
             return list(self.live)
         return self.valid.sum(-1).amax(-1).tolist()
 
+    def select_rows(self, rows: list[int]) -> LayerView:
+        """The view of some rows of this one (of one layer), in the given order."""
+        index = torch.tensor(rows, device=self.positions.device)
+
+        def pick(x):
+            return None if x is None else x.index_select(0, index)
+
+        return LayerView(layer=self.layer, step=self.step, keys=pick(self.keys), values=pick(self.values),
+                         positions=pick(self.positions), n_new=self.n_new, attn=pick(self.attn),
+                         attn_sum=pick(self.attn_sum), attn_sq_sum=pick(self.attn_sq_sum),
+                         keep=self.keep if isinstance(self.keep, int) else [self.keep[r] for r in rows],
+                         state={name: pick(t) for name, t in self.state.items()},
+                         live=None if self.live is None else [self.live[r] for r in rows])
+
     def split_layers(self) -> list[LayerView]:
         """One view per stacked layer (slices of this view's tensors, each with its layer's keys and values);
         ``[self]`` for a view of one layer."""
@@ -209,6 +223,12 @@ class Policy:
     #: through `LayerView.split_layers`. On a CPU a small tensor op costs more in dispatch than in arithmetic, so one
     #: op over every layer replaces one per layer (`BudgetCache`, "stacked layers")
     stacks_layers: ClassVar[bool] = False
+    #: whether `score` of a view of some rows (`LayerView.select_rows`) gives those rows exactly what they get in
+    #: the whole view: nothing it reads is indexed by row outside the view. The cache then scores only the rows
+    #: over their budget. It matters for a lagged policy (``interval > 1``): rows of different prompt lengths
+    #: fill up at different steps, so in a batch of 16 some row is due at most steps while each row is due once
+    #: per ``interval``
+    scores_row_subsets: ClassVar[bool] = False
 
     n_sink: int | float = setting(0, ge=0, fraction=True)
     n_recent: int | float = setting(0, ge=0, fraction=True)

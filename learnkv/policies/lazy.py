@@ -55,6 +55,7 @@ class LazyEviction(Policy):
     name = "lazy"
     group_reduce = "max"
     scores_prefill = False
+    scores_row_subsets = True  # its score is a function of each token's own state
     per_row_fields = ("n_sink", "n_recent", "interval", "window")  # the window only sets the schedule and protection
     window: int | None = setting(None, ge=1)
     alpha: float = setting(1e-4, ge=0.0, le=1.0)
