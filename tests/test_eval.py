@@ -81,6 +81,28 @@ def test_step_recall_counts_what_was_kept_plus_the_query():
     assert M.step_recall(attn, kept, query=2) == pytest.approx(((0.1 + 0.7) + (0.3 + 0.2 + 0.1)) / 2)
 
 
+def _one_cache_recall(attention, kept, query):  # the per-layer computation the tracker ran before, one [H, K] at a time
+    H, K = attention.shape
+    visible = torch.zeros(H, K + 1, dtype=torch.bool)
+    visible.scatter_(1, torch.where((kept >= 0) & (kept < K), kept, K), True)
+    visible = visible[:, :K]
+    visible[:, query] = True
+    return float(M.attention_recall(attention, visible).mean())
+
+
+@pytest.mark.parametrize("layers,heads,keys,slots", [(30, 3, 1700, 700), (4, 2, 33, 9), (1, 5, 8, 8)])
+def test_step_recalls_of_stacked_layers_equal_each_layer_alone(layers, heads, keys, slots):
+    """Every layer in one call gives, bit for bit, what each layer gives alone (fp16 attention as the reference
+    stores it; kept sets with dead slots, and positions past the step's keys)."""
+    g = torch.Generator().manual_seed(layers)
+    attention = torch.rand(layers, heads, keys, generator=g).softmax(-1).half()
+    kept = torch.randint(-1, keys + 3, (layers, heads, slots), generator=g)
+    query = keys - 2
+    together = M.step_recalls(attention, kept, query).tolist()
+    assert together == [_one_cache_recall(attention[i], kept[i], query) for i in range(layers)]
+    assert M.step_recall(attention[0], kept[0], query) == together[0]
+
+
 # -- intervals over prompts -------------------------------------------------------------------------------------
 
 

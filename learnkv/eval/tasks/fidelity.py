@@ -83,24 +83,36 @@ class _Tracker:
     def __call__(self, cache) -> None:
         i, logits = self.step, self.latest.pop("logits")  # [B, V] of forward pass i
         self.step += 1
-        for b, ref in enumerate(self.refs):
-            n = ref.tokens.shape[1]
-            if i >= n:
-                continue
-            q = logits[b : b + 1]
-            self.kl[b].append(float(M.kl_divergence(ref.logits[i : i + 1], q)[0]))
-            self.top1[b].append(float(q.argmax(-1)[0] == ref.logits[i].argmax()))
-            target = ref.tokens[0, i]
-            self.nll[b].append(float(-q.double().log_softmax(-1)[0, target]))
-            if self.agree[b] is None and int(q.argmax(-1)[0]) != int(target):
+        rows = [b for b, ref in enumerate(self.refs) if i < ref.tokens.shape[1]]
+        if not rows:
+            return
+        # every row at once: each op reduces along the vocabulary only, so a row's values are its own (to the last
+        # bits, which depend on how the threads split a reduction)
+        q = logits[rows]
+        p = torch.stack([self.refs[b].logits[i] for b in rows])
+        targets = torch.stack([self.refs[b].tokens[0, i] for b in rows])
+        kl = M.kl_divergence(p, q).tolist()
+        choice = q.argmax(-1)
+        top1 = (choice == p.argmax(-1)).tolist()
+        nll = (-q.double().log_softmax(-1).gather(-1, targets[:, None])[:, 0]).tolist()
+        differs = (choice != targets).tolist()
+        for j, b in enumerate(rows):
+            self.kl[b].append(kl[j])
+            self.top1[b].append(float(top1[j]))
+            self.nll[b].append(nll[j])
+            if self.agree[b] is None and differs[j]:
                 self.agree[b] = i
-            if i < n - 1:  # what this pass kept is what decode step i + 1's query (position P + i) attends to
+            if i < self.refs[b].tokens.shape[1] - 1:  # what this pass kept, decode step i + 1 (position P + i) attends to
                 self.recall[b].append(self._recall(cache, b, i))
 
     def _recall(self, cache, b: int, i: int) -> float:
         ref = self.refs[b]
-        per_layer = [M.step_recall(attn[:, i, :], layer.positions[b], ref.prompt_len + i)
-                     for layer, attn in zip(cache.layers, ref.attention)]
+        kept = [layer.positions[b] for layer in cache.layers]  # [H, T] each; T may differ between layers
+        T = max(k.shape[-1] for k in kept)
+        kept = torch.stack([k if k.shape[-1] == T else torch.nn.functional.pad(k, (0, T - k.shape[-1]), value=-1)
+                            for k in kept])
+        per_layer = M.step_recalls(torch.stack([attn[:, i, :] for attn in ref.attention]), kept,
+                                   ref.prompt_len + i).tolist()
         return sum(per_layer) / len(per_layer)
 
     def metrics(self, b: int, policy: str) -> dict:
