@@ -68,3 +68,13 @@ def test_long_chain_table_config_asks_what_issue_13_asks():
     assert spec.tasks[0].max_new_tokens >= 1000 and args.compare == "learned" and args.prefill_policy == "snapkv"
     assert {"full", "streaming", "h2o", "tova", "snapkv", "roco", "knorm", "paged", "rkv", "lazy", "learned",
             "oracle"} <= set(spec.policies)
+
+
+def test_qwen_accuracy_config_asks_what_issue_13_asks():
+    """configs/chain-accuracy-qwen.yaml is the README accuracy table on Qwen2.5-Coder-0.5B: every heuristic at 25% and
+    50%, graded free runs of the chain task; it loads through --config."""
+    args = parse_args(["--config", str(ROOT / "configs" / "chain-accuracy-qwen.yaml")])
+    spec = spec_of(args)
+    assert args.model == "qwen2.5-coder-0.5b-instruct" and spec.tasks[0].name == "chain"
+    assert spec.tasks[0].accuracy_only and sorted(spec.budgets) == [0.25, 0.5] and args.prefill_policy == "snapkv"
+    assert {"full", "streaming", "h2o", "tova", "snapkv", "roco", "knorm", "paged", "rkv", "lazy"} == set(spec.policies)
