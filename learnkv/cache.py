@@ -416,12 +416,11 @@ class BudgetCache(Cache):
     def layer_positions(self, layer_idx: int) -> Tensor:
         return self.layers[layer_idx].positions
 
-    def _row_decision(self, layer: BudgetLayer) -> tuple[list[int], list[int]]:
-        """Per row, what to keep now (its keep target if it is over its budget, else every live token), and the
-        rows that are over (empty: nothing to evict)."""
+    def _row_decision(self, layer: BudgetLayer) -> tuple[list[int], bool]:
+        """Per row, what to keep now (its keep target if it is over its budget, else every live token), and
+        whether any row is over."""
         over = [live > b for live, b in zip(layer.live, self.budgets)]
-        return ([k if o else live for k, o, live in zip(self.keep, over, layer.live)],
-                [i for i, o in enumerate(over) if o])
+        return [k if o else live for k, o, live in zip(self.keep, over, layer.live)], any(over)
 
     def observe(
         self,
@@ -446,7 +445,7 @@ class BudgetCache(Cache):
         """One layer's policy update and eviction (`observe`)."""
         layer: BudgetLayer = self.layers[layer_idx]
         policy = self.policy
-        keep, due = self._row_decision(layer) if policy.evicts else (layer.live, [])
+        keep, due = self._row_decision(layer) if policy.evicts else (layer.live, False)
         if due and self.step == 0:
             for live, budget in zip(layer.live, self.budgets):
                 error = blind_prefill_error(policy, live, budget)
@@ -469,7 +468,7 @@ class BudgetCache(Cache):
         t0 = time.perf_counter()
         policy.update(view)
         if due:
-            scores = self._score_rows(view, due) if self.shared_block is None else policy.score(view)
+            scores = self._score_due_rows(view) if self.shared_block is None else policy.score(view)
             if self.shared_block is not None:
                 self._shared_scores[layer_idx] = scores  # decided in end_step, once every layer has scored
                 self._shared_keep = keep
@@ -484,11 +483,14 @@ class BudgetCache(Cache):
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
         self.eviction_s += time.perf_counter() - t0
 
-    def _score_rows(self, view: LayerView, due: list[int]) -> Tensor:
-        """The policy's scores of the rows ``due`` to evict (the others keep every live token whatever their scores,
-        so they get zeros) where it can score a subset of rows (`Policy.scores_row_subsets`) and not every row is
-        due; else of every row."""
-        if not self.policy.scores_row_subsets or len(due) == view.positions.shape[0]:
+    def _score_due_rows(self, view: LayerView) -> Tensor:
+        """The policy's scores of the rows that evict now (`LayerView.due_rows`; the others keep every live token
+        whatever their scores, so they get zeros) where it can score a subset of rows (`Policy.scores_row_subsets`)
+        and not every row is due; else of every row."""
+        if not self.policy.scores_row_subsets:
+            return self.policy.score(view)
+        due = view.due_rows()
+        if len(due) == view.positions.shape[0]:
             return self.policy.score(view)
         some = self.policy.score(view.select_rows(due))
         return some.new_zeros(view.positions.shape).index_copy_(0, torch.tensor(due, device=some.device), some)

@@ -92,6 +92,11 @@ class LayerView:
             return list(self.live)
         return self.valid.sum(-1).amax(-1).tolist()
 
+    def due_rows(self) -> list[int]:
+        """The rows that evict in this step: they keep fewer than their live tokens (the cache hands a row that does
+        not evict its live count as ``keep``)."""
+        return [b for b, (k, n) in enumerate(zip(self.keep_rows(), self.live_tokens())) if k < n]
+
     def select_rows(self, rows: list[int]) -> LayerView:
         """The view of some rows of this one (of one layer), in the given order."""
         index = torch.tensor(rows, device=self.positions.device)
@@ -99,12 +104,20 @@ class LayerView:
         def pick(x):
             return None if x is None else x.index_select(0, index)
 
-        return LayerView(layer=self.layer, step=self.step, keys=pick(self.keys), values=pick(self.values),
-                         positions=pick(self.positions), n_new=self.n_new, attn=pick(self.attn),
+        return self._rows(pick, lambda xs: [xs[r] for r in rows], layer=self.layer, keys=pick(self.keys),
+                          values=pick(self.values))
+
+    def _rows(self, tensor_rows: Callable[[Tensor], Tensor], list_rows: Callable[[list], list], **fields) -> LayerView:
+        """A view of some of this view's rows: ``tensor_rows`` / ``list_rows`` pick them from each batch-first tensor
+        and per-row list; ``fields`` gives the rest (layer, keys, values)."""
+        def pick(x):
+            return None if x is None else tensor_rows(x)
+
+        return LayerView(step=self.step, positions=pick(self.positions), n_new=self.n_new, attn=pick(self.attn),
                          attn_sum=pick(self.attn_sum), attn_sq_sum=pick(self.attn_sq_sum),
-                         keep=self.keep if isinstance(self.keep, int) else [self.keep[r] for r in rows],
+                         keep=self.keep if isinstance(self.keep, int) else list_rows(self.keep),
                          state={name: pick(t) for name, t in self.state.items()},
-                         live=None if self.live is None else [self.live[r] for r in rows])
+                         live=None if self.live is None else list_rows(self.live), **fields)
 
     def split_layers(self) -> list[LayerView]:
         """One view per stacked layer (slices of this view's tensors, each with its layer's keys and values);
@@ -112,19 +125,9 @@ class LayerView:
         if self.layers == 1:
             return [self]
         B = self.positions.shape[0] // self.layers
-
-        def rows(x, l):  # noqa: E741 - the layer index
-            return None if x is None else x[l * B : (l + 1) * B]
-
-        return [
-            LayerView(layer=self.layer + l, step=self.step, keys=k, values=v, positions=rows(self.positions, l),
-                      n_new=self.n_new, attn=rows(self.attn, l), attn_sum=rows(self.attn_sum, l),
-                      attn_sq_sum=rows(self.attn_sq_sum, l),
-                      keep=self.keep if isinstance(self.keep, int) else rows(self.keep, l),
-                      state={name: rows(t, l) for name, t in self.state.items()},
-                      live=rows(self.live, l))  # fmt: skip
-            for l, (k, v) in enumerate(self.layer_kv)  # noqa: E741
-        ]
+        return [self._rows(lambda x, l=l: x[l * B : (l + 1) * B], lambda xs, l=l: xs[l * B : (l + 1) * B],  # noqa: E741
+                           layer=self.layer + l, keys=k, values=v)
+                for l, (k, v) in enumerate(self.layer_kv)]  # noqa: E741
 
 
 def exact_map(fn: Callable[..., Tensor], *keys: Tensor) -> Tensor:

@@ -161,12 +161,12 @@ class Learned(Policy):
         they keep every live token whatever their scores). The features are computed within a row, so a row's are
         the same in any batch; the scorer then runs on the whole ``[B, H, T, F]`` tensor, so each row's scores are
         bit for bit those of scoring every row (a matmul's rounding can depend on its row count)."""
-        args = (view.attn, view.keys, view.values, view.positions)
+        v = view if due is None else view.select_rows(due)
+        feats = tracker.features(v.attn, v.keys, v.values, v.positions, v.layer, v.step, v.state)
         if due is None:
-            return tracker.features(*args, view.layer, view.step, view.state)
-        idx = torch.tensor(due, device=view.positions.device)
-        sub = tracker.features(*(t[idx] for t in args), view.layer, view.step, {n: t[idx] for n, t in view.state.items()})
-        return sub.new_zeros(*view.positions.shape, sub.shape[-1]).index_copy_(0, idx, sub)
+            return feats
+        idx = torch.tensor(due, device=feats.device)
+        return feats.new_zeros(*view.positions.shape, feats.shape[-1]).index_copy_(0, idx, feats)
 
 
 def _due_rows(view: LayerView) -> list[int] | None:
@@ -175,9 +175,8 @@ def _due_rows(view: LayerView) -> list[int] | None:
     otherwise cost the whole batch's features at nearly every step."""
     if view.positions.shape[0] == 1:
         return None
-    keep, live = view.keep_rows(), view.live_tokens()
-    due = [b for b, (k, n) in enumerate(zip(keep, live)) if k < n]
-    return None if len(due) == len(keep) else due
+    due = view.due_rows()
+    return None if len(due) == view.positions.shape[0] else due
 
 
 def _fused_step(view: LayerView) -> bool:

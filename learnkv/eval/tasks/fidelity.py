@@ -61,6 +61,14 @@ class FullRun:
         return self.prompt_len + self.tokens.shape[1]
 
 
+def _kept_positions(cache) -> Tensor:
+    """Every layer's slot positions ``[L, B, H, T]`` (-1 pads a layer holding fewer slots than another)."""
+    kept = [layer.positions for layer in cache.layers]
+    T = max(k.shape[-1] for k in kept)
+    return torch.stack([k if k.shape[-1] == T else torch.nn.functional.pad(k, (0, T - k.shape[-1]), value=-1)
+                        for k in kept])
+
+
 def _pad_tokens(refs: list[FullRun], pad_id: int) -> Tensor:
     n = max(r.tokens.shape[1] for r in refs)
     out = torch.full((len(refs), n), pad_id, dtype=torch.long)
@@ -96,21 +104,20 @@ class _Tracker:
         top1 = (choice == p.argmax(-1)).tolist()
         nll = (-q.double().log_softmax(-1).gather(-1, targets[:, None])[:, 0]).tolist()
         differs = (choice != targets).tolist()
+        kept = None  # every layer's kept positions [layers, B, H, T], stacked once for all rows of this step
         for j, b in enumerate(rows):
             self.kl[b].append(kl[j])
             self.top1[b].append(float(top1[j]))
             self.nll[b].append(nll[j])
             if self.agree[b] is None and differs[j]:
                 self.agree[b] = i
-            if i < self.refs[b].tokens.shape[1] - 1:  # what this pass kept, decode step i + 1 (position P + i) attends to
-                self.recall[b].append(self._recall(cache, b, i))
+            if i < self.refs[b].tokens.shape[1] - 1:  # what this pass kept, step i + 1 (position P + i) attends to
+                kept = _kept_positions(cache) if kept is None else kept
+                self.recall[b].append(self._recall(kept[:, b], b, i))
 
-    def _recall(self, cache, b: int, i: int) -> float:
+    def _recall(self, kept: Tensor, b: int, i: int) -> float:
+        """Row ``b``'s recall at step ``i``, averaged over layers, from every layer's kept positions ``[L, H, T]``."""
         ref = self.refs[b]
-        kept = [layer.positions[b] for layer in cache.layers]  # [H, T] each; T may differ between layers
-        T = max(k.shape[-1] for k in kept)
-        kept = torch.stack([k if k.shape[-1] == T else torch.nn.functional.pad(k, (0, T - k.shape[-1]), value=-1)
-                            for k in kept])
         per_layer = M.step_recalls(torch.stack([attn[:, i, :] for attn in ref.attention]), kept,
                                    ref.prompt_len + i).tolist()
         return sum(per_layer) / len(per_layer)
