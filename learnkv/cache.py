@@ -219,19 +219,22 @@ class BudgetLayer(DynamicLayer):
         """Forget the policy state (the prefill policy's, once the decode policy takes over)."""
         self.state, self._packed, self._layout, self._channels = {}, {}, {}, {}
 
-    def evict(self, index: Tensor, slack: int, live: list[int] | None = None) -> None:
+    def evict(self, index: Tensor, live: list[int] | None = None) -> None:
         """Keep the slots ``index [B, H, K]`` (ascending, -1 = none, see `kernels.select_keep`): mark the rest dead,
-        or compact if more than ``slack`` slots would be freed. ``live``: each row's live tokens afterwards, if the
-        caller knows them (token eviction: what it asked to keep); else they are counted."""
-        if self.compacts(index.shape[-1], slack):
+        or compact (`compacts`). ``live``: each row's live tokens afterwards, if the caller knows them (token
+        eviction: what it asked to keep); else they are counted."""
+        if self.compacts(index.shape[-1]):
             self.keep_slots(index)
         else:
             mark_dead(self.positions, index)
         self.live = list(live) if live is not None else self.count_live()
 
-    def compacts(self, kept: int, slack: int) -> bool:
-        """Whether keeping ``kept`` slots compacts (it would leave more than ``slack`` dead) rather than marks."""
-        return self.n_slots - kept > slack
+    def compacts(self, kept: int) -> bool:
+        """Whether an eviction that keeps ``kept`` slots (the widest row's) compacts rather than marks the evicted
+        slots dead: always where the slots must stay dense (a dead slot between a row's live ones would change
+        what its policy sees, even when the widest row evicts nothing and no slot is free in every row), else once
+        more than the cache's ``slack`` slots would be dead in every row."""
+        return self.owner.dense or self.n_slots - kept > self.owner.slack
 
     def count_live(self) -> list[int]:
         """Live tokens per row, counted on the device (a synchronisation; block evictions only)."""
@@ -290,11 +293,12 @@ class BudgetCache(Cache):
     shared_block : int, optional
         Block size of the layer-shared block mode (one decision for every layer and KV head, whole blocks).
     slack : int
-        Slots a layer may leave dead in every row before it compacts (see `BudgetLayer`). 0 compacts at every
-        eviction. The kept tokens are the same for any slack; memory grows by ``slack`` slots per layer and the
-        compaction runs once per ``slack + 1`` evicted tokens instead of at every eviction. Ignored (0) wherever
-        neighbouring slots are grouped: block eviction (the block mode, PagedEviction) and SnapKV's average pool
-        (``needs_dense_slots``).
+        Slots a layer may leave dead in every row before it compacts (see `BudgetLayer`). 0 compacts whenever a
+        slot is free in every row. The kept tokens are the same for any slack; memory grows by ``slack`` slots per
+        layer and the compaction runs once per ``slack + 1`` evicted tokens instead of at every eviction. Ignored
+        wherever neighbouring slots are grouped: block eviction (the block mode, PagedEviction), SnapKV's average
+        pool and R-KV's max pool (``needs_dense_slots``): there every eviction compacts (``dense``), also one
+        that only a narrower row makes.
     capacity : int, optional
         Slots to preallocate per layer; by default what the budget needs (`slots_to_allocate`).
     prefill_policy : Policy or sequence of Policy, optional
@@ -331,8 +335,9 @@ class BudgetCache(Cache):
         self._shared_keep: list[int] | None = None
         self.last_step = last_step  # index of the last forward pass, if known (lets lagged policies keep more)
         # dead slots tolerated before a compaction; only where no block or pooling groups neighbouring slots
-        dense = shared_block is not None or self.decode_policy.block_size > 1 or self.decode_policy.needs_dense_slots
-        self.slack = 0 if dense else slack
+        self.dense = (shared_block is not None or self.decode_policy.block_size > 1
+                      or self.decode_policy.needs_dense_slots)
+        self.slack = 0 if self.dense else slack
         self.capacity = capacity  # slots preallocated per layer (None: the steady-state need, see slots_to_allocate)
         self.keep: list[int] | None = None  # per row: slots kept if the row evicts in the current step
         self.step = -1
@@ -479,7 +484,7 @@ class BudgetCache(Cache):
                                             _one_or_rows([p.n_sink for p in rows]),
                                             _one_or_rows([p.n_recent for p in rows]), block,
                                             live=layer.live)
-                layer.evict(index, self.slack, live=keep if block == 1 else None)
+                layer.evict(index, live=keep if block == 1 else None)
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
         self.eviction_s += time.perf_counter() - t0
 
@@ -532,7 +537,7 @@ class BudgetCache(Cache):
             index = kernels.select_keep(policy.score(view), positions, _one_or_rows(keep * L),
                                         _one_or_rows([p.n_sink for p in rows] * L),
                                         _one_or_rows([p.n_recent for p in rows] * L), 1, live=first.live * L)
-            if first.compacts(index.shape[-1], self.slack):
+            if first.compacts(index.shape[-1]):
                 for i, layer in enumerate(layers):
                     layer.keep_slots(index[i * B : (i + 1) * B])
             else:

@@ -301,6 +301,68 @@ def test_batched_evaluation_with_a_prefill_policy_resolving_per_row(tiny, policy
             assert b["per_prompt"][metric] == pytest.approx(values, abs=1e-4), metric
 
 
+def _count_rows(spec, monkeypatch, calls: list):
+    """Record (policy, prompt ids) of every decode of ``spec``'s task."""
+    task = spec.tasks[0]
+    real = task.run_batch
+
+    def run_batch(model, tok, batch, refs, cfg):
+        calls.append((cfg.policy, [s.id for s in batch]))
+        return real(model, tok, batch, refs, cfg)
+    monkeypatch.setattr(task, "run_batch", run_batch)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "lazy", "snapkv", "learned", "oracle", "paged:block_size=4"])
+def test_budgets_batched_as_rows_equal_one_budget_at_a_time(tiny, policy, monkeypatch):
+    """--batch-budgets: a policy decodes every budget of a batch of prompts as rows of one batch (prompts x budgets,
+    a fraction and a token count here), each row as alone: the same per-prompt metrics, budgets and resolved
+    parameters as one budget at a time; the full cache, the same at every budget, still decodes once."""
+    name = policy.split(":")[0]
+    items = [Sample.from_ids(random_ids(n, seed=30 + n)[0], id=f"ids/{n}") for n in (18, 25, 21)]
+    spec = lambda on: build_spec(f"full,{policy}", "0.7,30", "fidelity", max_new_tokens=16, batch_size=2,  # noqa
+                                 batch_budgets=on, scorer=params_for(name, 2).get("scorer"))
+    apart, together_spec, calls = spec(False), spec(True), []
+    _count_rows(together_spec, monkeypatch, calls)
+    apart, together = evaluate(tiny, None, apart, samples=items), evaluate(tiny, None, together_spec, samples=items)
+    assert calls == [("full", ["ids/18", "ids/25"]), (name, ["ids/18", "ids/25"] * 2),
+                     ("full", ["ids/21"]), (name, ["ids/21"] * 2)]
+    assert [(r["policy"], r["budget"]) for r in apart] == [(r["policy"], r["budget"]) for r in together]
+    for a, b in zip(apart, together):
+        assert a["metrics"]["budget_tokens"] == b["metrics"]["budget_tokens"]
+        assert a["config"]["policy_params"] == b["config"]["policy_params"]
+        assert a["metrics"]["kept_share"] == pytest.approx(b["metrics"]["kept_share"])
+        for metric, values in a["per_prompt"].items():
+            assert b["per_prompt"][metric] == pytest.approx(values, abs=1e-4), metric
+    assert together[1]["config"]["batch_budgets"] is True and apart[1]["config"]["batch_budgets"] is False
+    with pytest.raises(ValueError, match="--batch-budgets is true or false, got 'yes'"):
+        build_spec("h2o", "0.5", batch_budgets="yes")
+
+
+def test_budgets_batched_as_rows_resume_only_what_is_missing(tiny, tmp_path, monkeypatch, capsys):
+    """A run killed between the budgets of one batched decode (one of them written to partial.jsonl) decodes only
+    the missing budget's rows again; a grid without --batch-budgets is another grid (its costs differ)."""
+    from learnkv.eval.checkpoint import PARTIAL
+
+    items = samples(n=3, length=24)
+    spec = lambda on=True: build_spec("full,h2o", "0.6,0.8", "fidelity", max_new_tokens=8, batch_size=2,  # noqa
+                                      batch_budgets=on)
+    whole = evaluate(tiny, None, spec(), samples=items, resume_dir=tmp_path)
+    lines = (tmp_path / PARTIAL).read_text().splitlines(keepends=True)
+    assert json.loads(lines[0])["identity"]["batch_budgets"] is True
+    assert (json.loads(lines[-1])["policy"], json.loads(lines[-1])["budget"]) == ("h2o", 0.8)
+    (tmp_path / PARTIAL).write_text("".join(lines[:-1]))  # killed after h2o at 0.6 of the second batch was written
+    again, calls = spec(), []
+    _count_rows(again, monkeypatch, calls)
+    resumed = evaluate(tiny, None, again, samples=items, resume_dir=tmp_path)
+    assert calls == [("h2o", ["ids/2"])]
+    for r, w in zip(resumed, whole):  # the missing row decoded alone now: as in the batch, to float rounding
+        assert [r[k] for k in ("policy", "budget", "config")] == [w[k] for k in ("policy", "budget", "config")]
+        for metric, values in w["per_prompt"].items():
+            assert r["per_prompt"][metric] == pytest.approx(values, abs=1e-4), metric
+    evaluate(tiny, None, spec(False), samples=items, resume_dir=tmp_path)
+    assert "another grid (batch_budgets differ)" in capsys.readouterr().err
+
+
 # -- tasks, records, files --------------------------------------------------------------------------------------
 
 

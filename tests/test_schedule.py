@@ -190,9 +190,13 @@ def test_roco_and_paged_equal_state_equal_scores(T):
                                         ("learned", {}), ("rkv", {}),
                                         ("h2o", {"granularity": "block", "block_size": 4}), ("paged", {}),
                                         ("h2o", {"slack": 3})])
-def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw, monkeypatch):
-    """Two prompts of different lengths with different budgets: each row keeps, step by step, what it keeps alone.
-    ``snapkv-own-windows``: SnapKV's default window (a quarter of the budget) differs between the rows, 5 and 4.
+@pytest.mark.parametrize("lengths, budgets", [((20, 13), (22, 16)), ((13, 13), (16, 22))])
+def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw, lengths, budgets, monkeypatch):
+    """Two prompts with different budgets: each row keeps, step by step, what it keeps alone. Of different lengths
+    (the second left-padded), or of one length with the narrower budget first: that row then evicts at steps where
+    the wider one keeps every token, so no slot is free in every row; where slots must stay dense (SnapKV, R-KV,
+    blocks) that eviction compacts all the same, and no row ever holds a dead slot between live ones.
+    ``snapkv-own-windows``: SnapKV's default window (a quarter of the budget) differs between the rows (5 and 4).
     A lagged policy that scores a subset of rows (LazyEviction, R-KV) is scored on the due row alone at some steps."""
     own_windows = policy.endswith("-own-windows")
     policy = policy.removesuffix("-own-windows")
@@ -201,12 +205,13 @@ def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw, monkeypat
     real_score = cls.score
     monkeypatch.setattr(cls, "score", lambda self, view: (scored_rows.append(view.positions.shape[0]),
                                                           real_score(self, view))[1])
-    a, b = random_ids(20, seed=4)[0], random_ids(13, seed=5)[0]
-    ids = torch.zeros(2, 20, dtype=torch.long)
-    mask = torch.zeros(2, 20, dtype=torch.long)
-    ids[0], mask[0] = a, 1
-    ids[1, 7:], mask[1, 7:] = b, 1
-    budgets = [22, 16]
+    a, b = random_ids(lengths[0], seed=4)[0], random_ids(lengths[1], seed=5)[0]
+    L = max(lengths)
+    ids = torch.zeros(2, L, dtype=torch.long)
+    mask = torch.zeros(2, L, dtype=torch.long)
+    ids[0, L - len(a):], mask[0, L - len(a):] = a, 1
+    ids[1, L - len(b):], mask[1, L - len(b):] = b, 1
+    budgets = list(budgets)
     params = {**params_for(policy, 2), **({"window": 4} if policy in ("lazy", "snapkv") and not own_windows else {}),
               **({"window": 2, "buffer": 3} if policy == "rkv" else {}),
               **({"block_size": 4} if policy == "paged" else {})}
@@ -232,6 +237,11 @@ def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw, monkeypat
         assert batch.peak_kv_bytes_rows[row] == alone.peak_kv_bytes_rows[0]
     if cls.scores_row_subsets:  # the two rows' schedules differ, so the batch had steps with one row due
         assert 1 in scored_in_batch
+    if policy in ("snapkv", "rkv", "paged") or kw.get("granularity") == "block":  # dense: dead slots only at the left
+        for step in kept_batch:
+            for p in step:
+                live = (p >= 0).int()
+                assert (live[..., 1:] >= live[..., :-1]).all(), f"a dead slot between live ones: {p.tolist()}"
 
 
 # -- checked parameters --------------------------------------------------------------------------------------------

@@ -62,6 +62,8 @@ def grid_identity(spec, model_name: str | None) -> dict:
     }
     if spec.slack:  # speed only, but its peak KV differs; absent at 0, so grids from before it still resume
         identity["slack"] = spec.slack
+    if spec.batch_budgets:  # speed only, but its costs are shares of other batches; absent when off, as slack
+        identity["batch_budgets"] = True
     return json.loads(json.dumps(identity, default=str))  # the form it has after a round trip through the file
 
 

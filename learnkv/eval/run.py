@@ -73,6 +73,10 @@ class EvalSpec:
     slack : int
         Dead slots a layer may hold before it compacts (speed and memory only: the same kept tokens, see
         `learnkv.generate`); 0 compacts at every eviction.
+    batch_budgets : bool
+        Decode a policy at every budget in one batch: ``batch_size`` prompts x the budgets as rows (speed only:
+        each row decodes as alone). One decode step reads the model's weights once for all of them, which is
+        most of a step's cost for a larger model on a CPU; the batch's memory grows with its rows.
     """
 
     runs: list[PolicyRun]
@@ -84,6 +88,7 @@ class EvalSpec:
     batch_size: int = 1
     compare: str | None = None
     slack: int = 0
+    batch_budgets: bool = False
 
     @property
     def policies(self) -> list[str]:
@@ -136,7 +141,8 @@ def prefill_run(item: str, where: str, scorer: str | None = None, seed: int = 0)
 
 def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidelity",), scorer: str | None = None,
                limit: int | None = None, seed: int = 0, prefill_policy: str | None = None, batch_size: int = 1,
-               compare: str | None = None, slack: int = 0, **task_options) -> EvalSpec:
+               compare: str | None = None, slack: int = 0, batch_budgets: bool = False,
+               **task_options) -> EvalSpec:
     """Validate a grid (no model needed). ``task_options`` go to every task that has them (`make_task`)."""
     tasks = [make_task(name, **task_options) for name in split_list(tasks, "task")]
     budgets = [parse_budget(b) for b in split_list(budgets, "budget")]
@@ -147,6 +153,8 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
         raise ValueError(f"--batch-size must be a number of prompts >= 1, got {batch_size}")
     if isinstance(slack, bool) or int(slack) != slack or slack < 0:
         raise ValueError(f"--slack must be a number of dead slots >= 0, got {slack}")
+    if not isinstance(batch_budgets, bool):
+        raise ValueError(f"--batch-budgets is true or false, got {batch_budgets!r}")
     prefill = prefill_run(prefill_policy, "--prefill-policy", scorer, seed) if prefill_policy else None
     if compare is not None and compare not in [r.label for r in runs]:
         raise ValueError(f"--compare {compare!r} is not one of the policies: {', '.join(r.label for r in runs)}")
@@ -162,7 +170,7 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
                         resolve_policy(prefill.name, b, task.granularity, task.block_size, prefill.params)
     if scorer:  # checked even when unused: a typo should not pass silently
         make_policy("learned", scorer=str(scorer)).resolve_defaults(1)
-    return EvalSpec(runs, budgets, tasks, limit, seed, prefill, int(batch_size), compare, int(slack))
+    return EvalSpec(runs, budgets, tasks, limit, seed, prefill, int(batch_size), compare, int(slack), batch_budgets)
 
 
 def _mean(values) -> float | None:
@@ -242,6 +250,33 @@ def _groups(run: PolicyRun, prefill: PolicyRun | None, task: Task, budgets: list
         key = [shared_fields(resolve_policy(p.name, b, task.granularity, task.block_size, p.params)) for p in policies]
         keys.setdefault(repr(key), []).append(i)
     return list(keys.values())
+
+
+def _decode(model, tokenizer, task: Task, spec: EvalSpec, run: PolicyRun, batch: list[Sample], refs: list,
+            todo: list[tuple]) -> list[tuple[list, list, dict | None]]:
+    """Decode ``batch`` under ``run`` at each ``(budget, tokens per prompt)`` of ``todo`` as rows of one batch
+    (prompt i at budget k is row k * len(batch) + i; split by `_groups` where rows cannot share a policy), and give
+    each budget its ``(metrics, costs, params)`` per prompt. ``params`` are the policy as resolved for the budget's
+    first prompt (`learnkv.generate` reports its first row's)."""
+    rows = [(k, i) for k in range(len(todo)) for i in range(len(batch))]
+    budgets = [todo[k][1][i] for k, i in rows]
+    for b, tokens in todo:
+        _check(task, spec, run, batch, tokens, b)
+    metrics = [[None] * len(batch) for _ in todo]
+    row_costs = [[None] * len(batch) for _ in todo]
+    for group in _groups(run, spec.prefill, task, budgets):
+        cfg = RunConfig(run.name, run.params, [budgets[j] for j in group],
+                        (spec.prefill.name, spec.prefill.params) if spec.prefill else None, spec.slack)
+        t0 = time.perf_counter()
+        m, generated = task.run_batch(model, tokenizer, [batch[rows[j][1]] for j in group],
+                                      [refs[rows[j][1]] for j in group], cfg)
+        share = (time.perf_counter() - t0) / len(group)
+        for n, j in enumerate(group):
+            k, i = rows[j]
+            metrics[k][i], row_costs[k][i] = m[n], _cost_row(generated, n, share)
+    params = [resolve_policy(run.name, tokens[0], task.granularity, task.block_size, run.params).params()
+              for _, tokens in todo]
+    return list(zip(metrics, row_costs, params))
 
 
 def _batches(items: list, size: int):
@@ -330,36 +365,32 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                 bar.update(len(batch))
                 finals = [task.final_length(s, r) for s, r in zip(batch, refs)]
                 done = {}  # (label, budget tokens per row) -> (metrics, costs, params): full once, equal budgets once
-                for run, b in keys:
-                    budgets = _budgets_for(run, b, finals)
-                    key = (run.label, tuple(budgets))
-                    entry = stored.get((run.label, b))
-                    if entry is not None:
-                        result = _stored(entry)
-                    elif key in done:
-                        result = done[key]
-                    else:
-                        _check(task, spec, run, batch, budgets, b)
-                        metrics, row_costs, params = [None] * len(batch), [None] * len(batch), None
-                        for group in _groups(run, spec.prefill, task, budgets):
-                            cfg = RunConfig(run.name, run.params, [budgets[i] for i in group],
-                                            (spec.prefill.name, spec.prefill.params) if spec.prefill else None,
-                                            spec.slack)
-                            t0 = time.perf_counter()
-                            m, generated = task.run_batch(model, tokenizer, [batch[i] for i in group],
-                                                          [refs[i] for i in group], cfg)
-                            share = (time.perf_counter() - t0) / len(group)
-                            for j, i in enumerate(group):
-                                metrics[i], row_costs[i] = m[j], _cost_row(generated, j, share)
-                            params = params or generated.params
-                        result = (metrics, row_costs, params)
-                    if key not in done:
-                        done[key] = result
-                        bar.update(len(batch))
-                    if entry is None and resume_dir is not None:
-                        checkpoint.append_run(resume_dir, {"task": task.name, "ids": ids, "policy": run.label, "budget": b,
-                                                           "metrics": result[0], "costs": result[1], "params": result[2]})
-                    _keep(per_prompt, costs, first_params, (run, b), ids, *result)
+                # what decodes together: each (policy, budget) alone, or every budget of a policy (--batch-budgets)
+                units = ([[(run, b) for b in spec.budgets] for run in spec.runs] if spec.batch_budgets
+                         else [[key] for key in keys])
+                for unit in units:
+                    run = unit[0][0]
+                    plan = []  # (budget, its tokens per row, the decode's key, what a killed run stored)
+                    for _, b in unit:
+                        budgets = _budgets_for(run, b, finals)
+                        plan.append((b, budgets, (run.label, tuple(budgets)), stored.get((run.label, b))))
+                    have = {key: _stored(entry) for _, _, key, entry in plan if entry is not None}
+                    todo = {}  # key -> (budget, tokens per row): what neither a killed run nor this one decoded
+                    for b, budgets, key, entry in plan:
+                        if entry is None and key not in done and key not in have:
+                            todo.setdefault(key, (b, budgets))
+                    decoded = dict(zip(todo, _decode(model, tokenizer, task, spec, run, batch, refs,
+                                                     list(todo.values())))) if todo else {}
+                    for b, _, key, entry in plan:
+                        result = _stored(entry) if entry is not None else done.get(key) or have.get(key) or decoded[key]
+                        if key not in done:
+                            done[key] = result
+                            bar.update(len(batch))
+                        if entry is None and resume_dir is not None:
+                            checkpoint.append_run(resume_dir, {"task": task.name, "ids": ids, "policy": run.label,
+                                                               "budget": b, "metrics": result[0], "costs": result[1],
+                                                               "params": result[2]})
+                        _keep(per_prompt, costs, first_params, (run, b), ids, *result)
                 if resume_dir is not None:
                     checkpoint.drop_references(resume_dir, ref_identity)
                 done_prompts += batch
@@ -416,6 +447,7 @@ def _record(task, run, b, prompts, per_prompt, costs, params, spec, model, model
         "seed": spec.seed,
         "batch_size": spec.batch_size,
         "slack": spec.slack if evicts(run.name) else None,
+        "batch_budgets": spec.batch_budgets,
         "device": str(next(model.parameters()).device),
         "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d"),
