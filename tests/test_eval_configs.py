@@ -77,4 +77,5 @@ def test_qwen_accuracy_config_asks_what_issue_13_asks():
     spec = spec_of(args)
     assert args.model == "qwen2.5-coder-0.5b-instruct" and spec.tasks[0].name == "chain"
     assert spec.tasks[0].accuracy_only and sorted(spec.budgets) == [0.25, 0.5] and args.prefill_policy == "snapkv"
+    assert spec.batch_budgets and spec.batch_size == 8
     assert {"full", "streaming", "h2o", "tova", "snapkv", "roco", "knorm", "paged", "rkv", "lazy"} == set(spec.policies)
