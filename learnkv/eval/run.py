@@ -72,7 +72,7 @@ class EvalSpec:
         The label every other policy is compared with (paired differences).
     slack : int
         Dead slots a layer may hold before it compacts (speed and memory only: the same kept tokens, see
-        `learnkv.generate`); 0 compacts at every eviction.
+        `learnkv.generate`); 0 compacts whenever a slot is free in every row.
     batch_budgets : bool
         Decode a policy at every budget in one batch: ``batch_size`` prompts x the budgets as rows (speed only:
         each row decodes as alone). One decode step reads the model's weights once for all of them, which is
