@@ -334,7 +334,8 @@ class BudgetCache(Cache):
         self._shared_scores: dict[int, Tensor] = {}
         self._shared_keep: list[int] | None = None
         self.last_step = last_step  # index of the last forward pass, if known (lets lagged policies keep more)
-        # dead slots tolerated before a compaction; only where no block or pooling groups neighbouring slots
+        # where a block or a pool groups neighbouring slots they must stay dense: every eviction compacts; elsewhere
+        # up to ``slack`` dead slots are tolerated before a compaction
         self.dense = (shared_block is not None or self.decode_policy.block_size > 1
                       or self.decode_policy.needs_dense_slots)
         self.slack = 0 if self.dense else slack
