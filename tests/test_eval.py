@@ -321,9 +321,10 @@ def test_budgets_batched_as_rows_equal_one_budget_at_a_time(tiny, policy, monkey
     items = [Sample.from_ids(random_ids(n, seed=30 + n)[0], id=f"ids/{n}") for n in (18, 25, 21)]
     spec = lambda on: build_spec(f"full,{policy}", "0.7,30", "fidelity", max_new_tokens=16, batch_size=2,  # noqa
                                  batch_budgets=on, scorer=params_for(name, 2).get("scorer"))
-    apart, together_spec, calls = spec(False), spec(True), []
+    together_spec, calls = spec(True), []
     _count_rows(together_spec, monkeypatch, calls)
-    apart, together = evaluate(tiny, None, apart, samples=items), evaluate(tiny, None, together_spec, samples=items)
+    apart = evaluate(tiny, None, spec(False), samples=items)
+    together = evaluate(tiny, None, together_spec, samples=items)
     assert calls == [("full", ["ids/18", "ids/25"]), (name, ["ids/18", "ids/25"] * 2),
                      ("full", ["ids/21"]), (name, ["ids/21"] * 2)]
     assert [(r["policy"], r["budget"]) for r in apart] == [(r["policy"], r["budget"]) for r in together]

@@ -367,7 +367,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                 done = {}  # (label, budget tokens per row) -> (metrics, costs, params): full once, equal budgets once
                 # what decodes together: each (policy, budget) alone, or every budget of a policy (--batch-budgets)
                 units = ([[(run, b) for b in spec.budgets] for run in spec.runs] if spec.batch_budgets
-                         else [[key] for key in keys])
+                         else [[run_b] for run_b in keys])
                 for unit in units:
                     run = unit[0][0]
                     plan = []  # (budget, its tokens per row, the decode's key, what a killed run stored)
