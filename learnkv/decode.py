@@ -22,6 +22,7 @@ from learnkv.model import cache_kwargs
 from learnkv.cache import BudgetCache, blind_prefill_error
 from learnkv.policies import Policy, make_policy
 from learnkv.policies.base import resolve_rows
+from learnkv.policies.oracle import step_attention
 
 
 @dataclass
@@ -278,6 +279,7 @@ def generate(
     prefill_policy: str | Policy | None = None,
     prefill_params: dict | None = None,
     forced_tokens: Tensor | None = None,
+    future: Sequence[Sequence[Tensor]] | None = None,
     granularity: str = "token",
     block_size: int = 16,
     observer: Callable[[BudgetCache], None] | None = None,
@@ -316,6 +318,10 @@ def generate(
     forced_tokens : Tensor, optional
         ``[B, N]`` teacher forcing: these tokens are fed (and returned) instead of the model's choices, so a
         budgeted run can follow a full-cache continuation.
+    future : sequence, optional
+        For a policy that looks ahead (the oracle), per row the full-cache run's attention of the continuation it
+        replays (`learnkv.policies.oracle.step_attention` of the row's unpadded prompt and ``forced_tokens`` row),
+        where the caller holds it already (the fidelity task's reference); computed here otherwise.
     observer : callable, optional
         Called with the cache after every forward pass (after eviction).
     on_step : callable, optional
@@ -367,12 +373,19 @@ def generate(
     rows[0].check_model(model)  # a policy bound to one model (learned) refuses another
     if policy_obj.needs_future:
         if forced_tokens is None:  # the future is the full-cache continuation of this very call
-            forced_tokens = generate(
+            full = generate(
                 model, input_ids=input_ids, attention_mask=attention_mask, policy="full",
                 max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
                 top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
-            ).tokens
-        seer = rows[0].with_future(model, input_ids, attention_mask, forced_tokens[:, :-1])
+            )
+            forced_tokens = full.tokens
+            lengths = full.new_tokens
+        else:  # the caller's forced rows: a row's own end is not known, the whole row is its continuation
+            lengths = [forced_tokens.shape[1]] * B
+        if future is None:
+            future = [step_attention(model, input_ids[b : b + 1, attention_mask[b].bool()],
+                                     forced_tokens[b : b + 1, :n]) for b, n in enumerate(lengths)]
+        seer = rows[0].with_future(future, prompt_lengths)
         rows = [dataclasses.replace(seer, **{k: getattr(r, k) for k in r.per_row_fields}) for r in rows]
     if forced_tokens is not None:
         forced_tokens = forced_tokens.to(device)

@@ -1,12 +1,13 @@
 """The oracle: its future attention is the full-cache run's, and it replays the full-cache continuation."""
 
+import pytest
 import torch
 
 from conftest import random_ids
 from learnkv import generate
 from learnkv.model import tiny_model
 from learnkv.policies.base import LayerView
-from learnkv.policies.oracle import Oracle, full_attention
+from learnkv.policies.oracle import Oracle, full_attention, step_attention
 
 
 def test_full_attention_matches_eager_output_attentions():
@@ -26,19 +27,69 @@ def test_full_attention_matches_eager_output_attentions():
         assert torch.allclose(ours[layer][1, :, :14, :14], grouped[1, :, 6:, 6:], atol=1e-6)
 
 
-def test_oracle_score_is_future_attention_mass():
+@pytest.mark.parametrize("start", [0, 4])
+def test_oracle_score_is_future_attention_mass(start):
     N, H = 12, 2
-    attn = torch.rand(1, H, N, N, generator=torch.Generator().manual_seed(0))
-    oracle = Oracle(horizon=3)
-    oracle.future = [attn]
+    attn = torch.rand(H, N - start, N, generator=torch.Generator().manual_seed(0))  # query rows from `start` on
+    oracle = Oracle(horizon=3).with_future([[attn]], [start])
     positions = torch.tensor([0, 2, 5, 7, 8])[None, None].expand(1, H, 5)
     view = LayerView(layer=0, step=4, keys=torch.zeros(1, H, 5, 4), values=torch.zeros(1, H, 5, 4),
                      positions=positions, n_new=1)
     scores = oracle.score(view)
     for h in range(H):
         for slot, p in enumerate([0, 2, 5, 7, 8]):
-            expected = sum(float(attn[0, h, s, p]) for s in (9, 10, 11))  # newest position 8: rows 9..11
+            expected = sum(float(attn[h, s - start, p]) for s in (9, 10, 11))  # newest position 8: rows 9..11
             assert abs(scores[0, h, slot].item() - expected) < 1e-5
+
+
+def test_oracle_scores_nothing_ahead_past_the_end_and_refuses_before_the_start():
+    H = 2
+    attn = torch.rand(H, 3, 8, generator=torch.Generator().manual_seed(0))  # queries at positions 5..7, keys 0..7
+    oracle = Oracle(horizon=4).with_future([[attn]], [5])
+    positions = torch.tensor([0, 3, 7, 9])[None, None].expand(1, H, 4)  # newest 9: the row is past its end
+    view = LayerView(layer=0, step=5, keys=torch.zeros(1, H, 4, 4), values=torch.zeros(1, H, 4, 4),
+                     positions=positions, n_new=1)
+    assert oracle.score(view).abs().sum() == 0
+    early = LayerView(layer=0, step=0, keys=torch.zeros(1, H, 2, 4), values=torch.zeros(1, H, 2, 4),
+                      positions=torch.tensor([0, 3])[None, None].expand(1, H, 2), n_new=1)
+    with pytest.raises(ValueError, match="no future before position 5"):
+        oracle.score(early)
+
+
+def test_step_attention_is_the_decode_rows_of_the_full_attention():
+    model = tiny_model(seed=0)
+    prompt, continuation = random_ids(9, seed=5), random_ids(7, seed=6)
+    rows = step_attention(model, prompt, continuation)
+    seq = torch.cat([prompt, continuation[:, :-1]], dim=1)
+    whole = full_attention(model, seq, torch.ones_like(seq))
+    assert len(rows) == len(whole)
+    for ours, ref in zip(rows, whole):
+        assert ours.dtype == torch.float16 and ours.shape == (ref.shape[1], 6, 15)
+        assert torch.allclose(ours.float(), ref[0, :, 9:, :], atol=1e-3)
+
+
+def test_oracle_handed_the_reference_attention_decodes_as_computing_its_own(tiny):
+    """The fidelity task hands the oracle its reference's attention; decoding it there or letting `generate`
+    compute it gives the same kept tokens, also in a left-padded batch whose rows stop at different lengths."""
+    ids = [random_ids(14, seed=7)[0], random_ids(9, seed=8)[0]]
+    batch = torch.zeros(2, 14, dtype=torch.long)
+    mask = torch.zeros(2, 14, dtype=torch.long)
+    for b, row in enumerate(ids):
+        batch[b, 14 - len(row):], mask[b, 14 - len(row):] = row, 1
+    forced = random_ids(12, batch=2, seed=9)
+    lengths = [12, 8]  # row 1's continuation ends early; the rest of its forced row is padding
+    future = [step_attention(tiny, ids[b][None], forced[b : b + 1, :n]) for b, n in enumerate(lengths)]
+    kept = {}
+    for name, given in (("handed", future), ("own", None)):
+        seen = []
+        generate(tiny, input_ids=batch, attention_mask=mask, policy="oracle", budget=10, max_new_tokens=12,
+                 forced_tokens=forced, future=given,
+                 observer=lambda cache: seen.append([layer.positions.clone() for layer in cache.layers]))
+        kept[name] = seen
+    # row 0 replays its whole forced row either way: the same tokens kept at every step
+    for handed, own in zip(kept["handed"], kept["own"]):
+        for a, b in zip(handed, own):
+            assert torch.equal(a[0], b[0])
 
 
 def test_oracle_replays_the_full_continuation_within_budget(tiny):

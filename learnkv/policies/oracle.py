@@ -61,6 +61,19 @@ def full_attention(model, input_ids: Tensor, attention_mask: Tensor, first_row: 
     return out
 
 
+def step_attention(model, prompt: Tensor, continuation: Tensor) -> list[Tensor]:
+    """Per layer ``[H, N - 1, P + N - 1]`` float16: the full-cache run's group-mean attention of each decode
+    step's query (positions ``P .. P + N - 2``, the prompt ``[1, P]`` followed by the first ``N - 1`` tokens of the
+    continuation ``[1, N]``) over every key position. One unpadded row: what the oracle looks ahead at and what the
+    fidelity metrics' attention recall is measured against (`learnkv.eval.tasks.fidelity.FullRun`).
+
+    Memory: layers x H x (N - 1) x (P + N - 1) halves (0.75 GB for SmolLM2-135M at P = 1,200, N = 1,536), the
+    prompt's own query rows never held; fp16 since these are probabilities summed over a few steps."""
+    seq = torch.cat([prompt, continuation[:, :-1].to(prompt.device)], dim=1)
+    attention = full_attention(model, seq, torch.ones_like(seq), first_row=prompt.shape[1], dtype=torch.float16)
+    return [a[0].cpu() for a in attention]
+
+
 @dataclass
 class Oracle(Policy):
     """Keeps the tokens that the full-cache run will attend to most over the next ``horizon`` steps.
@@ -68,8 +81,8 @@ class Oracle(Policy):
     Score of a token at position p when the newest token is at position t: the attention it receives from the
     queries at positions t+1 .. t+horizon in a full-cache run of the same sequence (group mean, summed). This is
     the label the learned scorer is trained on, so the oracle is its ceiling. It needs the future: `generate`
-    first decodes with the full cache, computes that run's attention, then replays the same tokens (teacher
-    forcing) under the budget with this policy.
+    first decodes with the full cache (or is handed that run's attention, as the fidelity task's reference holds
+    it), then replays the same tokens (teacher forcing) under the budget with this policy.
 
     Parameters
     ----------
@@ -82,27 +95,41 @@ class Oracle(Policy):
     needs_attention = False
     needs_future = True
     horizon: int = setting(32, ge=1)
+    #: per row of the batch, `step_attention` of its prompt and continuation (per layer ``[H, steps, keys]``)
     future: list | None = field(default=None, repr=False, compare=False)
+    #: per row, the position of its first stored query row (its prompt length)
+    future_start: list | None = field(default=None, repr=False, compare=False)
 
     def params(self) -> dict:
         return {"n_sink": self.n_sink, "n_recent": self.n_recent, "horizon": self.horizon}
 
-    def with_future(self, model, input_ids: Tensor, attention_mask: Tensor, continuation: Tensor) -> "Oracle":
-        """A copy holding the full-cache attention of prompt + continuation."""
-        seq = torch.cat([input_ids, continuation.to(input_ids.device)], dim=1)
-        mask = torch.cat([attention_mask, torch.ones_like(continuation).to(attention_mask)], dim=1)
+    def with_future(self, future: list[list[Tensor]], prompt_lengths: list[int]) -> "Oracle":
+        """A copy that looks ahead at ``future``: per row, `step_attention` of that row's prompt (of
+        ``prompt_lengths`` tokens, unpadded) and the continuation it replays."""
+        if len(future) != len(prompt_lengths):
+            raise ValueError(f"future attention for {len(future)} rows, prompt lengths for {len(prompt_lengths)}")
         clone = Oracle(n_sink=self.n_sink, n_recent=self.n_recent, interval=self.interval, horizon=self.horizon)
-        clone.future = full_attention(model, seq, mask)
+        clone.future, clone.future_start = list(future), [int(n) for n in prompt_lengths]
         return clone
 
     def score(self, view: LayerView) -> Tensor:
         if self.future is None:
             raise ValueError("the oracle needs future attention: run it through learnkv.generate(policy='oracle', ...)")
-        attn = self.future[view.layer]  # [B, H, N(query pos), N(key pos)]
+        if len(self.future) != view.positions.shape[0]:
+            raise ValueError(f"future attention for {len(self.future)} rows, a batch of {view.positions.shape[0]}")
         pos = view.positions.clamp(min=0)
         scores = torch.empty(view.positions.shape, dtype=torch.float32, device=pos.device)
         for b in range(pos.shape[0]):
+            attn = self.future[b][view.layer]  # [H, steps, keys]: query rows from position future_start[b] on
             t = int(view.positions[b].max())
-            future_mass = attn[b, :, t + 1 : t + 1 + self.horizon, :].sum(dim=1)  # [H, N]
-            scores[b] = future_mass.gather(-1, pos[b])
+            first = t + 1 - self.future_start[b]
+            if first < 0:
+                raise ValueError(f"the oracle holds no future before position {self.future_start[b]} (row {b}), "
+                                 f"asked at newest position {t}")
+            future_mass = attn[:, first : first + self.horizon, :].float().sum(dim=1)  # [H, keys]
+            # past the row's own continuation (a row of the batch that has finished) nothing is ahead: score 0
+            short = int(pos[b].max()) + 1 - future_mass.shape[-1]
+            if short > 0:
+                future_mass = torch.nn.functional.pad(future_mass, (0, short))
+            scores[b] = future_mass.to(pos.device).gather(-1, pos[b])
         return scores

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from learnkv.eval import metrics as M
 from learnkv.eval.tasks.base import RunConfig, Sample, Task, capture_logits, left_pad, replays
-from learnkv.policies.oracle import full_attention
+from learnkv.policies.oracle import step_attention
 from learnkv.prompts import load_prompts
 
 HELD_OUT = ("test", "validation")  # splits a fidelity run may use: never the training prompts
@@ -46,7 +46,9 @@ class FullRun:
         ``[N, V]`` float32, the logits each continuation token was chosen from.
     attention : list of Tensor
         Per layer ``[H, N - 1, L]`` float16: the group-mean attention of each decode step's query (positions
-        ``P .. P + N - 2``) over the keys of prompt + continuation (``L = P + N - 1``), indexed by key position.
+        ``P .. P + N - 2``) over the keys of prompt + continuation (``L = P + N - 1``), indexed by key position
+        (`learnkv.policies.oracle.step_attention`): what attention recall is measured against and what the oracle
+        looks ahead at.
     prompt_len : int
         P.
     """
@@ -189,13 +191,10 @@ class Fidelity(Task):
         device = next(model.parameters()).device
         refs = []
         for b, sample in enumerate(samples):
-            n, P = result.new_tokens[b], sample.input_ids.shape[1]
+            n = result.new_tokens[b]
             tokens = result.tokens[b : b + 1, :n]
-            seq = torch.cat([sample.input_ids, tokens[:, :-1]], dim=1).to(device)
-            # the decode steps' query rows only, in fp16, kept layer by layer as the forward runs
-            attention = [a[0].cpu() for a in full_attention(model, seq, torch.ones_like(seq), first_row=P,
-                                                            dtype=torch.float16)]
-            refs.append(FullRun(tokens, logits[b, :n].clone(), attention, P))
+            attention = step_attention(model, sample.input_ids.to(device), tokens)
+            refs.append(FullRun(tokens, logits[b, :n].clone(), attention, sample.input_ids.shape[1]))
         return refs
 
     def run_batch(self, model, tokenizer, samples: list[Sample], refs: list[FullRun], run: RunConfig):
@@ -203,8 +202,10 @@ class Fidelity(Task):
         latest, handle = capture_logits(model)
         tracker = _Tracker(refs, latest)
         try:
+            # the oracle looks ahead at the reference's own attention: the same tensors, no second copy
+            future = [r.attention for r in refs] if replays(run.policy) else None
             result = self.decode_batch(model, tokenizer, samples, run, forced_tokens=_pad_tokens(refs, pad_id or 0),
-                                       observer=tracker)
+                                       future=future, observer=tracker)
         finally:
             handle.remove()
         return [tracker.metrics(b, run.policy) for b in range(len(samples))], result
