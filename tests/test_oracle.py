@@ -105,3 +105,29 @@ def test_forced_tokens_are_fed_and_returned(tiny):
     forced = random_ids(8, seed=4)
     r = generate(tiny, input_ids=ids, policy="h2o", budget=12, max_new_tokens=8, forced_tokens=forced)
     assert r.tokens.tolist() == forced.tolist()
+
+
+def test_fidelity_hands_the_oracle_its_reference_attention_not_a_copy(tiny, monkeypatch):
+    """At length the reference's attention is most of a batch's memory (~1 GB a prompt at 2,700 tokens): the
+    oracle must look ahead at those very tensors; each row of the batch still decodes as it would alone."""
+    from learnkv.eval.tasks import base
+    from learnkv.eval.tasks.base import RunConfig, Sample
+    from learnkv.eval.tasks.fidelity import Fidelity
+
+    task = Fidelity(max_new_tokens=10)
+    batch = [Sample(f"ids/{i}", random_ids(n, seed=20 + i)) for i, n in enumerate((16, 11))]
+    refs = task.reference_batch(tiny, None, batch)
+    handed = []
+    real_generate = base.generate
+
+    def spy(*args, **kwargs):
+        handed.append(kwargs.get("future"))
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(base, "generate", spy)
+    metrics, _ = task.run_batch(tiny, None, batch, refs, RunConfig("oracle", {}, [8, 8]))
+    assert all(a is b for row, ref in zip(handed[0], refs) for a, b in zip(row, ref.attention))
+    alone = [task.run_batch(tiny, None, [s], [r], RunConfig("oracle", {}, [8]))[0][0] for s, r in zip(batch, refs)]
+    for got, want in zip(metrics, alone):
+        assert got["kl"] == pytest.approx(want["kl"], abs=1e-5)
+        assert got["attention_recall"] == pytest.approx(want["attention_recall"], abs=1e-5)
