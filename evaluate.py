@@ -28,7 +28,8 @@ full cache's continuation). Bad input exits with code 2 and one line on stderr, 
 A killed run resumes: rerun the same command and the (policy, budget) runs of each batch of prompts it finished
 (kept in DIR/partial.jsonl until results.json is written) are not decoded again. The same command with
 --finished-only, while the run goes on or after it was killed, writes the tables of the batches it has finished so
-far into DIR/finished/ (their number of prompts in every record).
+far into DIR/finished/, budget by budget (a budget counts every batch finished at it; each record says how many
+prompts).
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--finished-only", action="store_true",
                    help="decode nothing: the tables of the batches of prompts that a running or killed evaluation of "
-                        "this grid into --output has finished so far, written into OUTPUT/finished/ (n stated)")
+                        "this grid into --output has finished so far, per budget, written into OUTPUT/finished/ "
+                        "(n stated)")
     return p
 
 

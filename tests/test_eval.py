@@ -511,6 +511,44 @@ def test_a_killed_evaluation_resumes_at_its_last_finished_batch(tiny, tmp_path, 
     assert [p.name for p in tmp_path.glob("earlier-*/*")] == [PARTIAL]
 
 
+def test_finished_only_reports_each_budget_as_soon_as_a_batch_has_finished_it(tiny, tmp_path, monkeypatch,
+                                                                              capsys):
+    """A long grid finishes a batch's first budget hours before its second: --finished-only reports that budget
+    over every batch finished at it (each record says how many prompts), and a budget no batch has finished not
+    at all, with a note."""
+    items = samples(n=3, length=24)
+    spec = lambda: build_spec("full,h2o,lazy", "0.8,28", "fidelity", max_new_tokens=8, batch_size=2)  # noqa: E731
+    whole = {(r["policy"], r["budget"]): r for r in evaluate(tiny, None, spec(), samples=items)}
+
+    def killed_at(prompt_id: str, out):
+        first = spec()
+        real = first.tasks[0].run_batch
+
+        def run_batch(model, tok, batch, refs, cfg):
+            if batch[0].id == prompt_id and cfg.policy == "lazy" and 28 in cfg.budgets:
+                raise KeyboardInterrupt
+            return real(model, tok, batch, refs, cfg)
+        monkeypatch.setattr(first.tasks[0], "run_batch", run_batch)
+        with pytest.raises(KeyboardInterrupt):
+            evaluate(tiny, None, first, samples=items, resume_dir=out)
+        capsys.readouterr()
+        return evaluate(tiny, None, spec(), samples=items, resume_dir=out, finished_only=True)
+
+    so_far = killed_at("ids/2", tmp_path / "second")  # the second batch has its first budget, not its second
+    assert [(r["policy"], r["budget"]) for r in so_far] == list(whole)
+    for r in so_far:
+        n = 3 if r["budget"] == 0.8 else 2
+        assert r["metrics"]["n_prompts"] == n and r["config"]["prompt_ids"] == [f"ids/{i}" for i in range(n)]
+        assert {m: v for m, v in r["per_prompt"].items() if m not in TIMING} == {
+            m: v[:n] for m, v in whole[r["policy"], r["budget"]]["per_prompt"].items() if m not in TIMING}
+    assert "no batch" not in capsys.readouterr().err
+
+    so_far = killed_at("ids/0", tmp_path / "first")  # not one batch has its second budget yet
+    assert [(r["policy"], r["budget"]) for r in so_far] == [k for k in whole if k[1] == 0.8]
+    assert all(r["metrics"]["n_prompts"] == 2 for r in so_far)
+    assert "no batch of prompts is finished at budget 28 yet" in capsys.readouterr().err
+
+
 def test_fidelity_validation_split_is_what_train_validates_on(smollm2_tokenizer):
     """--split validation tunes on the prompts train.py validates on, never on the test prompts results report."""
     from learnkv.config import PipelineConfig

@@ -302,7 +302,9 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         an earlier, killed run of the same grid finished there (`learnkv.eval.checkpoint`).
     finished_only : bool
         Decode nothing: the records of the batches of prompts that a running or killed evaluation of this grid into
-        ``resume_dir`` has finished so far (its partial file is only read). Raises ValueError if none is.
+        ``resume_dir`` has finished so far (its partial file is only read), per budget: a budget's records count
+        every batch finished at that budget, so one budget may have more prompts than another (each record says
+        how many) and a budget no batch has finished has no records. Raises ValueError if none is finished.
 
     Returns
     -------
@@ -343,18 +345,21 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                    mininterval=redraw_s, file=sys.stderr)
         task.on_step = token_counter(bar, every_s=redraw_s)  # live tokens and tok/s inside long decodes
         per_batch = n_runs // len(prompts)  # runs per prompt: the reference and every distinct (policy, budget)
-        done_prompts = []  # the prompts of every batch evaluated (or read back) in full
+        # per budget, the prompts of every batch evaluated (or read back) in full at that budget: all budgets of a
+        # batch at once when decoding; --finished-only also reports a budget that a batch has finished before the next
+        done_prompts = {b: [] for b in spec.budgets}
         try:
             for batch in _batches(prompts, spec.batch_size):
                 ids = [s.id for s in batch]
                 stored = finished.get((task.name, tuple(ids)), {})  # (label, budget) -> what a killed run finished
-                if all((run.label, b) in stored for run, b in keys):
-                    for run, b in keys:
-                        _keep(per_prompt, costs, first_params, (run, b), ids, *_stored(stored[run.label, b]))
-                    bar.update(per_batch * len(batch))
-                    done_prompts += batch
-                    continue
-                if finished_only:
+                whole = [b for b in spec.budgets if all((run.label, b) in stored for run in spec.runs)]
+                if finished_only or len(whole) == len(spec.budgets):
+                    for b in whole:
+                        for run in spec.runs:
+                            _keep(per_prompt, costs, first_params, (run, b), ids, *_stored(stored[run.label, b]))
+                        done_prompts[b] += batch
+                    if len(whole) == len(spec.budgets):
+                        bar.update(per_batch * len(batch))
                     continue
                 ref_identity = {"model": model_name, "task": task.name, "options": task.options(), "ids": ids}
                 refs = checkpoint.load_references(resume_dir, ref_identity) if resume_dir is not None else None
@@ -393,16 +398,22 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                         _keep(per_prompt, costs, first_params, (run, b), ids, *result)
                 if resume_dir is not None:
                     checkpoint.drop_references(resume_dir, ref_identity)
-                done_prompts += batch
+                for b in spec.budgets:
+                    done_prompts[b] += batch
         finally:
             task.on_step = None
             bar.close()
-        if not done_prompts:
+        if not any(done_prompts.values()):
             raise ValueError(f"{task.name}: no batch of {spec.batch_size} prompts is finished yet in {resume_dir} "
-                             f"(finished runs: {sum(map(len, finished.values()))})")
+                             f"at any budget (finished runs: {sum(map(len, finished.values()))})")
+        for b in spec.budgets:
+            if not done_prompts[b]:
+                print(f"note: {task.name}: no batch of prompts is finished at budget {b} yet: no records for it",
+                      file=sys.stderr)
         for run, b in keys:
-            records.append(_record(task, run, b, done_prompts, per_prompt[run, b], costs[run, b],
-                                   first_params.get((run, b)), spec, model, model_name))
+            if done_prompts[b]:
+                records.append(_record(task, run, b, done_prompts[b], per_prompt[run, b], costs[run, b],
+                                       first_params.get((run, b)), spec, model, model_name))
     return records
 
 
