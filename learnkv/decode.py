@@ -385,7 +385,7 @@ def generate(
         if future is None:
             future = [step_attention(model, input_ids[b : b + 1, attention_mask[b].bool()],
                                      forced_tokens[b : b + 1, :n]) for b, n in enumerate(lengths)]
-        seer = rows[0].with_future(future, prompt_lengths)
+        seer = rows[0].with_future(future)
         rows = [dataclasses.replace(seer, **{k: getattr(r, k) for k in r.per_row_fields}) for r in rows]
     if forced_tokens is not None:
         forced_tokens = forced_tokens.to(device)

@@ -31,7 +31,7 @@ def test_full_attention_matches_eager_output_attentions():
 def test_oracle_score_is_future_attention_mass(start):
     N, H = 12, 2
     attn = torch.rand(H, N - start, N, generator=torch.Generator().manual_seed(0))  # query rows from `start` on
-    oracle = Oracle(horizon=3).with_future([[attn]], [start])
+    oracle = Oracle(horizon=3).with_future([[attn]])
     positions = torch.tensor([0, 2, 5, 7, 8])[None, None].expand(1, H, 5)
     view = LayerView(layer=0, step=4, keys=torch.zeros(1, H, 5, 4), values=torch.zeros(1, H, 5, 4),
                      positions=positions, n_new=1)
@@ -45,7 +45,7 @@ def test_oracle_score_is_future_attention_mass(start):
 def test_oracle_scores_nothing_ahead_past_the_end_and_refuses_before_the_start():
     H = 2
     attn = torch.rand(H, 3, 8, generator=torch.Generator().manual_seed(0))  # queries at positions 5..7, keys 0..7
-    oracle = Oracle(horizon=4).with_future([[attn]], [5])
+    oracle = Oracle(horizon=4).with_future([[attn]])
     positions = torch.tensor([0, 3, 7, 9])[None, None].expand(1, H, 4)  # newest 9: the row is past its end
     view = LayerView(layer=0, step=5, keys=torch.zeros(1, H, 4, 4), values=torch.zeros(1, H, 4, 4),
                      positions=positions, n_new=1)

@@ -212,7 +212,7 @@ class Policy:
     #: away at once instead of left dead in place (`BudgetCache.slack`)
     needs_dense_slots: ClassVar[bool] = False
     #: True for the oracle: `generate` first decodes with the full cache, then replays those tokens under the
-    #: budget with ``policy.with_future(future, prompt_lengths)`` (that run's attention per row)
+    #: budget with ``policy.with_future(future)`` (that run's attention per row)
     needs_future: ClassVar[bool] = False
     #: whether the policy has anything to decide on at the prefill. False for LazyEviction, which observes nothing
     #: there (every prompt token scores the same): a prompt longer than the budget then needs a ``prefill_policy``

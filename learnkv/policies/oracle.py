@@ -97,21 +97,18 @@ class Oracle(Policy):
     needs_attention = False
     needs_future = True
     horizon: int = setting(32, ge=1)
-    #: per row of the batch, `step_attention` of its prompt and continuation (per layer ``[H, steps, keys]``)
+    #: per row of the batch, `step_attention` of its prompt and continuation (per layer ``[H, steps, keys]``; its
+    #: first query row is at position keys - steps, the prompt length)
     future: list | None = field(default=None, repr=False, compare=False)
-    #: per row, the position of its first stored query row (its prompt length)
-    future_start: list | None = field(default=None, repr=False, compare=False)
 
     def params(self) -> dict:
         return {"n_sink": self.n_sink, "n_recent": self.n_recent, "horizon": self.horizon}
 
-    def with_future(self, future: list[list[Tensor]], prompt_lengths: list[int]) -> "Oracle":
-        """A copy that looks ahead at ``future``: per row, `step_attention` of that row's prompt (of
-        ``prompt_lengths`` tokens, unpadded) and the continuation it replays."""
-        if len(future) != len(prompt_lengths):
-            raise ValueError(f"future attention for {len(future)} rows, prompt lengths for {len(prompt_lengths)}")
+    def with_future(self, future: list[list[Tensor]]) -> "Oracle":
+        """A copy that looks ahead at ``future``: per row, `step_attention` of that row's unpadded prompt and the
+        continuation it replays."""
         clone = Oracle(n_sink=self.n_sink, n_recent=self.n_recent, interval=self.interval, horizon=self.horizon)
-        clone.future, clone.future_start = list(future), [int(n) for n in prompt_lengths]
+        clone.future = list(future)
         return clone
 
     def score(self, view: LayerView) -> Tensor:
@@ -122,11 +119,12 @@ class Oracle(Policy):
         pos = view.positions.clamp(min=0)
         scores = torch.empty(view.positions.shape, dtype=torch.float32, device=pos.device)
         for b in range(pos.shape[0]):
-            attn = self.future[b][view.layer]  # [H, steps, keys]: query rows from position future_start[b] on
+            attn = self.future[b][view.layer]  # [H, steps, keys]: query rows from the prompt's end on
+            start = attn.shape[-1] - attn.shape[-2]  # the prompt length: keys = prompt + steps
             t = int(view.positions[b].max())
-            first = t + 1 - self.future_start[b]
+            first = t + 1 - start
             if first < 0:
-                raise ValueError(f"the oracle holds no future before position {self.future_start[b]} (row {b}), "
+                raise ValueError(f"the oracle holds no future before position {start} (row {b}), "
                                  f"asked at newest position {t}")
             future_mass = attn[:, first : first + self.horizon, :].float().sum(dim=1)  # [H, keys]
             # past the row's own continuation (a row of the batch that has finished) nothing is ahead: score 0
