@@ -7,6 +7,7 @@
     python -m learnkv merge traces/
     python -m learnkv recurrence traces/
     python -m learnkv recurrence --source chain --prompts 2 --max-new-tokens 1536 --out docs/chain/
+    python -m learnkv compare runs/eval-long-chain runs/eval-chain-scorer --baseline learned
 
 `generate` prints the continuation(s), then one JSON line: policy, budget, max_kept_tokens, peak_kv_bytes,
 tokens_per_s and the rest of `GenerationResult.summary()`.
@@ -84,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--seed", type=int, default=0, help="with --source: data seed")
     rec.add_argument("--out", default=".", help="with --source: folder for recurrence.png and mri.png")
     rec.add_argument("--threads", type=int, default=None)
+
+    cmp = sub.add_parser("compare", help="paired intervals of every policy to a baseline across finished evaluations "
+                                         "of the same prompts (no decode)")
+    cmp.add_argument("paths", nargs="+", metavar="PATH",
+                     help="an evaluation's output directory (or its finished/), or a results.json")
+    cmp.add_argument("--baseline", required=True, help="policy label to pair against, as the tables name it")
+    cmp.add_argument("--metric", default=None, help="comma-separated metrics to show (default: all)")
+    cmp.add_argument("--json", default=None, metavar="PATH", help="also write the pairs as JSON")
+    cmp.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     return parser
 
 
@@ -256,6 +266,27 @@ def cmd_recurrence(args) -> None:
     print(f"plots: {png} {mri}")
 
 
+def cmd_compare(args) -> None:
+    from learnkv.eval.compare import compare
+    from learnkv.eval.report import paired_table
+
+    pairs, notes = compare(args.paths, args.baseline, seed=args.seed)
+    for line in notes:
+        print(f"note: {line}", file=sys.stderr)
+    metrics = [m.strip() for m in args.metric.split(",")] if args.metric else None
+    unknown = sorted(set(metrics or ()) - {p["metric"] for p in pairs})
+    if unknown:
+        raise ValueError(f"--metric {', '.join(unknown)}: not paired here; metrics: "
+                         f"{', '.join(dict.fromkeys(p['metric'] for p in pairs))}")
+    print(paired_table(pairs, metrics), end="")
+    if args.json:
+        from pathlib import Path
+
+        from learnkv.atomic import write_text_atomic
+
+        write_text_atomic(Path(args.json), json.dumps(pairs, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -278,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                   + ("" if manifest["complete"] else " (incomplete: run the missing collectors)"))
         elif args.command == "recurrence":
             cmd_recurrence(args)
+        elif args.command == "compare":
+            cmd_compare(args)
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
