@@ -74,6 +74,42 @@ def test_features_use_no_information_from_the_future(small):
         assert torch.equal(short.teachers["lazy"], long.teachers["lazy"])
 
 
+def test_a_snapshot_holds_only_the_rows_that_decide_and_they_record_as_alone(small):
+    """At length a whole batch per decision step does not fit in memory: each snapshot keeps its deciding rows only
+    (values in float16, as the shard stores them), and what each row records equals its run alone."""
+    from learnkv.decode import generate
+
+    model, _ = small
+    ids = torch.randint(0, 1000, (3, 12), generator=torch.Generator().manual_seed(5))
+    steps = (frozenset({3, 9}), frozenset({3}), frozenset({6}))
+
+    def recorder(decision_steps):
+        return Recorder(n_layers=2, teachers=("h2o", "rkv"), decision_steps=decision_steps, horizon=4,
+                        record_values=True)
+
+    batched = recorder(steps)
+    generate(model, input_ids=ids, policy=batched, max_new_tokens=16)
+    held = {(p.step, p.layer): p for p in batched.rows}
+    assert {k: p.rows for k, p in held.items()} == {(3, 0): [0, 1], (3, 1): [0, 1], (6, 0): [2], (6, 1): [2],
+                                                     (9, 0): [0], (9, 1): [0]}
+    for p in held.values():
+        assert p.values.dtype == torch.float16
+        assert {p.positions.shape[0], p.features.shape[0], p.values.shape[0], *(t.shape[0] for t in p.teachers.values()),
+                *(v.shape[0] for v in p.labels.values())} == {len(p.rows)}
+    for row in range(3):
+        alone = recorder(steps[row])
+        generate(model, input_ids=ids[row:row + 1], policy=alone, max_new_tokens=16)
+        mine, theirs = batched.decisions(row, 16), alone.decisions(0, 16)
+        assert [(d.step, d.layer) for d in mine] == [(d.step, d.layer) for d in theirs] and mine
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a.positions, b.positions)
+            torch.testing.assert_close(a.values.float(), b.values.float(), rtol=2e-3, atol=2e-3)  # fp16 of batched math
+            torch.testing.assert_close(a.features, b.features, rtol=1e-4, atol=1e-5)
+            for name in (*a.labels, *a.teachers):
+                x, y = (a.labels | a.teachers)[name], (b.labels | b.teachers)[name]
+                torch.testing.assert_close(x.float(), y.float(), rtol=1e-4, atol=1e-5)
+
+
 def test_labels_equal_a_direct_computation():
     """Hand-made attention: a decision at step 1 with horizon 3 sees the attention of steps 2, 3, 4."""
     g = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ from learnkv.cache import BudgetCache
 from learnkv.model import cache_kwargs
 from learnkv.policies.base import LayerView, Policy
 from learnkv.traces.record import (Decision, Riders, Snapshot, add_labels, horizon_fits, label_keep, new_labels,
-                                   resident, row_steps, step_labels, teacher_view)
+                                   resident, row_steps, step_labels, take_rows, teacher_view)
 
 
 @dataclass
@@ -129,8 +129,10 @@ class OnPolicyRecorder(Policy):
         if rows:
             feats, scores = log.riders.snapshot(view)
             evicts = [k < n for k, n in zip(view.keep_rows(), view.live_tokens())]
-            log.snapshots.append(Snapshot(view.step, view.layer, rows, view.positions.clone(), feats, scores,
-                                          values=view.values.clone(), keys=view.keys.clone(), evicts=evicts))
+            log.snapshots.append(Snapshot(view.step, view.layer, rows, take_rows(view.positions, rows),
+                                          take_rows(feats, rows), {k: take_rows(v, rows) for k, v in scores.items()},
+                                          values=take_rows(view.values, rows), keys=take_rows(view.keys, rows),
+                                          evicts=[evicts[b] for b in rows]))
 
     def score(self, view: LayerView) -> Tensor:
         seen, acting_view = self.log.acting_view
@@ -179,7 +181,8 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
         model.set_attn_implementation(attention.NAME)
     R, n_layers = len(items), len(items[0].snapshots)
     horizon = items[0].tokens.shape[0]
-    valid = [[s.positions[it.row] >= 0 for s in it.snapshots] for it in items]  # [item][layer] [H, T]
+    at = [it.snapshots[0].index(it.row) for it in items]  # each item's row in its snapshots (the same per layer)
+    valid = [[s.positions[i] >= 0 for s in it.snapshots] for i, it in zip(at, items)]  # [item][layer] [H, T]
     n = [int(v[0][0].sum()) for v in valid]  # resident tokens per item (the same in every layer and head)
     n_max = max(n)
     observer = _BranchLabels(n_seed=n_max, label_budget=label_budget)
@@ -194,9 +197,9 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
         positions = torch.full((R, H, n_max), -1, dtype=torch.long, device=device)
         for i, it in enumerate(items):
             snap, ok = it.snapshots[layer], valid[i][layer]
-            keys[i, :, n_max - n[i]:] = resident(snap.keys[it.row], ok)
-            values[i, :, n_max - n[i]:] = resident(snap.values[it.row], ok)
-            positions[i, :, n_max - n[i]:] = resident(snap.positions[it.row], ok)
+            keys[i, :, n_max - n[i]:] = resident(snap.keys[at[i]], ok)
+            values[i, :, n_max - n[i]:] = resident(snap.values[at[i]], ok)
+            positions[i, :, n_max - n[i]:] = resident(snap.positions[at[i]], ok)
         cache.layers[layer].update(keys, values)
         cache.layers[layer].positions.copy_(positions)  # per KV head (the append wrote one row of positions per row)
     cache.end_step()
@@ -241,7 +244,8 @@ def record(model, tokenizer, texts: list[str], acting: Policy, budgets: list[int
         chunk = items[k:k + branch_batch]
         for it, labels in zip(chunk, branch_labels(model, chunk, label_budget)):
             for snap, lab in zip(it.snapshots, labels):
-                decisions[it.row].append(snap.decision(it.row, lab, record_values, evicts=snap.evicts[it.row],
+                evicts = snap.evicts[snap.index(it.row)]
+                decisions[it.row].append(snap.decision(it.row, lab, record_values, evicts=evicts,
                                                        budget=budgets[it.row]))
     for d in decisions:
         d.sort(key=lambda x: (x.step, x.layer))

@@ -191,6 +191,9 @@ def horizon_fits(step: int, horizon: int, new_tokens: int) -> bool:
 class Snapshot:
     """One layer of a batch at a decision step, before any eviction: the candidates of the rows that decide here.
 
+    Only those rows are kept (``rows``, batch indices; the tensors' first dimension R follows them): at length a
+    batch row's snapshot of every layer is ~50 MB, and rows decide at different steps, so a whole batch per step
+    would hold ~B times the memory (8 rows at ~2,700 tokens: ~35 GB for 8 decisions per row).
     Off-policy (`Recorder`), ``labels`` accumulate online while the full cache decodes on (``seen`` steps so far).
     On-policy (`learnkv.traces.onpolicy.OnPolicyRecorder`), ``keys`` and ``values`` are kept to branch the state
     after the decode, and ``evicts`` says per row whether the acting policy evicted here.
@@ -199,25 +202,35 @@ class Snapshot:
     step: int
     layer: int
     rows: list[int]
-    positions: Tensor  # [B, H, T]
-    features: Tensor  # [B, H, T, F]
-    teachers: dict[str, Tensor]  # name -> [B, H, T]
-    values: Tensor | None = None  # [B, H, T, D]
-    keys: Tensor | None = None  # [B, H, T, D], on-policy only
-    evicts: list[bool] | None = None  # on-policy only
-    labels: dict[str, Tensor] = field(default_factory=dict)  # name -> [B, H, T], off-policy only
+    positions: Tensor  # [R, H, T]
+    features: Tensor  # [R, H, T, F]
+    teachers: dict[str, Tensor]  # name -> [R, H, T]
+    values: Tensor | None = None  # [R, H, T, D]
+    keys: Tensor | None = None  # [R, H, T, D], on-policy only
+    evicts: list[bool] | None = None  # per row of ``rows``, on-policy only
+    labels: dict[str, Tensor] = field(default_factory=dict)  # name -> [R, H, T], off-policy only
     seen: int = 0
+
+    def index(self, row: int) -> int:
+        """Where batch row ``row`` is in this snapshot's tensors."""
+        return self.rows.index(row)
 
     def decision(self, row: int, labels: dict[str, Tensor] | None = None, record_values: bool = False,
                  **extra) -> Decision:
         """Batch row ``row``'s resident tokens as a `Decision`: ``labels`` already per resident token, or (None)
         this snapshot's own accumulated ``labels``; ``extra`` (``evicts``, ``budget``) passes through."""
-        ok = self.positions[row] >= 0
+        i = self.index(row)
+        ok = self.positions[i] >= 0
         if labels is None:
-            labels = {k: resident(v[row], ok) for k, v in self.labels.items()}
-        values = resident(self.values[row], ok) if record_values and self.values is not None else None
-        return Decision(self.step, self.layer, resident(self.positions[row], ok), resident(self.features[row], ok),
-                        {k: resident(v[row], ok) for k, v in self.teachers.items()}, labels, values=values, **extra)
+            labels = {k: resident(v[i], ok) for k, v in self.labels.items()}
+        values = resident(self.values[i], ok) if record_values and self.values is not None else None
+        return Decision(self.step, self.layer, resident(self.positions[i], ok), resident(self.features[i], ok),
+                        {k: resident(v[i], ok) for k, v in self.teachers.items()}, labels, values=values, **extra)
+
+
+def take_rows(x: Tensor, rows: list[int]) -> Tensor:
+    """``x``'s batch rows ``rows``, as a copy (a snapshot must not follow the cache as it changes)."""
+    return x[rows]  # advanced indexing copies
 
 
 @dataclass
@@ -276,9 +289,12 @@ class Recorder(Policy):
                 if view.step in steps]
         if rows:
             feats, scores = self.riders.snapshot(view)
-            self._pending.append(Snapshot(view.step, view.layer, rows, view.positions.clone(), feats, scores,
-                                          values=view.values.clone() if self.record_values else None,
-                                          labels=new_labels(view.positions.shape, view.keys.device)))
+            # values go to the shard as float16 anyway (`learnkv.traces.collect`): half the memory, same shard
+            values = take_rows(view.values, rows).half() if self.record_values else None
+            positions = take_rows(view.positions, rows)
+            self._pending.append(Snapshot(view.step, view.layer, rows, positions, take_rows(feats, rows),
+                                          {k: take_rows(v, rows) for k, v in scores.items()}, values=values,
+                                          labels=new_labels(positions.shape, view.keys.device)))
 
     def _accumulate_labels(self, view: LayerView) -> None:
         mine = [p for p in self._pending if p.layer == view.layer and p.step < view.step]
@@ -288,7 +304,7 @@ class Recorder(Policy):
                              label_keep(view.live_tokens(), self.label_budget))
         for p in mine:
             # full cache: slots never move, the first T are the decision's tokens
-            add_labels(p.labels, labels, p.positions.shape[-1])
+            add_labels(p.labels, {k: take_rows(v, p.rows) for k, v in labels.items()}, p.positions.shape[-1])
             p.seen += 1
             if p.seen >= self.horizon:
                 self.rows.append(p)
