@@ -178,10 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         # ------------------------------------------------------------------ everything valid: load and run
         import torch
 
-        from learnkv.memory import fix_mmap_threshold
         from learnkv.model import DEFAULT_MODEL, load_model
 
-        fix_mmap_threshold()  # long decodes: memory stays at what is live (learnkv.memory)
         if args.threads:
             torch.set_num_threads(args.threads)
         torch.manual_seed(args.seed)

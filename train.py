@@ -32,10 +32,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         import torch
 
-        from learnkv.memory import fix_mmap_threshold
-
-        fix_mmap_threshold()  # long decodes: memory stays at what is live (learnkv.memory)
-
         if args.threads:
             torch.set_num_threads(args.threads)
         from learnkv.scorer.fit import train

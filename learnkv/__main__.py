@@ -289,10 +289,6 @@ def cmd_compare(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("generate", "collect", "recurrence"):  # they decode: memory stays at what is live
-        from learnkv.memory import fix_mmap_threshold
-
-        fix_mmap_threshold()
     try:
         if args.command == "policies":
             from learnkv.policies import POLICIES

@@ -20,6 +20,7 @@ from torch import Tensor
 from learnkv import attention
 from learnkv.model import cache_kwargs
 from learnkv.cache import BudgetCache, blind_prefill_error
+from learnkv.memory import TRIM_EVERY, release_free_heap
 from learnkv.policies import Policy, make_policy
 from learnkv.policies.base import resolve_rows
 from learnkv.policies.oracle import step_attention
@@ -444,6 +445,8 @@ def generate(
             finished |= stops
         if i == max_new_tokens - 1 or bool(finished.all()):
             break
+        if i % TRIM_EVERY == 0:
+            release_free_heap()  # a long decode's memory stays at what is live (learnkv.memory)
         logits = forward(tok[:, None], next_pos[:, None], [1] * B)
         next_pos = next_pos + 1
     t2 = time.perf_counter()

@@ -1,20 +1,18 @@
-"""`learnkv.memory`: a fixed mmap threshold keeps a decode-like allocation pattern's memory at what is live."""
+"""`learnkv.memory`: handing the heap's free pages back keeps a decode-like allocation pattern at what is live."""
 
 import subprocess
 import sys
 
 import pytest
 
-from learnkv.memory import fix_mmap_threshold
+from learnkv.memory import release_free_heap
 
-# A decode's pattern: a large chunk freed first (a prefill's temporaries: glibc raises its threshold to it), then
-# per step a temporary one token longer than the last, beside a piece that lives on (a snapshot). Prints the MB the
-# process grew by; 200 steps keep 200 x 200 KB = 40 MB alive.
+# A decode's pattern: a large chunk freed first (a prefill's temporaries: glibc raises its mmap threshold to it),
+# then per step a temporary one token longer than the last, beside a piece that lives on (a snapshot). Prints the
+# MB the process grew by; 200 steps keep 200 x 200 KB = 40 MB alive.
 PATTERN = """
 import os, sys, torch
-from learnkv.memory import fix_mmap_threshold
-if sys.argv[1] == "fixed":
-    assert fix_mmap_threshold()
+from learnkv.memory import release_free_heap
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 big = torch.ones(30 * 2**18); del big
 kept, start = [], rss()
@@ -22,6 +20,8 @@ for i in range(200):
     temp = torch.ones(2**18 + 1024 * i)
     kept.append(torch.ones(50_000))
     del temp
+    if sys.argv[1] == "trim" and i % 16 == 0:
+        release_free_heap()
 print(rss() - start)
 """
 
@@ -31,9 +31,19 @@ def grown_mb(mode: str) -> float:
     return float(out.stdout)
 
 
-def test_a_fixed_threshold_keeps_memory_at_what_is_live():
-    if not fix_mmap_threshold():
-        pytest.skip("not glibc: its allocator does not raise an mmap threshold")
-    default, fixed = grown_mb("default"), grown_mb("fixed")
+def test_handing_back_free_pages_keeps_memory_at_what_is_live():
+    if not release_free_heap():
+        pytest.skip("not glibc")
+    default, trimmed = grown_mb("none"), grown_mb("trim")
     assert default > 150  # the holes of 200 freed ~1 MB temporaries stay resident
-    assert fixed < 80  # the 40 MB kept, and little else
+    assert trimmed < 80  # the 40 MB kept, and little else
+
+
+def test_the_decode_loop_hands_back_free_pages_every_few_steps(tiny, monkeypatch):
+    from learnkv import decode
+    from conftest import random_ids
+
+    calls = []
+    monkeypatch.setattr(decode, "release_free_heap", lambda: calls.append(1) or True)
+    decode.generate(tiny, input_ids=random_ids(8), policy="h2o", budget=6, max_new_tokens=3 * decode.TRIM_EVERY)
+    assert len(calls) == 3

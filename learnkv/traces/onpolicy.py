@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from learnkv.cache import BudgetCache
+from learnkv.memory import TRIM_EVERY, release_free_heap
 from learnkv.model import cache_kwargs
 from learnkv.policies.base import LayerView, Policy
 from learnkv.traces.record import (Decision, Riders, Snapshot, add_labels, horizon_fits, label_keep, new_labels,
@@ -206,6 +207,8 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
     tokens = torch.stack([it.tokens for it in items]).to(device)
     start = torch.tensor([it.start for it in items], device=device)
     for s in range(horizon):
+        if s % TRIM_EVERY == 0:
+            release_free_heap()  # as the decode loop does (learnkv.memory)
         pos = (start + s)[:, None]
         cache.begin_step(pos, [1] * R)
         model(input_ids=tokens[:, s:s + 1], position_ids=pos, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1,
