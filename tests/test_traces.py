@@ -94,8 +94,8 @@ def test_a_snapshot_holds_only_the_rows_that_decide_and_they_record_as_alone(sma
                                                      (9, 0): [0], (9, 1): [0]}
     for p in held.values():
         assert p.values.dtype == torch.float16
-        assert {p.positions.shape[0], p.features.shape[0], p.values.shape[0], *(t.shape[0] for t in p.teachers.values()),
-                *(v.shape[0] for v in p.labels.values())} == {len(p.rows)}
+        tensors = [p.positions, p.features, p.values, *p.teachers.values(), *p.labels.values()]
+        assert {t.shape[0] for t in tensors} == {len(p.rows)}
     for row in range(3):
         alone = recorder(steps[row])
         generate(model, input_ids=ids[row:row + 1], policy=alone, max_new_tokens=16)

@@ -1,6 +1,6 @@
 """Pair policies across evaluations: a policy evaluated later against a table finished earlier, on their shared prompts.
 
-    python -m learnkv compare runs/eval-long-chain runs/eval-chain-scorer --baseline learned
+    python -m learnkv compare runs/eval-long-chain/finished runs/eval-long-chain-horizon --baseline learned
 
 At length a table costs hours per policy and budget; a new policy (another scorer, an oracle horizon) is evaluated
 alone on some of the same prompts, and its paired intervals against the table's rows come from here, with no run
@@ -59,8 +59,9 @@ def pool(sources: dict[str, list[dict]]) -> list[dict]:
     """One record per (task, budget, policy) over every file, its per-prompt values keyed by prompt id.
 
     Returns records ``{"task", "budget", "policy", "values": {prompt id: {metric: value}}, "from": {prompt id:
-    file}, "setup": (its `SETUP` settings, first file)}`` in order of first appearance; raises ValueError where two files disagree on a policy's value for one prompt, or where one
-    task and budget holds records of two regimes."""
+    file}, "setup": (its `SETUP` settings, first file)}`` in order of first appearance; raises ValueError where
+    one task and budget holds records of two regimes, where one label names two setups, or where two files disagree
+    on a policy's value for one prompt."""
     pooled: dict[tuple, dict] = {}
     regimes: dict[tuple, tuple[dict, str]] = {}
     for source, records in sources.items():
@@ -102,7 +103,8 @@ def compare(paths: list[str | Path], baseline: str, seed: int = 0) -> tuple[list
     pooled = pool({str(p): read_records(p) for p in paths})
     if not any(r["policy"] == baseline for r in pooled):
         known = sorted({r["policy"] for r in pooled})
-        raise ValueError(f"no record of baseline {baseline!r} in {', '.join(map(str, paths))}; policies: {', '.join(known)}")
+        raise ValueError(f"no record of baseline {baseline!r} in {', '.join(map(str, paths))}; "
+                         f"policies: {', '.join(known)}")
     pairs, notes = [], []
     for task, budget in dict.fromkeys((r["task"], r["budget"]) for r in pooled):
         group = [r for r in pooled if (r["task"], r["budget"]) == (task, budget)]
@@ -124,4 +126,4 @@ def compare(paths: list[str | Path], baseline: str, seed: int = 0) -> tuple[list
     return pairs, notes
 
 
-__all__ = ["compare", "pool", "read_records", "REGIME"]
+__all__ = ["compare", "pool", "read_records", "REGIME", "SETUP"]
