@@ -128,12 +128,11 @@ class OnPolicyRecorder(Policy):
         rows = [b for b, steps in enumerate(row_steps(self.decision_steps, view.positions.shape[0]))
                 if view.step in steps]
         if rows:
-            feats, scores = log.riders.snapshot(view)
+            snap = log.riders.snapshot(view, rows)
             evicts = [k < n for k, n in zip(view.keep_rows(), view.live_tokens())]
-            log.snapshots.append(Snapshot(view.step, view.layer, rows, take_rows(view.positions, rows),
-                                          take_rows(feats, rows), {k: take_rows(v, rows) for k, v in scores.items()},
-                                          values=take_rows(view.values, rows), keys=take_rows(view.keys, rows),
-                                          evicts=[evicts[b] for b in rows]))
+            snap.values, snap.keys = take_rows(view.values, rows), take_rows(view.keys, rows)
+            snap.evicts = [evicts[b] for b in rows]
+            log.snapshots.append(snap)
 
     def score(self, view: LayerView) -> Tensor:
         seen, acting_view = self.log.acting_view

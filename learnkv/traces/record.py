@@ -133,8 +133,9 @@ class Riders:
                 st[prefix + k] = v
             self._views[name] = tv
 
-    def snapshot(self, view: LayerView) -> tuple[Tensor, dict[str, Tensor]]:
-        """Right after `update` of the same view: ``[B, H, T, F]`` features and each teacher's ``[B, H, T]`` scores."""
+    def snapshot(self, view: LayerView, rows: list[int]) -> "Snapshot":
+        """Right after `update` of the same view: the `Snapshot` of batch rows ``rows`` (their positions, features
+        and each teacher's scores; the recorder adds what else it keeps)."""
         feats = self.tracker.features(view.attn, view.keys, view.values, view.positions, view.layer, view.step,
                                       view.state)
         T = view.positions.shape[-1]
@@ -142,7 +143,8 @@ class Riders:
         # of its score of an empty prefix (only in caches smaller than the window, e.g. tiny test prompts)
         scores = {name: t.score(self._views[name]).float() if t.obs_window < T else view.positions.new_zeros(
             view.positions.shape, dtype=torch.float32) for name, t in self.teachers.items()}
-        return feats, scores
+        return Snapshot(view.step, view.layer, rows, take_rows(view.positions, rows), take_rows(feats, rows),
+                        {k: take_rows(v, rows) for k, v in scores.items()})
 
 
 @dataclass
@@ -288,13 +290,11 @@ class Recorder(Policy):
         rows = [b for b, steps in enumerate(row_steps(self.decision_steps, view.positions.shape[0]))
                 if view.step in steps]
         if rows:
-            feats, scores = self.riders.snapshot(view)
+            snap = self.riders.snapshot(view, rows)
             # values go to the shard as float16 anyway (`learnkv.traces.collect`): half the memory, same shard
-            values = take_rows(view.values, rows).half() if self.record_values else None
-            positions = take_rows(view.positions, rows)
-            self._pending.append(Snapshot(view.step, view.layer, rows, positions, take_rows(feats, rows),
-                                          {k: take_rows(v, rows) for k, v in scores.items()}, values=values,
-                                          labels=new_labels(positions.shape, view.keys.device)))
+            snap.values = take_rows(view.values, rows).half() if self.record_values else None
+            snap.labels = new_labels(snap.positions.shape, view.keys.device)
+            self._pending.append(snap)
 
     def _accumulate_labels(self, view: LayerView) -> None:
         mine = [p for p in self._pending if p.layer == view.layer and p.step < view.step]
