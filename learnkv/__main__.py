@@ -7,7 +7,7 @@
     python -m learnkv merge traces/
     python -m learnkv recurrence traces/
     python -m learnkv recurrence --source chain --prompts 2 --max-new-tokens 1536 --out docs/chain/
-    python -m learnkv compare runs/eval-long-chain/finished runs/eval-long-chain-horizon --baseline learned
+    python -m learnkv compare docs/results/long-chain-smollm2/finished runs/eval-long-chain-horizon --baseline learned
 
 `generate` prints the continuation(s), then one JSON line: policy, budget, max_kept_tokens, peak_kv_bytes,
 tokens_per_s and the rest of `GenerationResult.summary()`.

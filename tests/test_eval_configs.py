@@ -1,12 +1,15 @@
 """The GPU evaluation configs (configs/eval-*.yaml): documented as not run here, and loaded by evaluate.py's own
 ``--config`` path into a grid that validates (no model is loaded), every key reaching its option."""
 
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
 from evaluate import parse_args, spec_of
+from learnkv.eval.checkpoint import PARTIAL, grid_identity
 from learnkv.model import DEFAULT_MODEL
 from conftest import scorer_for
 
@@ -79,3 +82,33 @@ def test_qwen_accuracy_config_asks_what_issue_13_asks():
     assert spec.tasks[0].accuracy_only and sorted(spec.budgets) == [0.25, 0.5] and args.prefill_policy == "snapkv"
     assert spec.batch_budgets and spec.batch_size == 8
     assert {"full", "streaming", "h2o", "tova", "snapkv", "roco", "knorm", "paged", "rkv", "lazy"} == set(spec.policies)
+
+
+def _without_scorer_digest(identity: dict) -> dict:
+    """A grid identity with the learned scorer named by role only (the test's stand-in artifact is not the one
+    `python train.py` exports, so its path and weights digest differ)."""
+    runs = [{**r, "params": {k: v for k, v in r["params"].items() if k != "scorer"}} for r in identity["runs"]]
+    return {**identity, "runs": runs}
+
+
+@pytest.mark.parametrize("name", ["long-chain-smollm2.yaml", "chain-accuracy-qwen.yaml"])
+def test_a_long_table_keeps_its_records_in_git_and_they_are_a_run_of_its_config(name):
+    """The long tables outlive a machine (runs/ is not kept between sessions): their configs write into docs/results/,
+    whose records git keeps and whose batch references (~1 GB a prompt) it ignores. Committed records must be a run of
+    the config as written: otherwise the next run sets them aside and starts the table over."""
+    path = ROOT / "configs" / name
+    cfg = yaml.safe_load(path.read_text())
+    out = ROOT / cfg["output"]
+    assert out.parent == ROOT / "docs" / "results"
+    ignored = [subprocess.run(["git", "check-ignore", "-q", str(out / f)], cwd=ROOT).returncode
+               for f in ("reference-0123456789abcdef.safetensors", PARTIAL, "results.json")]
+    if ignored[0] != 128:  # 128: not a git checkout (an unpacked sdist): nothing to check
+        assert ignored == [0, 1, 1]
+    partial = out / PARTIAL
+    if not partial.is_file():
+        return
+    committed = json.loads(partial.read_text().split("\n")[0])["identity"]
+    extra = ["--scorer", scorer_for(30, 3, DEFAULT_MODEL)] if "scorer" in cfg else []
+    args = parse_args(["--config", str(path), *extra])
+    identity = grid_identity(spec_of(args), args.model or DEFAULT_MODEL)
+    assert _without_scorer_digest(committed) == _without_scorer_digest(identity)

@@ -1,6 +1,6 @@
 """Pair policies across evaluations: a policy evaluated later against a table finished earlier, on their shared prompts.
 
-    python -m learnkv compare runs/eval-long-chain/finished runs/eval-long-chain-horizon --baseline learned
+    python -m learnkv compare docs/results/long-chain-smollm2/finished runs/eval-long-chain-horizon --baseline learned
 
 At length a table costs hours per policy and budget; a new policy (another scorer, an oracle horizon) is evaluated
 alone on some of the same prompts, and its paired intervals against the table's rows come from here, with no run
