@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(records))
     if pairs:
         print(paired_table(pairs))
-    print(f"results: {paths['json']}\ntable: {paths['table']}\nplots: {len(paths['plots'])} PNGs in {args.output}")
+    print(f"results: {paths['json']}\ntable: {paths['table']}\nplots: {len(paths['plots'])} PNGs in {out}")
     return 0
 
 
