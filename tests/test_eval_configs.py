@@ -1,7 +1,7 @@
-"""The GPU evaluation configs (configs/eval-*.yaml): documented as not run here, and loaded by evaluate.py's own
-``--config`` path into a grid that validates (no model is loaded), every key reaching its option."""
+"""The evaluation configs: the GPU ones (configs/eval-*.yaml) documented as not run here, the long CPU tables'
+records kept in git; each loaded by evaluate.py's own ``--config`` path into a grid that validates (no model is
+loaded), every key reaching its option."""
 
-import json
 import subprocess
 from pathlib import Path
 
@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from evaluate import parse_args, spec_of
+from learnkv.eval import checkpoint
 from learnkv.eval.checkpoint import PARTIAL, grid_identity
 from learnkv.model import DEFAULT_MODEL
 from conftest import scorer_for
@@ -110,7 +111,8 @@ def test_a_long_table_keeps_its_records_in_git_and_they_are_a_run_of_its_config(
     partial = out / PARTIAL
     if not partial.is_file():
         return
-    committed = json.loads(partial.read_text().split("\n")[0])["identity"]
+    committed, entries, _, torn = checkpoint._read(partial)  # the file's own reader: a damaged file is "damaged"
+    assert committed != "damaged" and entries and not torn
     extra = ["--scorer", scorer_for(30, 3, DEFAULT_MODEL)] if "scorer" in cfg else []
     args = parse_args(["--config", str(path), *extra])
     identity = grid_identity(spec_of(args), args.model or DEFAULT_MODEL)
