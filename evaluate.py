@@ -22,9 +22,10 @@ r"""Evaluate eviction policies against the full cache: fidelity, reasoning, need
 A policy item is NAME[:key=value]...: its own row, labelled by the item as written. Writes DIR/results.json
 ({"records": one per policy x budget x task: {"policy", "budget", "task", "metrics" (means, "<metric>_ci95",
 n_prompts, cost), "per_prompt", "config"}, "paired": differences to --compare}), DIR/results.md (the tables printed
-at the end) and DIR/<task>_<metric>.png (metric vs budget, one line per policy, 95% intervals as error bars). A
-budget is a token count (64) or a fraction of each prompt's final length (0.25: a quarter of the prompt plus the
-full cache's continuation). Bad input exits with code 2 and one line on stderr, before the model is loaded.
+at the end; with --compare also a headline table per budget of the task's main metrics and paired differences, as
+the README shows them) and DIR/<task>_<metric>.png (metric vs budget, one line per policy, 95% intervals as error
+bars). A budget is a token count (64) or a fraction of each prompt's final length (0.25: a quarter of the prompt
+plus the full cache's continuation). Bad input exits with code 2 and one line on stderr, before the model is loaded.
 A killed run resumes: rerun the same command and the (policy, budget) runs of each batch of prompts it finished
 (kept in DIR/partial.jsonl until results.json is written) are not decoded again. The same command with
 --finished-only, while the run goes on or after it was killed, writes the tables of the batches it has finished so
@@ -159,9 +160,8 @@ def spec_of(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        from learnkv.eval import evaluate, markdown_table, write_results
+        from learnkv.eval import evaluate, write_results
         from learnkv.eval.checkpoint import PARTIAL, finish
-        from learnkv.eval.report import paired_table
         from learnkv.eval.run import paired
 
         spec = spec_of(args)
@@ -189,15 +189,13 @@ def main(argv: list[str] | None = None) -> int:
                            model_name=args.model or DEFAULT_MODEL, resume_dir=args.output,
                            finished_only=args.finished_only)
         pairs = paired(records, spec.compare, seed=args.seed) if spec.compare else []
-        paths = write_results(records, out, pairs)
+        paths = write_results(records, out, pairs, headline={t.name: t.headline for t in spec.tasks})
         if not args.finished_only:
             finish(args.output)  # results.json holds it all now
     except ValueError as e:  # bad input, bad scorer, bad model: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(markdown_table(records))
-    if pairs:
-        print(paired_table(pairs))
+    print(paths["table"].read_text())
     print(f"results: {paths['json']}\ntable: {paths['table']}\nplots: {len(paths['plots'])} PNGs in {out}")
     return 0
 

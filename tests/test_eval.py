@@ -16,6 +16,7 @@ from conftest import params_for, random_ids
 from learnkv import POLICIES, generate, make_policy
 from learnkv.decode import resolve_budget
 from learnkv.eval import TASKS, Sample, Task, build_spec, evaluate, make_task, markdown_table, write_results
+from learnkv.eval.report import summary_table
 from learnkv.eval import metrics as M
 from learnkv.eval.run import _groups, paired
 from learnkv.eval.stats import bootstrap_ci, paired_difference
@@ -389,10 +390,46 @@ def test_records_cost_metrics_and_files(tiny, tmp_path):
     paths = write_results(records, tmp_path / "out", pairs)
     assert json.loads(paths["json"].read_text()) == json.loads(json.dumps({"records": records, "paired": pairs}))
     table = paths["table"].read_text()
-    assert table.startswith(markdown_table(records)) and table.count("\n| h2o |") == 2 and "| kl |" in table
+    assert table.startswith(markdown_table(records)) and table.count("\n| h2o |") == 2 + 2 and "| kl |" in table  # 2 budgets, then headline
     assert " ± " in table and "paired difference to h2o" in table
     assert len(paths["plots"]) == len(FIDELITY) + 4
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths["plots"])
+    # the headline tables (what the README pastes): the chosen metrics, each row's paired difference to the baseline
+    table = write_results(records, tmp_path / "headline", pairs, headline={"fidelity": ("kl", "attention_recall")})
+    table = table["table"].read_text()
+    assert table.endswith(summary_table(records, pairs, {"fidelity": ("kl", "attention_recall")}))
+    head = table[table.index("fidelity, budget 0.75: 2 prompts"):table.index("fidelity, budget 40: 2 prompts")]
+    assert "| policy | kl | attention_recall | kl − h2o | attention_recall − h2o |" in head
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in head.splitlines() if line.startswith("| ")}
+    assert rows["h2o"][3:] == ["", " |"]  # the baseline has no difference to itself
+    kl = next(p for p in pairs if (p["policy"], p["budget"], p["metric"]) == ("full", 0.75, "kl"))
+    cell = f"{kl['mean_diff']:+.4f} [{kl['ci95'][0]:+.4f}, {kl['ci95'][1]:+.4f}]"
+    assert rows["full"][3] == (f"**{cell}**" if kl["excludes_zero"] else cell)
+    assert rows["full"][1] == f"{h2o['kl'] * 0:.4f} ± 0.0000" and rows["h2o"][1].startswith(f"{h2o['kl']:.4f} ± ")
+
+
+def _record(policy, budget, n, kl, ci):
+    return {"policy": policy, "budget": budget, "task": "fidelity", "per_prompt": {"kl": [kl] * n},
+            "metrics": {"kl": kl, "kl_ci95": ci, "n_prompts": n, "budget_tokens": 10.0},
+            "config": {"n_prompts": n, "model": "m"}}
+
+
+def test_tables_say_how_many_prompts_each_budget_has_and_mark_only_intervals_that_exclude_zero():
+    """A run still going on has finished more prompts at one budget than another: the table says so per budget.
+    The headline table bolds a difference exactly when its paired interval excludes zero."""
+    records = [_record("a", 0.25, 16, 0.08, [0.06, 0.10]), _record("b", 0.25, 16, 0.07, [0.05, 0.09]),
+               _record("a", 0.5, 8, 0.01, [0.0, 0.02]), _record("b", 0.5, 8, 0.02, [0.01, 0.03])]
+    assert "(16 prompts at budget 0.25, 8 prompts at budget 0.5, model m;" in markdown_table(records)
+    assert "(16 prompts, model m;" in markdown_table(records[:2])
+    pairs = [{"task": "fidelity", "budget": 0.25, "policy": "b", "baseline": "a", "metric": "kl", "mean_diff": -0.01,
+              "ci95": [-0.02, 0.001], "n": 16, "excludes_zero": False},
+             {"task": "fidelity", "budget": 0.5, "policy": "b", "baseline": "a", "metric": "kl", "mean_diff": 0.01,
+              "ci95": [0.004, 0.02], "n": 8, "excludes_zero": True}]
+    table = summary_table(records, pairs)
+    assert "fidelity, budget 0.25: 16 prompts, budget 10 tokens on average;" in table
+    assert "| b | 0.0700 ± 0.0200 | -0.0100 [-0.0200, +0.0010] |" in table
+    assert "| b | 0.0200 ± 0.0100 | **+0.0100 [+0.0040, +0.0200]** |" in table
+    assert "| a | 0.0800 ± 0.0200 |  |" in table and summary_table(records, []) == ""
 
 
 def test_the_bar_counts_the_tokens_of_every_decode_as_they_come(tiny, monkeypatch):

@@ -39,16 +39,17 @@ def policy_styles(policies) -> dict[str, dict]:
     return {p: REFERENCE_STYLE.get(p) or styles[p] for p in policies}
 
 
-def _fmt(metric: str, value) -> str:
+def _fmt(metric: str, value, sign: str = "") -> str:
+    """A metric's value at the precision its differences need (``sign="+"`` for a difference)."""
     if value is None:
         return "—"
     if metric == "peak_kv_bytes":
-        return f"{value / 2**20:.2f}"
+        return f"{value / 2**20:{sign}.2f}"
     if metric in ("tokens_per_s", "agreement_length", "budget_tokens", "generated_tokens"):
-        return f"{value:.1f}"
-    if metric == "kl":
-        return f"{value:.4f}"
-    return f"{value:.3f}"
+        return f"{value:{sign}.1f}"
+    if metric in ("kl", "attention_recall"):  # long-run differences between policies are ~1e-3
+        return f"{value:{sign}.4f}"
+    return f"{value:{sign}.3f}"
 
 
 def _header(metric: str) -> str:
@@ -68,6 +69,14 @@ def _with_interval(metric: str, metrics: dict) -> str:
     return f"{_fmt(metric, value)} ± {_fmt(metric, (ci[1] - ci[0]) / 2)}"
 
 
+def _prompt_counts(rows: list[dict]) -> str:
+    """``16 prompts``, or per budget where a run still going on has finished more prompts at one budget."""
+    counts = {r["budget"]: r["config"]["n_prompts"] for r in rows}
+    if len(set(counts.values())) == 1:
+        return f"{next(iter(counts.values()))} prompts"
+    return ", ".join(f"{n} prompts at budget {b}" for b, n in counts.items())
+
+
 def markdown_table(records: list[dict], columns: list[str] | None = None) -> str:
     """One markdown table per task: a row per budget and policy (in run order), the task's metrics, then cost.
 
@@ -76,9 +85,8 @@ def markdown_table(records: list[dict], columns: list[str] | None = None) -> str
     for task in dict.fromkeys(r["task"] for r in records):
         rows = [r for r in records if r["task"] == task]
         task_cols = [c for c in (columns or _metric_columns(rows)) if c in rows[0]["metrics"]]
-        cfg = rows[0]["config"]
-        out.append(f"task: {task} ({cfg['n_prompts']} prompts, model {cfg['model']}; mean ± half-width of the 95% "
-                   "bootstrap interval over prompts)\n")
+        out.append(f"task: {task} ({_prompt_counts(rows)}, model {rows[0]['config']['model']}; mean ± half-width of "
+                   "the 95% bootstrap interval over prompts)\n")
         out.append("| policy | budget | budget tokens | " + " | ".join(map(_header, task_cols + list(COST_COLUMNS)))
                    + " |")
         out.append("|---|---|---|" + "---|" * (len(task_cols) + len(COST_COLUMNS)))
@@ -169,6 +177,46 @@ def paired_table(pairs: list[dict], metrics: Sequence[str] | None = None) -> str
 
 
 
+def summary_table(records: list[dict], pairs: list[dict], metrics: dict[str, Sequence[str]] | None = None) -> str:
+    """The headline tables, one per task and budget: each policy's mean ± half-width of its 95% interval in the
+    task's headline ``metrics`` (``{task: [metric, ...]}``; default: all of them), then its paired difference to the
+    baseline in each with the 95% paired interval, **bold** where that interval excludes zero. What the README's
+    result tables are (pasted as printed)."""
+    if not pairs:
+        return ""
+    out = []
+    for task, budget in dict.fromkeys((p["task"], p["budget"]) for p in pairs):
+        rows = [r for r in records if (r["task"], r["budget"]) == (task, budget)]
+        diffs = [p for p in pairs if (p["task"], p["budget"]) == (task, budget)]
+        if not rows:
+            continue
+        cols = [c for c in (metrics or {}).get(task) or _metric_columns(rows) if c in rows[0]["metrics"]]
+        baseline, m0 = diffs[0]["baseline"], rows[0]["metrics"]
+        regime = f"{m0['n_prompts']} prompts"
+        if m0.get("budget_tokens") is not None:
+            regime += f", budget {m0['budget_tokens']:.0f} tokens on average"
+        if m0.get("generated_tokens_median") is not None:
+            regime += f", {rows[0]['policy']} writes a median {m0['generated_tokens_median']:.0f} tokens"
+        out.append(f"{task}, budget {budget}: {regime}; mean ± half-width of the 95% bootstrap interval over prompts, "
+                   f"then policy − {baseline} [95% paired-bootstrap interval], **bold**: excludes zero\n")
+        out.append("| policy | " + " | ".join(cols) + " | " + " | ".join(f"{c} − {baseline}" for c in cols) + " |")
+        out.append("|---|" + "---|" * (2 * len(cols)))
+        for r in rows:
+            cells = [_with_interval(c, r["metrics"]) for c in cols]
+            for c in cols:
+                d = next((p for p in diffs if p["policy"] == r["policy"] and p["metric"] == c), None)
+                if d is None:  # the baseline itself, or a metric it has no value for
+                    cells.append("")
+                    continue
+                lo, hi = (_fmt(c, x, "+") for x in d["ci95"])
+                text = f"{_fmt(c, d['mean_diff'], '+')} [{lo}, {hi}]"
+                cells.append(f"**{text}**" if d["excludes_zero"] else text)
+            out.append(f"| {r['policy']} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+
 RESULTS = ("results.json", "results.md")
 
 
@@ -209,8 +257,10 @@ def prepare_output(out_dir: str | Path) -> str | None:
             f"{_keep_dir(out_dir, earlier)}/ when this run writes its own")
 
 
-def write_results(records: list[dict], out_dir: str | Path, pairs: list[dict] | None = None) -> dict[str, object]:
-    """Write ``results.json`` (``{"records": [...], "paired": [...]}``), ``results.md`` (the tables) and the plots
+def write_results(records: list[dict], out_dir: str | Path, pairs: list[dict] | None = None,
+                  headline: dict[str, Sequence[str]] | None = None) -> dict[str, object]:
+    """Write ``results.json`` (``{"records": [...], "paired": [...]}``), ``results.md`` (the tables; with pairs,
+    the paired table and the headline tables of `summary_table` over the ``headline`` metrics too) and the plots
     into ``out_dir``; an earlier run's results there are moved into ``earlier-<time>/`` first.
 
     Returns
@@ -224,8 +274,11 @@ def write_results(records: list[dict], out_dir: str | Path, pairs: list[dict] | 
         keep_aside(out_dir, earlier)
     json_path, md_path = out_dir / "results.json", out_dir / "results.md"
     write_json_atomic(json_path, {"records": records, "paired": pairs or []})
-    md_path.write_text(markdown_table(records) + ("\n" + paired_table(pairs) if pairs else ""))
+    tables = [markdown_table(records)]
+    if pairs:
+        tables += [paired_table(pairs), summary_table(records, pairs, headline)]
+    md_path.write_text("\n".join(tables))
     return {"json": json_path, "table": md_path, "plots": plot(records, out_dir)}
 
 
-__all__ = ["keep_aside", "markdown_table", "paired_table", "plot", "prepare_output", "write_results"]
+__all__ = ["keep_aside", "markdown_table", "paired_table", "plot", "prepare_output", "summary_table", "write_results"]

@@ -112,6 +112,8 @@ class Task:
     name: ClassVar[str] = ""
     #: the metrics this task reports, in table and plot order
     metrics: ClassVar[tuple[str, ...]] = ()
+    #: the metrics of its headline table (`learnkv.eval.report.summary_table`); empty: all of them
+    headline: ClassVar[tuple[str, ...]] = ()
     #: prompts when the caller gives no limit (None: the whole prompt set)
     default_limit: ClassVar[int | None] = 8
 

@@ -106,6 +106,7 @@ class Chain(Fidelity):
 
     name = "chain"
     metrics = ("problem_accuracy", "final_accuracy", "answer_agreement") + Fidelity.metrics
+    headline = ("problem_accuracy", "final_accuracy", "answer_agreement", "kl")  # kl: where teacher-forced too
     default_limit = 4
 
     max_new_tokens: int = 1536

@@ -155,6 +155,7 @@ class Fidelity(Task):
 
     name = "fidelity"
     metrics = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length", "generated_tokens")
+    headline = ("kl", "top1_agreement", "attention_recall")
     default_limit = 8
 
     max_new_tokens: int = 24

@@ -195,6 +195,7 @@ class MathTask(Task):
     """
 
     metrics = ("accuracy", "answer_agreement", "generated_tokens")
+    headline = ("accuracy", "answer_agreement")
     default_limit = None
     dataset: ClassVar[Dataset | None] = None
 
