@@ -148,6 +148,12 @@ def plot(records: list[dict], out_dir: str | Path) -> list[Path]:
     return paths
 
 
+def _difference(metric: str, pair: dict, sign: str = "") -> str:
+    """``-0.0034 [-0.0084, +0.0018]``: a paired difference and its 95% interval, at the metric's precision."""
+    lo, hi = (_fmt(metric, x, sign) for x in pair["ci95"])
+    return f"{_fmt(metric, pair['mean_diff'], sign)} [{lo}, {hi}]"
+
+
 def paired_table(pairs: list[dict], metrics: Sequence[str] | None = None) -> str:
     """One markdown table per task and budget: each policy's mean difference to the baseline in each metric, with
     its 95% paired interval; ``*`` marks an interval that excludes zero."""
@@ -169,8 +175,7 @@ def paired_table(pairs: list[dict], metrics: Sequence[str] | None = None) -> str
                     cells.append("—")
                     continue
                 n = str(d["n"])
-                lo, hi = (_fmt(c, x) for x in d["ci95"])
-                cells.append(f"{_fmt(c, d['mean_diff'])} [{lo}, {hi}]" + ("*" if d["excludes_zero"] else ""))
+                cells.append(_difference(c, d) + ("*" if d["excludes_zero"] else ""))
             out.append(f"| {policy} | {n} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
@@ -208,8 +213,7 @@ def summary_table(records: list[dict], pairs: list[dict], metrics: dict[str, Seq
                 if d is None:  # the baseline itself, or a metric it has no value for
                     cells.append("")
                     continue
-                lo, hi = (_fmt(c, x, "+") for x in d["ci95"])
-                text = f"{_fmt(c, d['mean_diff'], '+')} [{lo}, {hi}]"
+                text = _difference(c, d, "+")
                 cells.append(f"**{text}**" if d["excludes_zero"] else text)
             out.append(f"| {r['policy']} | " + " | ".join(cells) + " |")
         out.append("")
