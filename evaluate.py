@@ -65,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ITEM[,ITEM...], each NAME[:key=value]... (e.g. lazy:window=16:variant=paper)")
     p.add_argument("--prefill-policy", default=None, metavar="ITEM",
                    help="compresses prompts over the budget at the prefill, then each policy decodes (e.g. snapkv)")
-    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (each row as alone)")
+    # 8: larger is faster on the 2-core CPU (batch 16 decodes 5-6x batch 1's tokens/s, bench/RESULTS.md), but a
+    # full-cache reference of 1,536 steps holds ~1 GB a prompt: 8 fit in the 23 GB machine, 16 do not.
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="prompts decoded together, each row as alone (default 8: the fastest that every bundled task "
+                        "fits in 23 GB on a 2-core CPU; 16 is faster on short decodes)")
     p.add_argument("--slack", type=int, default=0,
                    help="dead slots a layer may hold before it compacts: the same kept tokens (metrics equal to float "
                         "rounding), faster on long caches, for up to this many more slots of memory (default 0)")

@@ -48,7 +48,7 @@ def decode(model, policy, slack, budget=12, new_tokens=20):
 
 
 # every policy whose scores do not depend on neighbouring slots, so that slack applies to it
-@pytest.mark.parametrize("policy", ["h2o", "tova", "roco", "lazy", "knorm", "streaming", "learned", "oracle"])
+@pytest.mark.parametrize("policy", ["h2o", "tova", "roco", "lazy", "knorm", "streaming", "learned", "oracle", "random"])
 @pytest.mark.parametrize("slack", [1, 5])
 def test_slack_keeps_the_same_tokens(tiny, policy, slack):
     base, base_live, _, _ = decode(tiny, policy, 0)

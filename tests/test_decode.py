@@ -108,7 +108,7 @@ def _collect_logits(model, ids, policy, budget, new, params, **mode):
     return torch.stack(captured)
 
 
-@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "tova", "lazy", "snapkv", "rkv", "knorm", "learned"])
+@pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"oracle"}))  # the oracle's rows: tests/test_eval.py
 def test_left_padded_batch_equals_single_rows(tiny, policy):
     """Batch > 1 with left padding: each row decodes exactly as it does alone."""
     a, b = random_ids(26, seed=4)[0], random_ids(17, seed=5)[0]
@@ -117,7 +117,7 @@ def test_left_padded_batch_equals_single_rows(tiny, policy):
     ids[0], mask[0] = a, 1
     ids[1, 9:], mask[1, 9:] = b, 1
     budget = None if policy == "full" else 20
-    params = params_for(policy, 2)
+    params = params_for(policy, 2) | ({"block_size": 4} if policy == "paged" else {})  # 16 + 16 + 1 > 20
     more = prefill_for(policy) if budget else {}
     batch = generate(tiny, input_ids=ids, attention_mask=mask, policy=policy, budget=budget, max_new_tokens=16,
                      policy_params=params, **more)
@@ -125,6 +125,33 @@ def test_left_padded_batch_equals_single_rows(tiny, policy):
         alone = generate(tiny, input_ids=single[None], policy=policy, budget=budget, max_new_tokens=16,
                          policy_params=params, **more)
         assert batch.tokens[row].tolist() == alone.tokens[0].tolist(), f"row {row}"
+
+
+@pytest.mark.parametrize("policy", ["h2o", "lazy", "rkv", "snapkv", "learned", "random"])
+def test_a_row_that_stops_early_leaves_the_other_row_as_alone(tiny, policy):
+    """Rows of a batch under eviction, one stopping at EOS many steps before the other: both decode as alone (the
+    stopped row keeps being fed padding, which must not move the other row's evictions or its own tokens)."""
+    a, b = random_ids(26, seed=4)[0], random_ids(17, seed=5)[0]
+    params, more = params_for(policy, 2), prefill_for(policy)
+    kw = dict(policy=policy, budget=20, max_new_tokens=24, policy_params=params, **more)
+    free = [generate(tiny, input_ids=p[None], **kw).tokens[0].tolist() for p in (a, b)]
+    # EOS := a token row b writes early that row a never writes, so b stops there and a runs to the end
+    eos = next(t for t in free[1][3:12] if t not in free[0])
+    ids = torch.zeros(2, 26, dtype=torch.long)
+    mask = torch.zeros(2, 26, dtype=torch.long)
+    ids[0], mask[0] = a, 1
+    ids[1, 9:], mask[1, 9:] = b, 1
+    tiny.generation_config.eos_token_id = eos
+    try:
+        batch = generate(tiny, input_ids=ids, attention_mask=mask, **kw)
+        alone = [generate(tiny, input_ids=p[None], **kw) for p in (a, b)]
+    finally:
+        tiny.generation_config.eos_token_id = None
+    assert batch.new_tokens[1] < 12 and batch.new_tokens[0] == 24, batch.new_tokens
+    for row in (0, 1):
+        n = alone[row].new_tokens[0]
+        assert batch.new_tokens[row] == n
+        assert batch.tokens[row, :n].tolist() == alone[row].tokens[0, :n].tolist(), f"row {row}"
 
 
 def test_layer0_keys_stay_aligned_with_positions(tiny):

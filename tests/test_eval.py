@@ -631,6 +631,9 @@ def test_reasoning_grades_answers_and_agreement(tiny):
     streaming = got["streaming", 10, "reasoning"]
     assert streaming["answer_agreement"] < 1.0 and streaming["accuracy"] <= streaming["answer_agreement"]
     assert got["oracle", 10, "reasoning"]["accuracy"] is None  # replayed: says nothing
+    # the regime: the full cache's output length, mean and median, in every row (12 unless a row stops at EOS)
+    for key in got:
+        assert got[key]["generated_tokens"] == got[key]["generated_tokens_median"] == 12.0
 
 
 def test_needle_accuracy_by_length_and_depth(tiny):

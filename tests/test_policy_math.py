@@ -329,6 +329,28 @@ def test_random_is_seeded():
     assert kept[0] == kept[1] and kept[0] != kept[2]
 
 
+def test_random_draws_follow_the_token_not_its_slot():
+    """A token's draw is a function of (seed, layer, step, head, position): the same wherever its slot lies (so a row
+    draws as alone in a batch and under any slack), fresh at every step, and uniform."""
+    policy = make_policy("random", seed=3).resolve(10)
+    positions = torch.arange(4000).expand(1, 2, 4000)
+    def draw(pos, step=1, layer=0):
+        view = LayerView(layer=layer, step=step, keys=torch.zeros(*pos.shape, 4), values=torch.zeros(*pos.shape, 4),
+                         positions=pos, n_new=1, keep=10)
+        return policy.score(view)
+    base = draw(positions)
+    perm = torch.randperm(4000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(draw(positions[..., perm]), base[..., perm])
+    assert not torch.equal(draw(positions, step=2), base) and not torch.equal(draw(positions, layer=1), base)
+    assert not torch.equal(base[0, 0], base[0, 1]), "heads draw alike"
+    assert base.min() >= 0 and base.max() < 1
+    # uniform: each tenth of [0, 1) holds ~800 of 8,000 draws (binomial sd ~27)
+    counts = torch.histc(base, bins=10, min=0, max=1)
+    assert (counts - 800).abs().max() < 120, counts
+    # independent across steps: the correlation of two steps' draws is ~0 (sd ~0.016)
+    assert abs(torch.corrcoef(torch.stack([base.flatten(), draw(positions, step=2).flatten()]))[0, 1]) < 0.06
+
+
 # -- 7. RoCo ----------------------------------------------------------------------------------------------------
 
 

@@ -8,15 +8,32 @@ from torch import Tensor
 from learnkv.policies.base import LayerView, Policy
 from learnkv.fields import setting
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors holding values below 2**32.
+
+    The multipliers are below 2**31, so no product leaves int64's range and the result is the same on every device.
+    """
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
 
 @dataclass
 class RandomEviction(Policy):
     """Evicts uniformly random tokens (EasyKV's ``random``), seeded so runs repeat.
 
+    A token's score is a hash of (seed, layer, decode step, KV head, token position): a fresh uniform draw for
+    each token at each step, but a function of the token, not of its slot or row. So a row draws the same in a batch
+    as alone, and the same whatever the slack leaves dead around it (a generator's stream would depend on both).
+
     Parameters
     ----------
     seed : int
-        Seed of the policy's own generator.
+        Seed of the draws.
     """
 
     name = "random"
@@ -24,7 +41,9 @@ class RandomEviction(Policy):
     seed: int = setting(0, ge=0)
 
     def score(self, view: LayerView) -> Tensor:
-        gen = self.__dict__.get("_generator")
-        if gen is None:  # created on first use so that copies made by `resolve` start from the seed
-            gen = self.__dict__["_generator"] = torch.Generator().manual_seed(self.seed)
-        return torch.rand(view.positions.shape, generator=gen).to(view.keys.device)
+        key = _mix32(torch.tensor(self.seed, dtype=torch.int64))
+        key = _mix32(key ^ view.layer)
+        key = _mix32(key ^ view.step).to(view.positions.device)
+        heads = torch.arange(view.positions.shape[1], device=view.positions.device)[None, :, None]
+        bits = _mix32(_mix32(key ^ heads) ^ view.positions.clamp(min=0))
+        return bits.to(torch.float64).div(2.0**32).to(torch.float32)

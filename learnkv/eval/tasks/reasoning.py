@@ -5,7 +5,9 @@ last number), as `learnkv.prompts.extract_answer` reads it. Metrics per prompt, 
 
 * ``accuracy``: the answer equals the gold answer (numerically);
 * ``answer_agreement``: the answer equals the full-cache run's answer on the same prompt (both giving no
-  number counts as agreeing). None for ``oracle``, which replays the full-cache output.
+  number counts as agreeing). None for ``oracle``, which replays the full-cache output;
+* ``generated_tokens``: the full cache's output length (the regime; the runner reports its mean and
+  ``generated_tokens_median``).
 
 The bundled SmolLM2-135M scores about 0% on GSM8K and the opt-in Qwen2.5-Coder-0.5B about 25%, so on these
 models the task mainly exercises the pipeline; a real reasoning model on a GPU is the real use.
@@ -35,7 +37,7 @@ class Reasoning(Task):
     """
 
     name = "reasoning"
-    metrics = ("accuracy", "answer_agreement")
+    metrics = ("accuracy", "answer_agreement", "generated_tokens")
     default_limit = None
 
     max_new_tokens: int = 256
@@ -67,5 +69,6 @@ class Reasoning(Task):
             out.append({
                 "accuracy": None if replays(run.policy) else float(is_correct(text, sample.answer)),
                 "answer_agreement": None if replays(run.policy) else float(agree),
+                "generated_tokens": float(ref["new_tokens"]),
             })
         return out, result
