@@ -1,7 +1,7 @@
 """Train a learned eviction scorer: collect traces (if the trace directory lacks them), train, evaluate budget
 recall against every teacher, export, then compare its decode-time fidelity with the best teachers'.
 
-    python train.py                                   # the bundled default (configs/default.yaml), under 20 min on 2 CPU cores
+    python train.py                                   # the bundled default (configs/default.yaml), ~10 min on 2 idle CPU cores
     python train.py --config configs/smoke.yaml       # the same pipeline in a few minutes (CI)
     python train.py train.lr=0.01 collect.prompts=32  # any setting, overridden on the command line
     python train.py rounds=2                          # then collect under the learned scorer, retrain on the union
