@@ -208,6 +208,12 @@ def test_block_granularity_is_what_generate_does_in_block_mode(tiny, policy):
                                 granularity=g, block_size=block)
     got = evaluate(tiny, None, spec("block"), samples=[sample])[0]
     assert got["config"]["task_options"]["granularity"] == "block"
+    if policy == "learned":  # the record names the scorer's weights, not only the folder retraining overwrites
+        manifest = json.loads((Path(params["scorer"]) / "manifest.json").read_text())
+        assert got["config"]["scorer"] == {"path": params["scorer"], "weights_sha256": manifest["weights_sha256"]}
+        assert len(manifest["weights_sha256"]) == 64
+    else:
+        assert got["config"]["scorer"] is None
     assert got["config"]["task_options"]["block_size"] == block
     full = generate(tiny, input_ids=sample.input_ids, policy="full", max_new_tokens=new).tokens[0].tolist()
     free = generate(tiny, input_ids=sample.input_ids, policy=policy, budget=budget, max_new_tokens=new,

@@ -35,7 +35,7 @@ PARTIAL = "partial.jsonl"
 FORMAT = 1
 
 
-def _scorer_identity(path: str) -> dict:
+def scorer_identity(path: str) -> dict:
     """A scorer artifact named by its weights' digest, so retraining into the same path is a different grid."""
     from learnkv.scorer.artifact import read_artifact_manifest
 
@@ -43,7 +43,7 @@ def _scorer_identity(path: str) -> dict:
 
 
 def _run_identity(run) -> dict:
-    params = {k: (_scorer_identity(v) if k == "scorer" else v) for k, v in sorted(run.params.items())}
+    params = {k: (scorer_identity(v) if k == "scorer" else v) for k, v in sorted(run.params.items())}
     return {"label": run.label, "name": run.name, "params": params}
 
 

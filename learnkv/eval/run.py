@@ -432,6 +432,8 @@ def _keep(per_prompt: dict, costs: dict, first_params: dict, run_b: tuple, ids: 
 
 
 def _record(task, run, b, prompts, per_prompt, costs, params, spec, model, model_name) -> dict:
+    from learnkv.eval.checkpoint import scorer_identity
+
     rows = [per_prompt[s.id] for s in prompts]
     names = list(task.metric_names()) + [k for k in dict.fromkeys(k for r in rows for k in r)
                                           if k not in task.metric_names()]
@@ -451,6 +453,8 @@ def _record(task, run, b, prompts, per_prompt, costs, params, spec, model, model
         "model": model_name or getattr(model.config, "name_or_path", None) or type(model).__name__,
         "policy_name": run.name,
         "policy_params": params,
+        # the path names a folder that retraining overwrites; the digest names the weights this row decoded with
+        "scorer": scorer_identity(params["scorer"]) if isinstance(params.get("scorer"), str) else None,
         "prefill_policy": spec.prefill.label if spec.prefill and evicts(run.name) else None,
         "task_options": task.options(),
         "n_prompts": len(prompts),
