@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 # before anything imports triton or wandb or touches the hub
@@ -58,6 +59,16 @@ def small(smollm2_tokenizer):
 
 def random_ids(length: int, batch: int = 1, seed: int = 0, vocab: int = 256) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@contextlib.contextmanager
+def eos_token(model, token: int):
+    """Make ``token`` the model's EOS for the block (the tiny model has none), so a row stops where it writes it."""
+    model.generation_config.eos_token_id = token
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id = None
 
 
 _SCORERS: dict[tuple, str] = {}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import params_for, prefill_for, random_ids
+from conftest import eos_token, params_for, prefill_for, random_ids
 from learnkv import POLICIES, generate
 from learnkv.model import tiny_model
 
@@ -108,14 +108,20 @@ def _collect_logits(model, ids, policy, budget, new, params, **mode):
     return torch.stack(captured)
 
 
-@pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"oracle"}))  # the oracle's rows: tests/test_eval.py
-def test_left_padded_batch_equals_single_rows(tiny, policy):
-    """Batch > 1 with left padding: each row decodes exactly as it does alone."""
+def _two_prompts():
+    """Prompts of 26 and 17 tokens, and the left-padded batch of both: ``(a, b, ids, mask)``."""
     a, b = random_ids(26, seed=4)[0], random_ids(17, seed=5)[0]
     ids = torch.zeros(2, 26, dtype=torch.long)
     mask = torch.zeros(2, 26, dtype=torch.long)
     ids[0], mask[0] = a, 1
     ids[1, 9:], mask[1, 9:] = b, 1
+    return a, b, ids, mask
+
+
+@pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"oracle"}))  # the oracle's rows: tests/test_eval.py
+def test_left_padded_batch_equals_single_rows(tiny, policy):
+    """Batch > 1 with left padding: each row decodes exactly as it does alone."""
+    a, b, ids, mask = _two_prompts()
     budget = None if policy == "full" else 20
     params = params_for(policy, 2) | ({"block_size": 4} if policy == "paged" else {})  # 16 + 16 + 1 > 20
     more = prefill_for(policy) if budget else {}
@@ -131,22 +137,15 @@ def test_left_padded_batch_equals_single_rows(tiny, policy):
 def test_a_row_that_stops_early_leaves_the_other_row_as_alone(tiny, policy):
     """Rows of a batch under eviction, one stopping at EOS many steps before the other: both decode as alone (the
     stopped row keeps being fed padding, which must not move the other row's evictions or its own tokens)."""
-    a, b = random_ids(26, seed=4)[0], random_ids(17, seed=5)[0]
+    a, b, ids, mask = _two_prompts()
     params, more = params_for(policy, 2), prefill_for(policy)
     kw = dict(policy=policy, budget=20, max_new_tokens=24, policy_params=params, **more)
     free = [generate(tiny, input_ids=p[None], **kw).tokens[0].tolist() for p in (a, b)]
     # EOS := a token row b writes early that row a never writes, so b stops there and a runs to the end
     eos = next(t for t in free[1][3:12] if t not in free[0])
-    ids = torch.zeros(2, 26, dtype=torch.long)
-    mask = torch.zeros(2, 26, dtype=torch.long)
-    ids[0], mask[0] = a, 1
-    ids[1, 9:], mask[1, 9:] = b, 1
-    tiny.generation_config.eos_token_id = eos
-    try:
+    with eos_token(tiny, eos):
         batch = generate(tiny, input_ids=ids, attention_mask=mask, **kw)
         alone = [generate(tiny, input_ids=p[None], **kw) for p in (a, b)]
-    finally:
-        tiny.generation_config.eos_token_id = None
     assert batch.new_tokens[1] < 12 and batch.new_tokens[0] == 24, batch.new_tokens
     for row in (0, 1):
         n = alone[row].new_tokens[0]
@@ -209,10 +208,7 @@ def test_on_step_counts_the_tokens_each_row_generates(tiny):
     free = generate(tiny, input_ids=ids, max_new_tokens=20, stop_at_eos=False)
     eos = int(free.tokens[1, 3])
     seen = []
-    tiny.generation_config.eos_token_id = eos
-    try:
+    with eos_token(tiny, eos):
         result = generate(tiny, input_ids=ids, max_new_tokens=20, on_step=seen.append)
-    finally:
-        tiny.generation_config.eos_token_id = None
     assert sum(seen) == sum(result.new_tokens) and seen[0] == 2 and seen[-1] == 1
     assert len(seen) == max(result.new_tokens)

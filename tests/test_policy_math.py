@@ -309,9 +309,10 @@ def test_streaming_keeps_sinks_and_most_recent(n_sink, budget):
 # -- 6. Random --------------------------------------------------------------------------------------------------
 
 
-def _random_scores(seed):
-    view = LayerView(layer=0, step=1, keys=torch.zeros(2, 2, 20, 4), values=torch.zeros(2, 2, 20, 4),
-                     positions=torch.arange(20).expand(2, 2, 20), n_new=1, keep=10)
+def _random_scores(seed, positions=None, step=1, layer=0):
+    positions = torch.arange(20).expand(2, 2, 20) if positions is None else positions
+    view = LayerView(layer=layer, step=step, keys=torch.zeros(*positions.shape, 4),
+                     values=torch.zeros(*positions.shape, 4), positions=positions, n_new=1, keep=10)
     return make_policy("random", seed=seed).resolve(10).score(view)
 
 
@@ -332,12 +333,11 @@ def test_random_is_seeded():
 def test_random_draws_follow_the_token_not_its_slot():
     """A token's draw is a function of (seed, layer, step, head, position): the same wherever its slot lies (so a row
     draws as alone in a batch and under any slack), fresh at every step, and uniform."""
-    policy = make_policy("random", seed=3).resolve(10)
     positions = torch.arange(4000).expand(1, 2, 4000)
-    def draw(pos, step=1, layer=0):
-        view = LayerView(layer=layer, step=step, keys=torch.zeros(*pos.shape, 4), values=torch.zeros(*pos.shape, 4),
-                         positions=pos, n_new=1, keep=10)
-        return policy.score(view)
+
+    def draw(pos, **at):
+        return _random_scores(3, pos, **at)
+
     base = draw(positions)
     perm = torch.randperm(4000, generator=torch.Generator().manual_seed(0))
     assert torch.equal(draw(positions[..., perm]), base[..., perm])

@@ -8,7 +8,7 @@ at the prefill; one over it is compressed by the prefill policy, or refused by a
 import pytest
 import torch
 
-from conftest import params_for, random_ids
+from conftest import eos_token, params_for, random_ids
 from kernels.reference import select_keep_reference
 from learnkv import generate
 from learnkv.policies import POLICIES, make_policy
@@ -283,11 +283,8 @@ def test_a_row_that_stops_early_is_accounted_up_to_its_own_end(tiny):
     ids = random_ids(12, batch=2, seed=8)
     free = generate(tiny, input_ids=ids, max_new_tokens=20, stop_at_eos=False)
     eos = int(free.tokens[1, 3])  # row 1 emits this token at step 3
-    tiny.generation_config.eos_token_id = eos
-    try:
+    with eos_token(tiny, eos):
         full = generate(tiny, input_ids=ids, max_new_tokens=20)
-    finally:
-        tiny.generation_config.eos_token_id = None
     stop = free.tokens[1].tolist().index(eos) + 1
     assert full.new_tokens[1] == stop and full.new_tokens[0] > stop
     assert full.peak_kv_bytes_rows == full.full_kv_bytes_rows  # the full cache peaks at its own final length
