@@ -133,7 +133,7 @@ def reference_allocate(scores, valid, protected, budgets, allocation, min_budget
                     keep[l][b][h][t] = True
                     kept += 1
             rest = len(pool) * budget - kept
-            cands = [(l, h, t) for g, (l, h) in enumerate(pool) for t in range(T)
+            cands = [(l, h, t) for l, h in pool for t in range(T)
                      if valid[l][b][h][t] and not keep[l][b][h][t]]
             cands.sort(key=lambda c: (-prio(c[0], b, c[1], c[2]), -c[2], pool.index((c[0], c[1]))))
             for l, h, t in cands[:rest]:
@@ -200,6 +200,10 @@ def test_allocation_invariants(case):
     low_kept = prio.masked_fill(~keep, math.inf).amin(-1)
     high_dropped = prio.masked_fill(keep | ~valid, -math.inf).amax(-1)
     assert (low_kept >= high_dropped).all()
+    # a row of the batch keeps what it keeps alone
+    b = B - 1
+    _, alone = allocate(scores[:, b:], valid[:, b:], protected[:, b:], budgets[b:], allocation, min_budgets[b:])
+    assert torch.equal(keep[:, b:], alone)
     # a pool that holds fewer live slots than its total keeps them all
     if allocation.mode == "global":
         for b in range(B):
