@@ -199,19 +199,16 @@ def allocate(scores: Tensor, valid: Tensor, protected: Tensor, budgets, allocati
         keep = (_ranks(prio) < quota[..., None]) & valid
         return keep.sum(-1), keep
 
-    floor = _floor_tokens(per_head[0], allocation.floor)  # [B]
-    if allocation.mode == "head":  # one pool per (layer, row): its H heads
-        pools = lambda x: x.reshape(L * B, H, T)  # noqa: E731
-        total, floor = (H * per_head).reshape(L * B), floor.repeat(L)
-    else:  # "global": one pool per row, its L x H heads
-        pools = lambda x: x.permute(1, 0, 2, 3).reshape(B, L * H, T)  # noqa: E731
-        total = L * H * per_head[0]
-    _check_protected(pools(protected).sum((-2, -1)), total, "pool")
-    keep = _pool_keep(pools(prio), pools(valid), total, floor)
-    if allocation.mode == "head":
-        keep = keep.view(L, B, H, T)
-    else:
-        keep = keep.view(B, L, H, T).permute(1, 0, 2, 3)
+    budget = per_head[0]  # [B]: head and global share one budget per row over every layer
+    if allocation.mode == "head":  # one pool per (layer, row), of its H heads
+        pooled = [x.reshape(L * B, H, T) for x in (prio, valid, protected)]
+        total, floor = (H * per_head).reshape(L * B), _floor_tokens(budget, allocation.floor).repeat(L)
+    else:  # "global": one pool per row, of its L x H heads
+        pooled = [x.transpose(0, 1).reshape(B, L * H, T) for x in (prio, valid, protected)]
+        total, floor = L * H * budget, _floor_tokens(budget, allocation.floor)
+    _check_protected(pooled[2].sum((-2, -1)), total, "pool")
+    keep = _pool_keep(pooled[0], pooled[1], total, floor)
+    keep = keep.reshape(L, B, H, T) if allocation.mode == "head" else keep.reshape(B, L, H, T).transpose(0, 1)
     return keep.sum(-1), keep
 
 
