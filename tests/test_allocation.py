@@ -1,0 +1,346 @@
+"""Budget allocation (`learnkv.allocation`): hand-checked Ada-KV cases, a plain-loop reference, invariants."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.reference import protected_slots, select_keep_reference
+from learnkv.allocation import (
+    ALLOCATIONS, Allocation, allocate, keep_slots, normalise_scores, pyramid_budgets, slot_totals,
+)
+from learnkv.pooling import rank_percentiles
+
+
+def _one_layer(rows):
+    """[H][T] lists -> [1, 1, H, T] float scores."""
+    return torch.tensor(rows, dtype=torch.float32)[None, None]
+
+
+def _mask(keep):
+    return keep.int()[0, 0].tolist()
+
+
+# -- Ada-KV on small cases, checked by hand -----------------------------------------------------------------
+
+ADA_SCORES = [[0.9, 0.8, 0.7, 0.6, 0.5, 0.4],
+              [0.05, 0.1, 0.02, 0.01, 0.03, 0.3]]
+
+
+def test_adakv_floor_by_hand():
+    # budget 3 per head, pool 2 x 3 = 6, floor int(0.34 x 3) = 1: head 1 keeps its best (slot 5, 0.3); the other 4
+    # go to the best remaining of the layer (0.8, 0.7, 0.6, 0.5: head 0's slots 1-4)
+    s = _one_layer(ADA_SCORES)
+    ones, none = torch.ones_like(s, dtype=torch.bool), torch.zeros_like(s, dtype=torch.bool)
+    counts, keep = allocate(s, ones, none, 3, Allocation("head", floor=0.34))
+    assert counts.tolist() == [[[5, 1]]]
+    assert _mask(keep) == [[1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
+    # no floor: all six of head 0 beat head 1's best (0.4 > 0.3)
+    counts, keep = allocate(s, ones, none, 3, Allocation("head", floor=0.0))
+    assert _mask(keep) == [[1] * 6, [0] * 6]
+    # floor 1.0: every head keeps its own top 3, which is uniform
+    _, keep = allocate(s, ones, none, 3, Allocation("head", floor=1.0))
+    assert _mask(keep) == [[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 1]]
+    _, uniform = allocate(s, ones, none, 3, Allocation("uniform"))
+    assert torch.equal(keep, uniform)
+
+
+def test_adakv_protected_and_padding_by_hand():
+    # slot 2 protected in both heads (forced in, as kvpress's max+1 window scores: it takes the floor first), head
+    # 1's slot 0 is padding. floor int(0.67 x 3) = 2: head 0 {2 (protected), 0 (0.9)}, head 1 {2 (protected),
+    # 5 (0.3)}; the pool's other 6 - 4 = 2 slots: 0.8 (head 0 slot 1), 0.6 (head 0 slot 3)
+    s = _one_layer(ADA_SCORES)
+    valid = torch.ones_like(s, dtype=torch.bool)
+    valid[0, 0, 1, 0] = False
+    protected = torch.zeros_like(valid)
+    protected[..., 2] = True
+    counts, keep = allocate(s, valid, protected, 3, Allocation("head", floor=0.67))
+    assert _mask(keep) == [[1, 1, 1, 1, 0, 0], [0, 0, 1, 0, 0, 1]]
+    assert counts.tolist() == [[[4, 2]]]
+
+
+def test_ties_prefer_the_newer_slot_then_the_lower_head():
+    # equal scores, head 0's slot 2 is padding, pool 2 x 1 = 2 and no floor: pool order (slot 2, head 1),
+    # (slot 1, head 0), (slot 1, head 1), ...
+    s = torch.zeros(1, 1, 2, 3)
+    valid = torch.ones_like(s, dtype=torch.bool)
+    valid[0, 0, 0, 2] = False
+    none = torch.zeros_like(valid)
+    _, keep = allocate(s, valid, none, 1, Allocation("head", floor=0.0))
+    assert _mask(keep) == [[0, 1, 0], [0, 0, 1]]
+    # global: the same order runs over (layer, head), layers first
+    s2 = torch.zeros(2, 1, 1, 2)
+    _, keep = allocate(s2, torch.ones_like(s2, dtype=torch.bool), torch.zeros_like(s2, dtype=torch.bool), 1,
+                       Allocation("global", floor=0.0))
+    assert keep.int()[:, 0, 0].tolist() == [[0, 1], [0, 1]]
+
+
+def _kvpress_adakv(scores, budget, alpha):
+    """kvpress `AdaKVPress.compress` on ``[B, H, T]`` distinct scores, all live, nothing protected: the keep mask."""
+    B, H, T = scores.shape
+    s = scores.clone()
+    n_safe = int(budget * alpha)
+    s.scatter_(-1, torch.topk(s, n_safe, dim=-1).indices, torch.finfo(s.dtype).max)
+    pruned = torch.topk(-s.reshape(B, -1), H * (T - budget), dim=1).indices
+    keep = torch.ones(B, H * T, dtype=torch.bool).scatter_(1, pruned, False)
+    return keep.view(B, H, T)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5, 1.0])
+def test_head_mode_equals_kvpress_adakv(seed, alpha):
+    g = torch.Generator().manual_seed(seed)
+    L, B, H, T, budget = 2, 3, 4, 17, 5
+    scores = torch.rand(L, B, H, T, generator=g)
+    ones = torch.ones_like(scores, dtype=torch.bool)
+    _, keep = allocate(scores, ones, ~ones, budget, Allocation("head", floor=alpha))
+    for layer in range(L):
+        assert torch.equal(keep[layer], _kvpress_adakv(scores[layer], budget, alpha))
+
+
+# -- a plain-loop reference of every mode ----------------------------------------------------------------------
+
+def reference_allocate(scores, valid, protected, budgets, allocation, min_budgets):
+    """Python loops over ``[L][B][H][T]`` lists: the documented rule, written independently."""
+    L, B, H, T = len(scores), len(scores[0]), len(scores[0][0]), len(scores[0][0][0])
+    keep = [[[[False] * T for _ in range(H)] for _ in range(B)] for _ in range(L)]
+
+    def prio(l, b, h, t):
+        return math.inf if protected[l][b][h][t] else scores[l][b][h][t]
+
+    def head_order(l, b, h):  # best first; ties: the newer slot
+        return sorted((t for t in range(T) if valid[l][b][h][t]), key=lambda t: (-prio(l, b, h, t), -t))
+
+    for b in range(B):
+        budget = budgets[b]
+        if allocation.mode in ("uniform", "pyramid"):
+            per_layer = ([budget] * L if allocation.mode == "uniform"
+                         else pyramid_budgets(budget, L, allocation.beta, min_budgets[b]))
+            for l in range(L):
+                for h in range(H):
+                    for t in head_order(l, b, h)[: per_layer[l]]:
+                        keep[l][b][h][t] = True
+            continue
+        pools = [[(l, h) for h in range(H)] for l in range(L)] if allocation.mode == "head" else \
+            [[(l, h) for l in range(L) for h in range(H)]]
+        floor = int(allocation.floor * budget)
+        for pool in pools:
+            kept = 0
+            for l, h in pool:
+                for t in head_order(l, b, h)[:floor]:
+                    keep[l][b][h][t] = True
+                    kept += 1
+            rest = len(pool) * budget - kept
+            cands = [(l, h, t) for l, h in pool for t in range(T)
+                     if valid[l][b][h][t] and not keep[l][b][h][t]]
+            cands.sort(key=lambda c: (-prio(c[0], b, c[1], c[2]), -c[2], pool.index((c[0], c[1]))))
+            for l, h, t in cands[:rest]:
+                keep[l][b][h][t] = True
+    return keep
+
+
+@st.composite
+def cases(draw, mode=None):
+    L, B, H, T = (draw(st.integers(1, n)) for n in (3, 3, 3, 10))
+    mode = mode or draw(st.sampled_from(ALLOCATIONS))
+    floor = draw(st.sampled_from([0.0, 0.2, 0.34, 0.5, 1.0]))
+    tied = draw(st.booleans())  # few distinct values: exercises every tie-break
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    scores = (torch.randint(0, 3, (L, B, H, T), generator=g).float() if tied
+              else torch.rand(L, B, H, T, generator=g))
+    valid = torch.rand(L, B, H, T, generator=g) < draw(st.sampled_from([0.5, 0.9, 1.0]))
+    budgets = [draw(st.integers(1, T + 2)) for _ in range(B)]
+    # protected: at most n_prot[b] <= budget live slots per head, the first ones of a random pick
+    n_prot = [draw(st.integers(0, min(b, 3))) for b in budgets]
+    pick = (torch.rand(L, B, H, T, generator=g) < 0.4) & valid
+    rank = pick.long().cumsum(-1)
+    protected = pick & (rank <= torch.tensor(n_prot).view(1, B, 1, 1))
+    min_budgets = [max(p, 1) for p in n_prot]
+    return scores, valid, protected, budgets, Allocation(mode, floor=floor), min_budgets
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_allocate_matches_the_loop_reference(case):
+    scores, valid, protected, budgets, allocation, min_budgets = case
+    _, keep = allocate(scores, valid, protected, budgets, allocation, min_budgets)
+    expected = reference_allocate(scores.tolist(), valid.tolist(), protected.tolist(), budgets, allocation,
+                                  min_budgets)
+    assert keep.tolist() == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_allocation_invariants(case):
+    scores, valid, protected, budgets, allocation, min_budgets = case
+    L, B, H, T = scores.shape
+    counts, keep = allocate(scores, valid, protected, budgets, allocation, min_budgets)
+    assert counts.dtype == torch.int64 and counts.shape == (L, B, H)
+    assert torch.equal(counts, keep.sum(-1))
+    assert not (keep & ~valid).any()  # padding never kept
+    assert not (protected & ~keep).any()  # protected always kept
+    totals = counts.sum((0, 2))
+    for b in range(B):
+        assert int(totals[b]) <= L * H * budgets[b]  # the row's total budget, under every allocation
+    n_valid = valid.sum(-1)
+    if allocation.mode in ("head", "global"):
+        floor = torch.tensor([int(allocation.floor * b) for b in budgets]).view(1, B, 1)
+        assert (counts >= torch.minimum(floor, n_valid)).all()
+        if allocation.mode == "head":  # a layer's pool never exceeds H x budget
+            assert (counts.sum(-1) <= H * torch.tensor(budgets)).all()
+    else:
+        per_layer = torch.tensor([[budgets[b]] * L if allocation.mode == "uniform"
+                                  else pyramid_budgets(budgets[b], L, allocation.beta, min_budgets[b])
+                                  for b in range(B)]).T
+        assert torch.equal(counts, torch.minimum(per_layer[..., None], n_valid))
+    # each head keeps a top of its own ranking: no kept live slot scores below a dropped one
+    prio = scores.masked_fill(protected, math.inf)
+    low_kept = prio.masked_fill(~keep, math.inf).amin(-1)
+    high_dropped = prio.masked_fill(keep | ~valid, -math.inf).amax(-1)
+    assert (low_kept >= high_dropped).all()
+    # a row of the batch keeps what it keeps alone
+    b = B - 1
+    _, alone = allocate(scores[:, b:], valid[:, b:], protected[:, b:], budgets[b:], allocation, min_budgets[b:])
+    assert torch.equal(keep[:, b:], alone)
+    # a pool that holds fewer live slots than its total keeps them all
+    if allocation.mode == "global":
+        for b in range(B):
+            if int(n_valid[:, b].sum()) <= L * H * budgets[b]:
+                assert torch.equal(keep[:, b], valid[:, b])
+
+
+# -- uniform is today's selection ----------------------------------------------------------------------------
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_uniform_equals_select_keep_reference(data):
+    # the cache's layout: positions per row (left padding -1, dead slots -1), protection from positions
+    L, B, H, T = (data.draw(st.integers(1, n)) for n in (3, 3, 3, 12))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    tied = data.draw(st.booleans())
+    scores = torch.randint(0, 3, (L, B, H, T), generator=g).float() if tied else torch.randn(L, B, H, T, generator=g)
+    positions = torch.arange(T).repeat(B, H, 1)
+    positions[torch.rand(B, H, T, generator=g) < 0.2] = -1
+    keep = [data.draw(st.integers(1, T)) for _ in range(B)]
+    n_sink = [data.draw(st.integers(0, k)) for k in keep]
+    n_recent = [data.draw(st.integers(0, k - s)) for k, s in zip(keep, n_sink)]
+    valid = (positions >= 0).expand(L, B, H, T)
+    protected = protected_slots(positions, n_sink, n_recent).expand(L, B, H, T)
+    _, mask = allocate(scores, valid, protected, keep, Allocation("uniform"))
+    for layer in range(L):
+        index = select_keep_reference(scores[layer], positions, keep, n_sink, n_recent)
+        expected = torch.zeros(B, H, T + 1, dtype=torch.bool).scatter_(-1, index.clamp(min=-1) % (T + 1), True)
+        assert torch.equal(mask[layer], expected[..., :T] & valid[layer])
+
+
+def test_uniform_equals_per_head_topk():
+    g = torch.Generator().manual_seed(0)
+    L, B, H, T = 3, 2, 4, 33
+    scores = torch.randn(L, B, H, T, generator=g)  # distinct: torch.topk's order among ties is unspecified
+    ones = torch.ones_like(scores, dtype=torch.bool)
+    for budget in (1, 7, 33, 40):
+        counts, keep = allocate(scores, ones, ~ones, budget, Allocation("uniform"))
+        k = min(budget, T)
+        expected = torch.zeros_like(ones).scatter_(-1, scores.topk(k, dim=-1).indices, True)
+        assert torch.equal(keep, expected)
+        assert (counts == k).all()
+
+
+# -- pyramid schedule ------------------------------------------------------------------------------------------
+
+def test_pyramid_by_hand():
+    # lo = max(10 / 20, 1) = 1, hi = 2 x 10 - 1 = 19, step 6: exact 19, 13, 7, 1
+    assert pyramid_budgets(10, 4) == [19, 13, 7, 1]
+    # lo = 100 / 20 = 5, hi = 195, step 190 / 3: 195, 131.67, 68.33, 5 -> floors 195, 131, 68, 5 (sum 399), the
+    # leftover token goes to the largest remainder (layer 1, .67)
+    assert pyramid_budgets(100, 4) == [195, 132, 68, 5]
+    assert pyramid_budgets(10, 1) == [10]
+    # lo = 10 / 20 = 0.5, hi = 19.5: exact 19.5, 10, 0.5 -> floors 19, 10, 0 (sum 29); layers 0 and 2 tie on the
+    # remainder, the shallower one gets the token
+    assert pyramid_budgets(10, 3, min_budget=0) == [20, 10, 0]
+    assert pyramid_budgets(4, 3, min_budget=4) == [4, 4, 4]  # the floor at the mean: flat
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 80), st.floats(1.0, 100.0), st.data())
+def test_pyramid_sums_exactly(budget, n_layers, beta, data):
+    min_budget = data.draw(st.integers(0, budget))
+    out = pyramid_budgets(budget, n_layers, beta, min_budget)
+    assert len(out) == n_layers and sum(out) == n_layers * budget
+    assert all(a >= b for a, b in zip(out, out[1:]))  # never rises with depth
+    assert min(out) >= min_budget
+    lo = max(budget / beta, min_budget)
+    assert all(abs(b - (2 * budget - lo - i * (2 * budget - 2 * lo) / max(n_layers - 1, 1))) < 1 + 1e-6
+               for i, b in enumerate(out)) or n_layers == 1  # within one token of the linear schedule
+
+
+def test_pyramid_refuses_bad_settings():
+    with pytest.raises(ValueError, match="min_budget"):
+        pyramid_budgets(3, 4, min_budget=4)
+    with pytest.raises(ValueError):
+        pyramid_budgets(3, 0)
+    with pytest.raises(ValueError, match="floor"):
+        Allocation("head", floor=1.5)
+    with pytest.raises(ValueError, match="mode"):
+        Allocation("per-token")
+
+
+def test_protected_that_cannot_fit_is_refused():
+    s = torch.rand(4, 1, 1, 8)
+    valid = torch.ones_like(s, dtype=torch.bool)
+    protected = torch.zeros_like(valid)
+    protected[..., :3] = True  # 3 per head; the deepest pyramid layer of budget 4 gets 1 unless told
+    with pytest.raises(ValueError, match="protected"):
+        allocate(s, valid, protected, 4, Allocation("pyramid"))
+    counts, keep = allocate(s, valid, protected, 4, Allocation("pyramid"), min_budget=3)
+    assert counts.sum() == 16 and keep[..., :3].all()
+
+
+# -- normalisation -------------------------------------------------------------------------------------------
+
+def test_normalise_rules():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.rand(2, 3, 4, 9, generator=g)
+    valid = torch.rand(2, 3, 4, 9, generator=g) < 0.7
+    valid[..., 0] = True
+    mass = normalise_scores(scores, valid, "mass")
+    torch.testing.assert_close(mass.sum(-1), torch.ones(2, 3, 4))
+    assert (mass[~valid] == 0).all()
+    torch.testing.assert_close(mass * scores.masked_fill(~valid, 0).sum(-1, keepdim=True),
+                               scores.masked_fill(~valid, 0))
+    logit = normalise_scores(scores * 5 - 3, valid, "logit")
+    torch.testing.assert_close(logit, normalise_scores(scores * 5, valid, "logit"))  # a shift changes nothing
+    torch.testing.assert_close(logit.sum(-1), torch.ones(2, 3, 4))
+    assert torch.equal(normalise_scores(scores, valid, "rank"), rank_percentiles(scores, valid))
+    assert torch.equal(normalise_scores(scores, valid, "raw"), scores)
+    with pytest.raises(ValueError, match="nonnegative"):
+        normalise_scores(scores - 1, valid, "mass")
+    with pytest.raises(ValueError, match="unknown"):
+        normalise_scores(scores, valid, "zscore")
+    assert not normalise_scores(scores, torch.zeros_like(valid), "logit").isnan().any()
+
+
+def test_mass_rule_moves_budget_to_the_peaked_head():
+    # two heads of one layer, pool 2 x 4 = 8, no floor. Raw, head 0's flat scores (1.0 each) beat all of head 1's;
+    # as distributions over each head's slots head 0's are 1/8 each and head 1's two peaks (0.45) outrank them
+    raw = _one_layer([[1.0] * 8, [0.9, 0.9] + [0.2 / 6] * 6])
+    ones = torch.ones_like(raw, dtype=torch.bool)
+    counts, _ = allocate(raw, ones, ~ones, 4, Allocation("head", floor=0.0))
+    assert counts.tolist() == [[[8, 0]]]
+    counts, _ = allocate(normalise_scores(raw, ones, "mass"), ones, ~ones, 4, Allocation("head", floor=0.0))
+    assert counts.tolist() == [[[6, 2]]]
+
+
+# -- padded buffers vs live slots ----------------------------------------------------------------------------
+
+def test_keep_slots_and_totals():
+    keep = torch.tensor([[[[1, 0, 1, 1], [0, 1, 0, 0]]],
+                         [[[0, 0, 0, 1], [1, 0, 0, 1]]]], dtype=torch.bool)  # [L 2, B 1, H 2, T 4]
+    slots = keep_slots(keep)
+    assert slots[0].tolist() == [[[0, 2, 3], [-1, -1, 1]]]
+    assert slots[1].tolist() == [[[-1, 3], [0, 3]]]
+    live, padded = slot_totals(keep.sum(-1))
+    assert live.tolist() == [7]  # what a paged per-head layout holds
+    assert padded.tolist() == [2 * (3 + 2)]  # every head as wide as its layer's widest
