@@ -42,6 +42,14 @@ def cache_kwargs(model, cache) -> dict:
     return {_cache_kwarg(type(model)): cache}
 
 
+def cached_kv_heads(config) -> int:
+    """KV heads a layer's cache holds per token: the config's KV heads (all query heads without GQA), or one for
+    multi-head latent attention (DeepSeek-V2/V3 cache one latent per token, shared by every head)."""
+    if getattr(config, "kv_lora_rank", None):
+        return 1
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def cache_dir() -> Path:
     """Where converted models live: $LEARNKV_CACHE, else ~/.cache/learnkv."""
     return Path(os.environ.get("LEARNKV_CACHE", Path.home() / ".cache" / "learnkv"))
