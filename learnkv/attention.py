@@ -23,7 +23,9 @@ positions; the cache is told each layer's window, `BudgetCache.attended`, and dr
 ``softcap`` (scores ``softcap * tanh(scores / softcap)``, Gemma 2) and ``s_aux`` (one sink logit per query head that
 joins the softmax's normaliser and is then dropped, GPT-OSS). A cache that holds fewer KV heads than the keys have
 (MLA: one latent per token, expanded per query head by the model) gets its statistics reduced over every query head
-that shares a cached head.
+that shares a cached head. Any other term a model hands over that would change the attention (DeepSeek-V3.2's
+sparse ``indices``, a T5-style ``position_bias``, ``is_causal=False``...) is refused in one line naming the module,
+never ignored (`unsupported_terms`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ from torch import Tensor, nn
 import kernels
 
 NAME = "learnkv"
+
+#: keywords transformers hands attention functions that do not change the attention computed here (flash-attention
+#: packing and bookkeeping flags); any other keyword with a value is refused (`unsupported_terms`)
+NEUTRAL_TERMS = frozenset({"position_ids", "use_cache", "output_attentions", "output_router_logits", "cache_position",
+                           "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
 
 # the cache of the forward pass in progress, for attention modules whose decoder layer does not pass extra keyword
 # arguments on (StableLM): `learnkv_cache` reaches them this way
@@ -73,6 +80,9 @@ def learnkv_attention(
     them (see the module docstring); None where it has none."""
     if learnkv_cache is None:
         learnkv_cache = _ACTIVE_CACHE.get()
+    if terms := unsupported_terms(kwargs):
+        raise ValueError(f"{type(module).__name__} hands its attention {', '.join(terms)}, which learnkv's attention "
+                         "does not implement: refusing rather than computing a different attention")
     B, Hq, q, D = query.shape
     H, T, Dv = key.shape[1], key.shape[2], value.shape[-1]
     G = Hq // H
@@ -117,6 +127,12 @@ def learnkv_attention(
     if learnkv_cache is not None:
         _hand_statistics(learnkv_cache, module.layer_idx, probs, query_pos)
     return out, None
+
+
+def unsupported_terms(kwargs: dict) -> list[str]:
+    """The keywords of an attention call that learnkv would otherwise ignore though they change the result."""
+    return sorted(k for k, v in kwargs.items()
+                  if v is not None and k not in NEUTRAL_TERMS and not (k == "is_causal" and v is True))
 
 
 def _fused_decode_ok(policy) -> bool:

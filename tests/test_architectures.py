@@ -184,3 +184,17 @@ def test_triton_decode_path_equals_torch_path(models, monkeypatch, name, policy)
     assert (a_logits - b_logits).abs().max().item() <= 1e-4
     assert all(torch.equal(x, y) for sa, sb in zip(a_kept, b_kept) for x, y in zip(sa, sb))
     assert torch.equal(a_tokens, b_tokens)
+
+
+@pytest.mark.parametrize("term", [{"indices": torch.zeros(1, 1, 1, 2, dtype=torch.long)},
+                                  {"position_bias": torch.zeros(1)}, {"is_causal": False}])
+def test_an_attention_term_learnkv_does_not_implement_is_refused(tiny, monkeypatch, term):
+    """A term a model hands the attention function that would change the result (sparse indices, a relative position
+    bias, non-causal attention) is refused in one line naming the attention module, never ignored."""
+    from transformers.models.llama import modeling_llama
+
+    real = modeling_llama.LlamaAttention.forward
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", lambda self, *a, **k: real(self, *a, **k, **term))
+    with pytest.raises(ValueError, match=rf"LlamaAttention hands its attention {next(iter(term))}, which") as err:
+        generate(tiny, input_ids=random_ids(8), policy="h2o", budget=6, max_new_tokens=3)
+    assert "\n" not in str(err.value)
