@@ -198,3 +198,12 @@ def test_an_attention_term_learnkv_does_not_implement_is_refused(tiny, monkeypat
     with pytest.raises(ValueError, match=rf"LlamaAttention hands its attention {next(iter(term))}, which") as err:
         generate(tiny, input_ids=random_ids(8), policy="h2o", budget=6, max_new_tokens=3)
     assert "\n" not in str(err.value)
+
+
+def test_shared_block_decisions_are_refused_for_sliding_layers(models):
+    """granularity='block' shares one decision across every layer, which layers holding different tokens cannot."""
+    _, ours = models("gemma2")
+    with pytest.raises(ValueError, match=r"granularity 'block' .* layer 0 has a sliding window of 8") as err:
+        generate(ours, input_ids=random_ids(PROMPT, vocab=VOCAB), policy="h2o", budget=10, max_new_tokens=4,
+                 granularity="block", block_size=4)
+    assert "\n" not in str(err.value)
