@@ -470,6 +470,7 @@ class BudgetCache(Cache):
         layer: BudgetLayer = self.layers[layer_idx]
         if window is None or max(layer.live) < window:
             return stats
+        t0 = time.perf_counter()
         keep = [min(live, window - 1) for live in layer.live]
         positions = layer.positions
         # the newest by position: positions as scores, nothing protected (a sink past the window is never seen again)
@@ -477,9 +478,10 @@ class BudgetCache(Cache):
         compacts = layer.compacts(index.shape[-1])
         layer.evict(index, live=keep)
         layer.n_new = min(layer.n_new, layer.n_slots)
-        if not compacts:  # marked dead in place: the statistics stay aligned with the slots
-            return stats
-        return tuple(None if t is None else _gather_slots(t, index) for t in stats)
+        if compacts:  # else marked dead in place: the statistics stay aligned with the slots
+            stats = tuple(None if t is None else _gather_slots(t, index) for t in stats)
+        self.eviction_s += time.perf_counter() - t0
+        return stats
 
     def _row_decision(self, layer: BudgetLayer) -> tuple[list[int], bool]:
         """Per row, what to keep now (its keep target if it is over its budget, else every live token), and

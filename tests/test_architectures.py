@@ -207,3 +207,22 @@ def test_shared_block_decisions_are_refused_for_sliding_layers(models):
         generate(ours, input_ids=random_ids(PROMPT, vocab=VOCAB), policy="h2o", budget=10, max_new_tokens=4,
                  granularity="block", block_size=4)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("budget", [6, 10])  # below the window (the policy decides there too), at least the window
+@pytest.mark.parametrize("name", ["gemma2", "mistral-window"])
+def test_slack_keeps_the_same_tokens_in_sliding_layers(models, name, budget):
+    """With slack, a sliding layer's dropped tokens stay in place, dead, until a compaction: the same live tokens and
+    the same output as compacting at every step."""
+    _, ours = models(name)
+    ids, mask = batch()
+    runs = []
+    for slack in (0, 3):
+        kept = []
+        logits, result = decode_logits(ours, input_ids=ids, attention_mask=mask, policy="h2o", budget=budget, slack=slack,
+                                       observer=lambda c: kept.append([sorted(set(layer.positions[r, h].tolist()) - {-1})
+                                                                       for layer in c.layers for r in range(2)
+                                                                       for h in range(layer.positions.shape[1])]))
+        runs.append((logits, kept, result.kept_rows))
+    assert runs[0][1] == runs[1][1] and runs[0][2] == runs[1][2]
+    assert (runs[0][0] - runs[1][0]).abs().max().item() <= 1e-5
