@@ -140,6 +140,7 @@ def test_full_cache_bytes_count_sliding_layers_bounded(models):
     per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # keys + values, fp32
     assert result.full_kv_bytes == ((WINDOW - 1) + (PROMPT + NEW - 2) + 2) * per_token  # not 2 * (PROMPT + NEW - 1)
     assert result.peak_kv_bytes == result.full_kv_bytes and result.summary()["kv_share"] == 1.0
+    assert result.kept_share() == 1.0  # held over what a full cache of this model holds, step by step
     h2o = generate(ours, input_ids=random_ids(PROMPT, vocab=VOCAB), max_new_tokens=NEW, policy="h2o", budget=10)
     assert h2o.peak_kv_bytes == max(2 * PROMPT, (WINDOW - 1) + 10 + 2) * per_token
 
