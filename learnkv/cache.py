@@ -470,7 +470,6 @@ class BudgetCache(Cache):
         layer: BudgetLayer = self.layers[layer_idx]
         if window is None or max(layer.live) < window:
             return stats
-        t0 = time.perf_counter()
         keep = [min(live, window - 1) for live in layer.live]
         positions = layer.positions
         # the newest by position: positions as scores, nothing protected (a sink past the window is never seen again)
@@ -480,8 +479,12 @@ class BudgetCache(Cache):
         layer.n_new = min(layer.n_new, layer.n_slots)
         if compacts:  # else marked dead in place: the statistics stay aligned with the slots
             stats = tuple(None if t is None else _gather_slots(t, index) for t in stats)
-        self.eviction_s += time.perf_counter() - t0
         return stats
+
+    def _over_window(self, layer_idx: int) -> bool:
+        """Whether a sliding layer holds more than its next query can see (`_drop_by_age` has work to do)."""
+        window = self.windows.get(layer_idx)
+        return window is not None and max(self.layers[layer_idx].live) >= window
 
     def _row_decision(self, layer: BudgetLayer) -> tuple[list[int], bool]:
         """Per row, what to keep now (its keep target if it is over its budget, else every live token), and
@@ -499,13 +502,14 @@ class BudgetCache(Cache):
         """Hand the step's attention statistics to the policy, then evict if a row is over its budget. Called once
         per layer per step. On a stacked step (see the class docstring) the statistics are kept, and `end_step`
         runs every layer's update and eviction at once."""
-        if self.windows.get(layer_idx) is not None:
-            attn, attn_sum, attn_sq_sum = self._drop_by_age(layer_idx, (attn, attn_sum, attn_sq_sum))
         policy = self.policy
-        if not (policy.evicts or policy.needs_attention):
-            return
-        if self._stack_step:
-            self._stash[layer_idx] = (attn, attn_sum, attn_sq_sum)
+        if not (policy.evicts or policy.needs_attention) or self._stack_step:
+            if self._over_window(layer_idx):  # a decode step: the dropped token had no attention from its query
+                t0 = time.perf_counter()
+                attn, attn_sum, attn_sq_sum = self._drop_by_age(layer_idx, (attn, attn_sum, attn_sq_sum))
+                self.eviction_s += time.perf_counter() - t0
+            if self._stack_step:
+                self._stash[layer_idx] = (attn, attn_sum, attn_sq_sum)
             return
         self._observe_layer(layer_idx, attn, attn_sum, attn_sq_sum)
 
@@ -514,28 +518,18 @@ class BudgetCache(Cache):
         """One layer's policy update and eviction (`observe`)."""
         layer: BudgetLayer = self.layers[layer_idx]
         policy = self.policy
-        keep, due = self._row_decision(layer) if policy.evicts else (layer.live, False)
+        keep, due, view = self._layer_view(layer_idx, (attn, attn_sum, attn_sq_sum))
+        t0 = time.perf_counter()
+        policy.update(view)
+        if self._over_window(layer_idx):
+            # the policy saw the step's attention over every slot (at a prefill, early queries attend to tokens the
+            # next query cannot see); then the window drops those, and the policy decides on what remains
+            keep, due, view = self._layer_view(layer_idx, self._drop_by_age(layer_idx, (attn, attn_sum, attn_sq_sum)))
         if due and self.step == 0:
             for live, budget in zip(layer.live, self.budgets):
                 error = blind_prefill_error(policy, live, budget)
                 if error:
                     raise ValueError(error)
-        view = LayerView(
-            layer=layer_idx,
-            step=self.step,
-            keys=layer.keys,
-            values=layer.values,
-            positions=layer.positions,
-            n_new=layer.n_new,
-            attn=attn,
-            attn_sum=attn_sum,
-            attn_sq_sum=attn_sq_sum,
-            keep=_one_or_rows(keep),
-            state=layer.state,
-            live=layer.live,
-        )
-        t0 = time.perf_counter()
-        policy.update(view)
         if due:
             scores = self._score_due_rows(view) if self.shared_block is None else policy.score(view)
             if self.shared_block is not None:
@@ -551,6 +545,16 @@ class BudgetCache(Cache):
                 layer.evict(index, live=keep if block == 1 else None)
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
         self.eviction_s += time.perf_counter() - t0
+
+    def _layer_view(self, layer_idx: int, stats: tuple) -> tuple[list[int], bool, LayerView]:
+        """Per row what to keep, whether any row evicts now, and the policy's view of the layer with ``stats``."""
+        layer: BudgetLayer = self.layers[layer_idx]
+        keep, due = self._row_decision(layer) if self.policy.evicts else (layer.live, False)
+        attn, attn_sum, attn_sq_sum = stats
+        view = LayerView(layer=layer_idx, step=self.step, keys=layer.keys, values=layer.values,
+                         positions=layer.positions, n_new=layer.n_new, attn=attn, attn_sum=attn_sum,
+                         attn_sq_sum=attn_sq_sum, keep=_one_or_rows(keep), state=layer.state, live=layer.live)
+        return keep, due, view
 
     def _score_due_rows(self, view: LayerView) -> Tensor:
         """The policy's scores of the rows that evict now (`LayerView.due_rows`; the others keep every live token

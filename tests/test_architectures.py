@@ -227,3 +227,20 @@ def test_slack_keeps_the_same_tokens_in_sliding_layers(models, name, budget):
         runs.append((logits, kept, result.kept_rows))
     assert runs[0][1] == runs[1][1] and runs[0][2] == runs[1][2]
     assert (runs[0][0] - runs[1][0]).abs().max().item() <= 1e-5
+
+
+def test_full_attention_capture_sees_every_key_of_a_sliding_layer(models):
+    """The prefill's early queries attend to tokens the window then drops: a policy that records the prefill's
+    attention (the oracle's and the fidelity metrics' reference, `step_attention`) sees every key position of every
+    layer, and a sliding layer's mass past the window is zero."""
+    from learnkv.policies.oracle import step_attention
+
+    _, ours = models("gemma2")  # layer 0 slides (window 8)
+    prompt, continuation = random_ids(PROMPT, vocab=VOCAB), random_ids(NEW, seed=2, vocab=VOCAB)
+    attention = step_attention(ours, prompt, continuation)
+    L = PROMPT + NEW - 1
+    assert [tuple(a.shape) for a in attention] == [(2, NEW - 1, L)] * 2
+    query = torch.arange(PROMPT, L)[:, None]
+    past_window = torch.arange(L)[None, :] <= query - WINDOW
+    assert attention[0][:, past_window].abs().max() == 0 and attention[1][:, past_window].abs().max() > 0
+    assert torch.allclose(attention[0].float().sum(-1), torch.ones(2, NEW - 1), atol=1e-2)
