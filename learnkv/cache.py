@@ -28,8 +28,8 @@ the prefill (`Policy.scores_prefill`), which is an error rather than a blind dec
 Sliding-window layers (Mistral, Phi-3, Gemma 2/3, GPT-OSS): the attention function tells the cache each layer's
 window at every forward pass (`attended`). The budget is one bound for every layer; a sliding layer is also bounded
 by its window: it never holds more than ``window - 1`` tokens after a step (what the next query can still see; as
-transformers' own sliding cache), the oldest dropped by age, at no cost to the model, before the policy sees the
-layer. So at a budget of at least ``window - 1`` the policy decides only in the full-attention layers; at a smaller
+transformers' own sliding cache), the oldest dropped by age, at no cost to the model, after the policy has seen the
+step's attention and before it decides. So at a budget of at least ``window - 1`` the policy decides only in the full-attention layers; at a smaller
 budget it decides in the sliding layers too, as in any layer, and a token it keeps past the window is masked (never
 attended) until the policy evicts it. Every layer's live tokens are counted alike (`kept_rows`).
 
