@@ -107,13 +107,16 @@ def gather_tokens(x, index, dim, out=None):
     return impl(x, index, dim, out)
 
 
-def decode_attention(query, key, value, key_positions, query_positions, scaling=None, reduce="mean"):
-    """One decode step: output ``[B, 1, Hq, D]`` and group-reduced attention ``[B, H, T]``; see `kernels.reference`."""
+def decode_attention(query, key, value, key_positions, query_positions, scaling=None, reduce="mean", *,
+                     window=None, softcap=None, sinks=None):
+    """One decode step: output ``[B, 1, Hq, D]`` and group-reduced attention ``[B, H, T]`` (``window``, ``softcap``
+    and ``sinks``: a sliding window, logit softcapping, per-head sink logits); see `kernels.reference`."""
     if _use_triton(query, key, value, key_positions, query_positions):
         from kernels.decode_attn import decode_attention as impl
     else:
         from kernels.reference import decode_attention_reference as impl
-    return impl(query, key, value, key_positions, query_positions, scaling, reduce)
+    return impl(query, key, value, key_positions, query_positions, scaling, reduce, window=window, softcap=softcap,
+                sinks=sinks)
 
 
 def block_scores(keys, values, block_size):

@@ -14,7 +14,9 @@ K is read twice and V once. Compute is fp32 (bf16/fp16 inputs are upcast right a
 use IEEE precision; on 16-bit inputs they use TF32, which is exact for the upcast q and k (TF32 holds a bf16 or
 fp16 mantissa) and rounds only P in ``P @ V``, well below the output's own rounding.
 Masking follows `learnkv_attention`: a hidden key scores the fp32 minimum, not -inf, so a query that sees no key
-attends uniformly.
+attends uniformly. A sliding window hides keys at ``key_pos <= query_pos - window`` too; softcapping maps scores
+through ``softcap * tanh(scores / softcap)`` (tanh as ``2 * sigmoid(2x) - 1``) before masking; sink logits (one per
+query head) join the softmax normaliser in `_probs_pv_kernel` and are dropped.
 """
 
 from __future__ import annotations
@@ -25,15 +27,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _scores(q, k_base, kpos_base, qpos, start, t_end, offs_d, md, sk_t, sk_d, sp_t, scaling,
-            BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _scores(q, k_base, kpos_base, qpos, start, t_end, offs_d, md, sk_t, sk_d, sp_t, scaling, window, softcap,
+            BLOCK_T: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
+            SOFTCAP: tl.constexpr):  # fmt: skip
     """Masked scores ``[BLOCK_G, BLOCK_T]`` of the group's queries against keys ``start .. start + BLOCK_T``."""
     offs_t = start + tl.arange(0, BLOCK_T)
     mt = offs_t < t_end
     k = tl.load(k_base + offs_t[:, None] * sk_t + offs_d[None, :] * sk_d, mask=mt[:, None] & md[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scaling
+    if SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
     kpos = tl.load(kpos_base + offs_t * sp_t, mask=mt, other=-1)
     visible = (kpos >= 0) & (kpos <= qpos)
+    if WINDOWED:
+        visible = visible & (kpos > qpos - window)
     s = tl.where(visible[None, :], s, -3.4028234663852886e38)  # torch.finfo(torch.float32).min
     return tl.where(mt[None, :], s, float("-inf")), offs_t, mt
 
@@ -53,9 +60,10 @@ def _load_group(q_ptr, b, h, G, D, sq_b, sq_h, sq_d, BLOCK_G: tl.constexpr, BLOC
 @triton.jit
 def _stats_kernel(
     q_ptr, k_ptr, kpos_ptr, qpos_ptr, m_ptr, l_ptr,
-    H, T, G, D, split_t, scaling,
+    H, T, G, D, split_t, scaling, window, softcap,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sp_b, sp_h, sp_t, sqp,
     BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -71,8 +79,8 @@ def _stats_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     for start in range(t_begin, t_end, BLOCK_T):
-        s, _, _ = _scores(q, k_base, kpos_base, qpos, start, t_end, offs_d, md, sk_t, sk_d, sp_t, scaling,
-                          BLOCK_T, PRECISION)  # fmt: skip
+        s, _, _ = _scores(q, k_base, kpos_base, qpos, start, t_end, offs_d, md, sk_t, sk_d, sp_t, scaling, window,
+                          softcap, BLOCK_T, PRECISION, WINDOWED, SOFTCAP)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
         m_i = m_new
@@ -83,11 +91,11 @@ def _stats_kernel(
 
 @triton.jit
 def _probs_pv_kernel(
-    q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, m_ptr, l_ptr, probs_ptr, acc_ptr,
-    H, T, G, D, split_t, scaling,
+    q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, m_ptr, l_ptr, probs_ptr, acc_ptr, sinks_ptr,
+    H, T, G, D, split_t, scaling, window, softcap,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_h, sp_t, sqp,
     REDUCE_MAX: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -107,15 +115,20 @@ def _probs_pv_kernel(
     m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
     for i in range(0, n_splits):
         m_all = tl.maximum(m_all, tl.load(m_ptr + stats + i * BLOCK_G))
+    if SINKS:  # the head's sink logit joins the normaliser (and the max, so exp never overflows)
+        sink = tl.load(sinks_ptr + h * G + offs_g, mask=mg, other=float("-inf")).to(tl.float32)
+        m_all = tl.maximum(m_all, sink)
     l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
     for i in range(0, n_splits):
         l_all += tl.load(l_ptr + stats + i * BLOCK_G) * tl.exp(tl.load(m_ptr + stats + i * BLOCK_G) - m_all)
+    if SINKS:
+        l_all += tl.exp(sink - m_all)
 
     keep_row = (qpos >= 0).to(tl.float32)  # a padding query hands no attention to the cache
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for start in range(t_begin, t_end, BLOCK_T):
         s, offs_t, mt = _scores(q, k_base, kpos_base, qpos, start, t_end, offs_d, md, sk_t, sk_d, sp_t, scaling,
-                                BLOCK_T, PRECISION)  # fmt: skip
+                                window, softcap, BLOCK_T, PRECISION, WINDOWED, SOFTCAP)  # fmt: skip
         p = tl.exp(s - m_all[:, None]) / l_all[:, None]
         p_group = tl.where(mg[:, None], p, 0.0)
         if REDUCE_MAX:
@@ -146,7 +159,8 @@ def _combine_kernel(acc_ptr, out_ptr, G, D, n_splits, BLOCK_G: tl.constexpr, BLO
 
 def decode_attention(
     query, key, value, key_positions, query_positions, scaling=None, reduce: str = "mean",
-    *, block_t: int | None = None, split_t: int | None = None,
+    *, window: int | None = None, softcap: float | None = None, sinks=None, block_t: int | None = None,
+    split_t: int | None = None,
 ):  # fmt: skip
     """Triton launcher of `kernels.reference.decode_attention_reference` (same arguments and results).
 
@@ -164,6 +178,9 @@ def decode_attention(
         Score scale, ``D ** -0.5`` by default.
     reduce : str
         "mean" or "max" over each KV head's G query heads.
+    window, softcap, sinks : optional
+        A sliding window (keys at ``key_pos <= query_pos - window`` hidden), logit softcapping, and ``[Hq]`` sink
+        logits, as in the reference.
     block_t, split_t : int, optional
         Tuning: keys per inner block (power of two >= 16) and keys per split (rounded up to a multiple of
         ``block_t``). By default the splits give the GPU about four programs per SM.
@@ -208,18 +225,23 @@ def decode_attention(
     out = torch.empty(B, 1, Hq, D, dtype=query.dtype, device=device)
     sq = (query.stride(0), query.stride(1), query.stride(3))
     grid = (B * H, n_splits)
+    windowed, capped = window is not None, softcap is not None
+    window, softcap = (int(window) if windowed else 0), (float(softcap) if capped else 1.0)
+    has_sinks = sinks is not None
+    sinks = sinks.contiguous() if has_sinks else probs  # an unused pointer when there are no sinks
     _stats_kernel[grid](
         query, key, key_positions, query_positions, m_part, l_part,
-        H, T, G, D, split_t, scaling,
+        H, T, G, D, split_t, scaling, window, softcap,
         *sq, *key.stride(), *key_positions.stride(), query_positions.stride(0),
-        BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=precision, num_warps=warps,
+        BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=precision, WINDOWED=windowed, SOFTCAP=capped,
+        num_warps=warps,
     )  # fmt: skip
     _probs_pv_kernel[grid](
-        query, key, value, key_positions, query_positions, m_part, l_part, probs, acc_part,
-        H, T, G, D, split_t, scaling,
+        query, key, value, key_positions, query_positions, m_part, l_part, probs, acc_part, sinks,
+        H, T, G, D, split_t, scaling, window, softcap,
         *sq, *key.stride(), *value.stride(), *key_positions.stride(), query_positions.stride(0),
         REDUCE_MAX=reduce == "max", BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=precision,
-        num_warps=warps,
+        WINDOWED=windowed, SOFTCAP=capped, SINKS=has_sinks, num_warps=warps,
     )  # fmt: skip
     _combine_kernel[(B * H,)](acc_part, out, G, D, n_splits, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=warps)
     return out, probs

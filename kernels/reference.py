@@ -193,6 +193,10 @@ def decode_attention_reference(
     query_positions: Tensor,
     scaling: float | None = None,
     reduce: str = "mean",
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One decode step of `learnkv.attention.learnkv_attention` (q = 1), in fp32, plus its attention statistic.
 
@@ -212,6 +216,13 @@ def decode_attention_reference(
         Score scale, ``D ** -0.5`` by default.
     reduce : str
         "mean" or "max" over the G query heads of each KV head.
+    window : int, optional
+        Sliding window: a key is visible only if also ``key_pos > query_pos - window``.
+    softcap : float, optional
+        Scores become ``softcap * tanh(scores / softcap)`` (before masking, as Gemma 2).
+    sinks : Tensor, optional
+        ``[Hq]`` sink logits: each joins its query head's softmax normaliser and is dropped (GPT-OSS), so the
+        probabilities sum to less than 1.
 
     Returns
     -------
@@ -229,10 +240,18 @@ def decode_attention_reference(
     if scaling is None:
         scaling = D**-0.5
     scores = torch.matmul(query.float().reshape(B, H, G, D), key.float().transpose(-1, -2)) * scaling  # [B, H, G, T]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     visible = (key_positions >= 0) & (key_positions <= query_positions[:, None, None])
+    if window is not None:
+        visible = visible & (key_positions > query_positions[:, None, None] - window)
     scores = scores.masked_fill(~visible[:, :, None, :], torch.finfo(torch.float32).min)
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, value.float()).reshape(B, 1, Hq, D).to(query.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().view(1, H, G, 1).expand(B, H, G, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :T]
+    out = torch.matmul(probs, value.float()).reshape(B, 1, Hq, -1).to(query.dtype)
     reduced = probs.amax(dim=2) if reduce == "max" else probs.mean(dim=2)
     return out, reduced * (query_positions >= 0)[:, None, None]
 

@@ -10,14 +10,28 @@ without `output_attentions` and without returning the per-head probability matri
 
 The cache is anything with ``policy`` (the policy deciding in this step: its ``needs_attention``, ``group_reduce``,
 ``obs_window`` and ``needs_sq_sum`` say what to hand over), ``layer_positions``, ``step_positions`` and ``observe``
-(`learnkv.cache.BudgetCache`, the serving simulator's request cache, test doubles).
+(`learnkv.cache.BudgetCache`, the serving simulator's request cache, test doubles), and optionally ``attended``
+(told each layer's sliding window before its attention).
 
 The mask comes from the cache's slot positions (key position <= query position, padding excluded), so
-transformers builds no mask for this implementation. Without a BudgetCache (`learnkv_cache` kwarg) it
-falls back to plain causal attention by index.
+transformers builds no mask for this implementation. Without a BudgetCache (the `learnkv_cache` kwarg, or the
+one `active_cache` holds for the forward pass in progress) it falls back to plain causal attention by index.
+
+What the model's attention module hands over is honoured as transformers' own eager attention does, on the torch
+path and in the fused kernel alike: ``sliding_window`` (a key is visible only within the query's newest ``window``
+positions; the cache is told each layer's window, `BudgetCache.attended`, and drops what falls out of it),
+``softcap`` (scores ``softcap * tanh(scores / softcap)``, Gemma 2) and ``s_aux`` (one sink logit per query head that
+joins the softmax's normaliser and is then dropped, GPT-OSS). A cache that holds fewer KV heads than the keys have
+(MLA: one latent per token, expanded per query head by the model) gets its statistics reduced over every query head
+that shares a cached head. Any other term a model hands over that would change the attention (DeepSeek-V3.2's
+sparse ``indices``, a T5-style ``position_bias``, ``is_causal=False``...) is refused in one line naming the module,
+never ignored (`unsupported_terms`).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +39,25 @@ from torch import Tensor, nn
 import kernels
 
 NAME = "learnkv"
+
+#: keywords transformers hands attention functions that do not change the attention computed here (flash-attention
+#: packing and bookkeeping flags); any other keyword with a value is refused (`unsupported_terms`)
+NEUTRAL_TERMS = frozenset({"position_ids", "use_cache", "output_attentions", "output_router_logits", "cache_position",
+                           "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
+
+# the cache of the forward pass in progress, for attention modules whose decoder layer does not pass extra keyword
+# arguments on (StableLM): `learnkv_cache` reaches them this way
+_ACTIVE_CACHE: contextvars.ContextVar = contextvars.ContextVar("learnkv_cache", default=None)
+
+
+@contextlib.contextmanager
+def active_cache(cache):
+    """Make ``cache`` the attention function's cache for the block, where no ``learnkv_cache`` kwarg reaches it."""
+    token = _ACTIVE_CACHE.set(cache)
+    try:
+        yield
+    finally:
+        _ACTIVE_CACHE.reset(token)
 
 
 def learnkv_attention(
@@ -36,39 +69,70 @@ def learnkv_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     learnkv_cache=None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """query ``[B, Hq, q, D]``, key/value ``[B, H, T, D]`` -> output ``[B, q, Hq, D]``."""
+    """query ``[B, Hq, q, D]``, key ``[B, H, T, D]``, value ``[B, H, T, Dv]`` -> output ``[B, q, Hq, Dv]``.
+
+    ``sliding_window``, ``softcap`` and ``s_aux`` (sink logits ``[Hq]``) as the model's attention module passes
+    them (see the module docstring); None where it has none."""
+    if learnkv_cache is None:
+        learnkv_cache = _ACTIVE_CACHE.get()
+    if terms := unsupported_terms(kwargs):
+        raise ValueError(f"{type(module).__name__} hands its attention {', '.join(terms)}, which learnkv's attention "
+                         "does not implement: refusing rather than computing a different attention")
     B, Hq, q, D = query.shape
-    H, T = key.shape[1], key.shape[2]
+    H, T, Dv = key.shape[1], key.shape[2], value.shape[-1]
     G = Hq // H
     if scaling is None:
         scaling = D**-0.5
-    fused = learnkv_cache is not None and q == 1 and _fused_decode_ok(learnkv_cache.policy)
+    if learnkv_cache is not None and hasattr(learnkv_cache, "attended"):
+        learnkv_cache.attended(module.layer_idx, sliding_window)
+    fused = (learnkv_cache is not None and q == 1 and _fused_decode_ok(learnkv_cache.policy)
+             and Dv == D and learnkv_cache.layer_positions(module.layer_idx).shape[1] == H)  # fmt: skip
     if fused and kernels.use_triton(query, key):
-        return _fused_decode(module, query, key, value, scaling, learnkv_cache)
+        return _fused_decode(module, query, key, value, scaling, learnkv_cache, sliding_window, softcap, s_aux)
     # query heads j*G .. j*G+G-1 share KV head j (the order repeat_kv uses), so a reshape groups them
     scores = torch.matmul(query.reshape(B, H, G * q, D), key.transpose(-1, -2)) * scaling
     scores = scores.view(B, H, G, q, T)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
 
     if learnkv_cache is not None:
-        key_pos = learnkv_cache.layer_positions(module.layer_idx)[:, :, None, None, :]  # [B, H, 1, 1, T]
+        key_pos = learnkv_cache.layer_positions(module.layer_idx)  # [B, Hc, T], Hc = H or 1 (a latent shared by all)
+        key_pos = key_pos[:, :, None, None, :]
         query_pos = learnkv_cache.step_positions.to(key.device)  # [B, q]
         allowed = (key_pos >= 0) & (key_pos <= query_pos[:, None, None, :, None])
+        if sliding_window is not None:
+            allowed = allowed & (key_pos > query_pos[:, None, None, :, None] - sliding_window)
     else:
         allowed = torch.ones(q, T, dtype=torch.bool, device=key.device).tril(T - q)
         if attention_mask is not None:  # a user-supplied 4D additive mask [B, 1 or Hq, q, T] replaces causality
             m = attention_mask
             scores = scores + (m[:, :, None] if m.shape[1] == 1 else m.view(B, H, G, q, T))
             allowed = torch.ones_like(allowed)
+        elif sliding_window is not None:  # query i (index T - q + i) sees keys j > T - q + i - window
+            allowed = allowed & torch.ones_like(allowed).triu(T - q - sliding_window + 1)
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if s_aux is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:  # the sink joins the normaliser and is dropped: the probabilities sum to less than 1
+        sink = s_aux.to(scores.dtype).view(1, H, G, 1, 1).expand(B, H, G, q, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :T]
     out = torch.matmul(probs.to(query.dtype).view(B, H, G * q, T), value)
-    out = out.view(B, Hq, q, D).transpose(1, 2).contiguous()
+    out = out.view(B, Hq, q, Dv).transpose(1, 2).contiguous()
 
     if learnkv_cache is not None:
         _hand_statistics(learnkv_cache, module.layer_idx, probs, query_pos)
     return out, None
+
+
+def unsupported_terms(kwargs: dict) -> list[str]:
+    """The keywords of an attention call that learnkv would otherwise ignore though they change the result."""
+    return sorted(k for k, v in kwargs.items()
+                  if v is not None and k not in NEUTRAL_TERMS and not (k == "is_causal" and v is True))
 
 
 def _fused_decode_ok(policy) -> bool:
@@ -76,13 +140,15 @@ def _fused_decode_ok(policy) -> bool:
     return not (policy.evicts or policy.needs_attention) or policy.group_reduce in ("mean", "max")
 
 
-def _fused_decode(module, query: Tensor, key: Tensor, value: Tensor, scaling: float, cache) -> tuple[Tensor, None]:
+def _fused_decode(module, query: Tensor, key: Tensor, value: Tensor, scaling: float, cache, window: int | None,
+                  softcap: float | None, sinks: Tensor | None) -> tuple[Tensor, None]:
     """One decode step on CUDA through `kernels.decode_attention` (no [B, Hq, T] probability matrix in memory)."""
     policy = cache.policy
     key_pos = cache.layer_positions(module.layer_idx)
     query_pos = cache.step_positions[:, 0].to(key.device)
     reduce = policy.group_reduce if policy.group_reduce in ("mean", "max") else "mean"
-    out, attn = kernels.decode_attention(query, key, value, key_pos, query_pos, scaling, reduce)  # [B,1,Hq,D], [B,H,T]
+    out, attn = kernels.decode_attention(query, key, value, key_pos, query_pos, scaling, reduce, window=window,
+                                         softcap=softcap, sinks=sinks)  # [B, 1, Hq, D], [B, H, T]
     if policy.needs_attention:
         cache.observe(module.layer_idx, attn=attn[:, :, None, :], attn_sum=attn,
                       attn_sq_sum=attn * attn if policy.needs_sq_sum else None)
@@ -101,7 +167,10 @@ def _hand_statistics(cache, layer_idx: int, probs: Tensor, query_pos: Tensor) ->
     if not policy.needs_attention:
         cache.observe(layer_idx)
         return
-    q = probs.shape[3]
+    B, H, G, q, T = probs.shape
+    Hc = cache.layer_positions(layer_idx).shape[1]
+    if Hc != H:  # fewer cached heads than key heads (MLA's one latent): reduce over every query head sharing one
+        probs = probs.reshape(B, Hc, H // Hc * G, q, T)
     # padding query rows contribute nothing; a cache that knows every row's valid tokens (`BudgetCache.step_valid`,
     # on the host) spares the multiply when none is padding (a decode step: x * 1.0 is x, bit for bit)
     valid = getattr(cache, "step_valid", None)

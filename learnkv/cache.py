@@ -25,6 +25,14 @@ PrefillDecodingPress: the prefill policy decides at the prefill, then its state 
 starts its own at the first decode step), else by the decode policy, unless that policy has nothing to score at
 the prefill (`Policy.scores_prefill`), which is an error rather than a blind decision.
 
+Sliding-window layers (Mistral, Phi-3, Gemma 2/3, GPT-OSS): the attention function tells the cache each layer's
+window at every forward pass (`attended`). The budget is one bound for every layer; a sliding layer is also bounded
+by its window: it never holds more than ``window - 1`` tokens after a step (what the next query can still see; as
+transformers' own sliding cache), the oldest dropped by age, at no cost to the model, after the policy has seen the
+step's attention and before it decides. So at a budget of at least ``window - 1`` the policy decides only in the full-attention layers; at a smaller
+budget it decides in the sliding layers too, as in any layer, and a token it keeps past the window is masked (never
+attended) until the policy evicts it. Every layer's live tokens are counted alike (`kept_rows`).
+
 Rows of a batch decode exactly as each would alone: each row has its own budget and live-token count, evicts when
 it overflows and keeps its own target; a row that keeps fewer slots than the widest row of its layer holds dead
 slots at the left, where left padding is. Each slot carries its token's original position ([B, H, T], -1 for
@@ -80,6 +88,14 @@ def _channel_view(packed: Tensor, first: int, extra: tuple[int, ...], axis: int)
     if not extra:
         return packed.select(axis, first)
     return packed.narrow(axis, first, math.prod(extra)).unflatten(axis, extra)
+
+
+def _gather_slots(stat: Tensor, index: Tensor) -> Tensor:
+    """A step statistic ``[B, H, ..., T]`` for the kept slots ``index [B, H, K]`` (-1: a filler slot, 0)."""
+    B, H, K = index.shape
+    idx = index.clamp(min=0).view(B, H, *([1] * (stat.dim() - 3)), K).expand(*stat.shape[:-1], K)
+    filler = (index < 0).view(B, H, *([1] * (stat.dim() - 3)), K)
+    return stat.gather(-1, idx).masked_fill(filler, 0)
 
 
 def _one_or_rows(values: list[int]) -> int | list[int]:
@@ -139,7 +155,7 @@ class BudgetLayer(DynamicLayer):
             raise RuntimeError("BudgetCache.begin_step(positions) must be called before each forward pass")
         n = self.n_slots
         if n + q > self.capacity:
-            self._allocate(self.owner.slots_to_allocate(n + q, self.capacity), key_states, n)
+            self._allocate(self.owner.slots_to_allocate(n + q, self.capacity), key_states, value_states, n)
         kb, vb, pb = self._buffers
         kb[:, :, n : n + q] = key_states
         vb[:, :, n : n + q] = value_states
@@ -150,12 +166,13 @@ class BudgetLayer(DynamicLayer):
         self.live = [live + new for live, new in zip(self.live or [0] * B, self.owner.step_valid)]
         return self.keys, self.values
 
-    def _allocate(self, capacity: int, like: Tensor, n_copy: int) -> None:
-        """New buffers of ``capacity`` slots holding the first ``n_copy`` current slots."""
-        B, H, _, D = like.shape
-        kb = like.new_empty(B, H, capacity, D)
-        vb = like.new_empty(B, H, capacity, D)
-        pb = torch.empty((B, H, capacity), dtype=torch.long, device=like.device)  # slots past n_slots are never read
+    def _allocate(self, capacity: int, keys: Tensor, values: Tensor, n_copy: int) -> None:
+        """New buffers of ``capacity`` slots holding the first ``n_copy`` current slots (keys and values may differ in
+        width: MLA caches a latent and its rotary part)."""
+        B, H = keys.shape[:2]
+        kb = keys.new_empty(B, H, capacity, keys.shape[-1])
+        vb = values.new_empty(B, H, capacity, values.shape[-1])
+        pb = torch.empty((B, H, capacity), dtype=torch.long, device=keys.device)  # slots past n_slots are never read
         if n_copy:
             kb[:, :, :n_copy] = self.keys
             vb[:, :, :n_copy] = self.values
@@ -248,7 +265,7 @@ class BudgetLayer(DynamicLayer):
             self._pack_state(self.n_slots, self.n_slots)  # entries the policy rebound this step, into their channels
         old = self._buffers
         filler = index < 0
-        C = self.owner.slots_to_allocate(K, 0)
+        C = self.owner.slots_to_allocate(K, 0, self.owner.windows.get(self.layer_idx))
         # gathered into fresh buffers (in place, one program's writes would overwrite slots another still reads),
         # sized for the steady state, so a long prompt compressed to the budget gives its memory back. The index runs
         # on past K with slot 0 to the C slots of a buffer, so the gather's output *is* the new buffer: each kept
@@ -352,6 +369,10 @@ class BudgetCache(Cache):
         self._stash: dict[int, tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
         self._stack: tuple[Tensor, dict[torch.dtype, Tensor]] | None = None
         self.eviction_s = 0.0
+        # per layer: the sliding window its attention was called with (None: full attention), and the layers whose
+        # attention ran learnkv's function with this cache at the prefill (`ungoverned_layers`)
+        self.windows: dict[int, int | None] = {}
+        self._attended_at_prefill: set[int] = set()
 
     @property
     def budget(self) -> int | None:
@@ -422,6 +443,49 @@ class BudgetCache(Cache):
     def layer_positions(self, layer_idx: int) -> Tensor:
         return self.layers[layer_idx].positions
 
+    def attended(self, layer_idx: int, window: int | None) -> None:
+        """Called by the attention function before each layer's attention: the layer's sliding window (None: full
+        attention), so the cache drops what falls out of it (`_drop_by_age`), and a record that the layer's
+        attention runs through learnkv (`ungoverned_layers`)."""
+        if window is not None and self.shared_block is not None:
+            raise ValueError(f"granularity 'block' shares one decision across every layer, but layer {layer_idx} has a "
+                             f"sliding window of {window} tokens: use granularity 'token' for this model")
+        self.windows[layer_idx] = window
+        if self.step == 0:
+            self._attended_at_prefill.add(layer_idx)
+
+    def ungoverned_layers(self) -> list[int]:
+        """After the prefill: the layers that cached tokens but whose attention never ran learnkv's attention function
+        with this cache (the model bypasses transformers' attention interface, or does not hand its attention the
+        cache), so no eviction would reach them; every layer if none cached anything."""
+        written = [i for i, layer in enumerate(self.layers) if layer.is_initialized]
+        if not written:
+            return list(range(len(self.layers)))
+        return [i for i in written if i not in self._attended_at_prefill]
+
+    def _drop_by_age(self, layer_idx: int, stats: tuple) -> tuple:
+        """Drop a sliding layer's tokens the next query can no longer see (rows holding more than ``window - 1``
+        keep their newest ``window - 1``) and return the step's statistics for the slots that remain."""
+        window = self.windows.get(layer_idx)
+        layer: BudgetLayer = self.layers[layer_idx]
+        if window is None or max(layer.live) < window:
+            return stats
+        keep = [min(live, window - 1) for live in layer.live]
+        positions = layer.positions
+        # the newest by position: positions as scores, nothing protected (a sink past the window is never seen again)
+        index = kernels.select_keep(positions.float(), positions, _one_or_rows(keep), 0, 0, 1, live=layer.live)
+        compacts = layer.compacts(index.shape[-1])
+        layer.evict(index, live=keep)
+        layer.n_new = min(layer.n_new, layer.n_slots)
+        if compacts:  # else marked dead in place: the statistics stay aligned with the slots
+            stats = tuple(None if t is None else _gather_slots(t, index) for t in stats)
+        return stats
+
+    def _over_window(self, layer_idx: int) -> bool:
+        """Whether a sliding layer holds more than its next query can see (`_drop_by_age` has work to do)."""
+        window = self.windows.get(layer_idx)
+        return window is not None and max(self.layers[layer_idx].live) >= window
+
     def _row_decision(self, layer: BudgetLayer) -> tuple[list[int], bool]:
         """Per row, what to keep now (its keep target if it is over its budget, else every live token), and
         whether any row is over."""
@@ -439,10 +503,13 @@ class BudgetCache(Cache):
         per layer per step. On a stacked step (see the class docstring) the statistics are kept, and `end_step`
         runs every layer's update and eviction at once."""
         policy = self.policy
-        if not (policy.evicts or policy.needs_attention):
-            return
-        if self._stack_step:
-            self._stash[layer_idx] = (attn, attn_sum, attn_sq_sum)
+        if not (policy.evicts or policy.needs_attention) or self._stack_step:
+            if self._over_window(layer_idx):  # a decode step: the dropped token had no attention from its query
+                t0 = time.perf_counter()
+                attn, attn_sum, attn_sq_sum = self._drop_by_age(layer_idx, (attn, attn_sum, attn_sq_sum))
+                self.eviction_s += time.perf_counter() - t0
+            if self._stack_step:
+                self._stash[layer_idx] = (attn, attn_sum, attn_sq_sum)
             return
         self._observe_layer(layer_idx, attn, attn_sum, attn_sq_sum)
 
@@ -451,28 +518,18 @@ class BudgetCache(Cache):
         """One layer's policy update and eviction (`observe`)."""
         layer: BudgetLayer = self.layers[layer_idx]
         policy = self.policy
-        keep, due = self._row_decision(layer) if policy.evicts else (layer.live, False)
+        keep, due, view = self._layer_view(layer_idx, (attn, attn_sum, attn_sq_sum))
+        t0 = time.perf_counter()
+        policy.update(view)
+        if self._over_window(layer_idx):
+            # the policy saw the step's attention over every slot (at a prefill, early queries attend to tokens the
+            # next query cannot see); then the window drops those, and the policy decides on what remains
+            keep, due, view = self._layer_view(layer_idx, self._drop_by_age(layer_idx, (attn, attn_sum, attn_sq_sum)))
         if due and self.step == 0:
             for live, budget in zip(layer.live, self.budgets):
                 error = blind_prefill_error(policy, live, budget)
                 if error:
                     raise ValueError(error)
-        view = LayerView(
-            layer=layer_idx,
-            step=self.step,
-            keys=layer.keys,
-            values=layer.values,
-            positions=layer.positions,
-            n_new=layer.n_new,
-            attn=attn,
-            attn_sum=attn_sum,
-            attn_sq_sum=attn_sq_sum,
-            keep=_one_or_rows(keep),
-            state=layer.state,
-            live=layer.live,
-        )
-        t0 = time.perf_counter()
-        policy.update(view)
         if due:
             scores = self._score_due_rows(view) if self.shared_block is None else policy.score(view)
             if self.shared_block is not None:
@@ -488,6 +545,16 @@ class BudgetCache(Cache):
                 layer.evict(index, live=keep if block == 1 else None)
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
         self.eviction_s += time.perf_counter() - t0
+
+    def _layer_view(self, layer_idx: int, stats: tuple) -> tuple[list[int], bool, LayerView]:
+        """Per row what to keep, whether any row evicts now, and the policy's view of the layer with ``stats``."""
+        layer: BudgetLayer = self.layers[layer_idx]
+        keep, due = self._row_decision(layer) if self.policy.evicts else (layer.live, False)
+        attn, attn_sum, attn_sq_sum = stats
+        view = LayerView(layer=layer_idx, step=self.step, keys=layer.keys, values=layer.values,
+                         positions=layer.positions, n_new=layer.n_new, attn=attn, attn_sum=attn_sum,
+                         attn_sq_sum=attn_sq_sum, keep=_one_or_rows(keep), state=layer.state, live=layer.live)
+        return keep, due, view
 
     def _score_due_rows(self, view: LayerView) -> Tensor:
         """The policy's scores of the rows that evict now (`LayerView.due_rows`; the others keep every live token
@@ -602,16 +669,20 @@ class BudgetCache(Cache):
             layer.live = live = live or layer.count_live()
         self.eviction_s += time.perf_counter() - t0
 
-    def slots_to_allocate(self, need: int, current: int) -> int:
+    def slots_to_allocate(self, need: int, current: int, window: int | None = None) -> int:
         """Slots a layer allocates when it needs ``need`` and holds ``current``.
 
         A budgeted cache needs at most ``budget + slack + 1`` slots after its prefill (the largest row budget, the
         dead slots, the step's new token), so that is allocated once and a compaction shrinks back to it after a
         longer prompt. The full cache allocates for the whole decode when ``last_step`` is known (like a static
-        cache), and otherwise grows by half its size, so appends stay amortised O(1).
+        cache), and otherwise grows by half its size, so appends stay amortised O(1). A sliding layer (``window``)
+        needs at most ``window + slack`` after a compaction (``window - 1`` kept, the step's token, the dead slots).
         """
         if self.capacity is not None:
             return max(need, self.capacity)
+        if window is not None:
+            held = min(window - 1, self.budget) if self.decode_policy.evicts else window - 1
+            return max(need, held + 1 + self.slack)
         if self.decode_policy.evicts:
             return max(need, self.budget + self.slack + 1)
         if current == 0 and self.last_step is not None:
@@ -622,11 +693,13 @@ class BudgetCache(Cache):
 
     def bytes_per_slot(self) -> int:
         """KV bytes of one slot in one layer, all KV heads and the whole batch (keys + values)."""
-        layer = self.layers[0]
-        B, H, _, D = layer.keys.shape
-        return 2 * B * H * D * layer.keys.element_size()
+        return self.layers[0].keys.shape[0] * self.bytes_per_token()
 
     def bytes_per_token(self) -> int:
-        """KV bytes of one token of one row in one layer, all KV heads (keys + values)."""
-        layer = self.layers[0]
-        return 2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()
+        """KV bytes of one token of one row in one layer, all KV heads (keys + values, which may differ in width)."""
+        keys, values = self.layers[0].keys, self.layers[0].values
+        return keys.shape[1] * (keys.shape[3] * keys.element_size() + values.shape[3] * values.element_size())
+
+    def layer_windows(self) -> list[int | None]:
+        """Per layer, the sliding window its attention ran with (None: full attention)."""
+        return [self.windows.get(i) for i in range(len(self.layers))]

