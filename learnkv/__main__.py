@@ -243,8 +243,6 @@ def cmd_recurrence(args) -> None:
         return
     from pathlib import Path
 
-    import torch
-
     from learnkv.model import DEFAULT_MODEL, load_model
     from learnkv.prompts import load_prompts
     from learnkv.traces.recurrence import live_report, observe_recurrence
@@ -275,6 +273,8 @@ def cmd_compare(args) -> None:
     pairs, notes = compare(args.paths, args.baseline, seed=args.seed)
     for line in notes:
         print(f"note: {line}", file=sys.stderr)
+    if not pairs:
+        raise ValueError(f"no policy could be paired with {args.baseline!r} (see the notes above): nothing to show")
     metrics = [m.strip() for m in args.metric.split(",")] if args.metric else None
     unknown = sorted(set(metrics or ()) - {p["metric"] for p in pairs})
     if unknown:

@@ -188,6 +188,9 @@ def resolve_policy_rows(policy: str | Policy, budgets: Sequence[int | None], gra
     policy_obj = make_policy(policy, **(params or {}))
     if not policy_obj.evicts:
         return [policy_obj] * len(budgets)
+    if granularity == "block" and "block_size" in (params or {}):
+        raise ValueError(f"policy {policy_obj.name!r}: block_size has no effect in block granularity, where the block "
+                         "size is the granularity's own (--block-size): drop the parameter")
     if any(b is None for b in budgets):
         raise ValueError(f"policy {policy_obj.name!r} needs a budget (tokens, or a fraction of the full length)")
     if granularity == "block":

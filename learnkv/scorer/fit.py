@@ -152,6 +152,8 @@ def finished_run(cfg: PipelineConfig, out: Path, identity: dict | None = None):
         done = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None  # not a record of a finished run: train (resuming) and export again
+    if not isinstance(done, dict):
+        return None
     if done.get("config") != _finish_config(cfg, identity):
         return None
     try:
