@@ -217,7 +217,6 @@ def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = Tru
     identity = run_identity(cfg, trace_dirs)
     if len(trace_dirs) > 1:
         check_resumable(cfg, last, identity)
-    teachers = manifest["teachers"]
     out.mkdir(parents=True, exist_ok=True)
     with dir_lock(out, "out_dir"):  # one training run at a time writes a directory
         return _fit(cfg, trace_dirs, out, ckpt_dir, last, manifest, identity, progress)
@@ -233,6 +232,7 @@ def _fit(cfg: PipelineConfig, trace_dirs: list[str], out: Path, ckpt_dir: Path, 
     from learnkv.scorer.data import TraceDataModule, feature_stats
     from learnkv.scorer.module import ScorerModule
 
+    teachers = manifest["teachers"]
     save_config(cfg, out / "config.yaml")
 
     # seeded here, after any collection: collecting in this process (loading the model, decoding) draws from the
