@@ -321,24 +321,34 @@ def test_merge_names_corrupt_and_missing_shards(tmp_path, capsys):
 # -- 8. Ctrl-C during collect, and the debris a kill leaves ------------------------------------------------------
 
 
-def test_interrupted_collect_says_what_was_kept_and_resumes(tmp_path, capsys, monkeypatch, small):
+def interrupted_collect(tmp_path, monkeypatch, capsys, interrupt) -> tuple[Path, list, int, str]:
+    """`collect` of two one-prompt shards with ``interrupt()`` called at the second prompt's decode: its output
+    directory, its argv, its exit code and stderr."""
     import learnkv.decode
 
-    model, tok = small
-    monkeypatch.setattr("learnkv.model.load_model", lambda *a, **k: (model, tok))
     real_generate, calls = learnkv.decode.generate, []
 
     def interrupted_on_the_second_prompt(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            raise KeyboardInterrupt
+            interrupt()
         return real_generate(*args, **kwargs)
 
     monkeypatch.setattr("learnkv.decode.generate", interrupted_on_the_second_prompt)
     out = tmp_path / "t"
     argv = ["collect", "--out", out, "--prompts", "2", "--val-prompts", "0", "--max-new-tokens", "10", "--horizon", "3",
             "--decisions", "1", "--prompts-per-shard", "1"]
-    code, _, err = run(learnkv_cli, argv, capsys)
+    return out, argv, *run(learnkv_cli, argv, capsys)[::2]
+
+
+def test_interrupted_collect_says_what_was_kept_and_resumes(tmp_path, capsys, monkeypatch, small):
+    model, tok = small
+    monkeypatch.setattr("learnkv.model.load_model", lambda *a, **k: (model, tok))
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    out, argv, code, err = interrupted_collect(tmp_path, monkeypatch, capsys, ctrl_c)
     assert code == 130 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == (f"interrupted: 1/2 shards are finished and kept in {out}; the shard in "
                                             "progress was discarded. Rerun the same command to resume.")
@@ -615,21 +625,8 @@ def test_a_decode_past_the_models_positions_is_refused_before_the_first_forward(
 def test_sigterm_during_collect_says_what_was_kept_and_resumes(tmp_path, capsys, monkeypatch, small_model):
     import signal
 
-    import learnkv.decode
-
-    real_generate, calls = learnkv.decode.generate, []
-
-    def terminated_on_the_second_prompt(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` or a scheduler sends
-        return real_generate(*args, **kwargs)
-
-    monkeypatch.setattr("learnkv.decode.generate", terminated_on_the_second_prompt)
-    out = tmp_path / "t"
-    argv = ["collect", "--out", out, "--prompts", "2", "--val-prompts", "0", "--max-new-tokens", "10", "--horizon", "3",
-            "--decisions", "1", "--prompts-per-shard", "1"]
-    code, _, err = run(learnkv_cli, argv, capsys)
+    out, argv, code, err = interrupted_collect(tmp_path, monkeypatch, capsys,  # what `timeout` or a scheduler sends
+                                               lambda: os.kill(os.getpid(), signal.SIGTERM))
     assert code == 143 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == (f"terminated (SIGTERM): 1/2 shards are finished and kept in {out}; the "
                                             "shard in progress was discarded. Rerun the same command to resume.")
