@@ -289,15 +289,18 @@ def encode_prompts(tokenizer, prompts: str | Sequence[str], chat: bool = True,
     return enc["input_ids"], enc["attention_mask"]
 
 
-def check_positions(model, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
+def check_positions(model, prompt_lengths: Sequence[int], max_new_tokens: int,
+                    names: Sequence[str] | None = None) -> None:
     """Refuse, before the first forward, a decode that would run past the positions the model was trained for
     (``config.max_position_embeddings``): a prompt over them, or one whose decode of ``max_new_tokens`` reaches
-    past them (the last generated token is not fed, so the last position is prompt + max_new_tokens - 2)."""
+    past them (the last generated token is not fed, so the last position is prompt + max_new_tokens - 2).
+    ``names``: how the error names each prompt (default: by its place in the batch)."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if not isinstance(limit, int):
         return
     for i, n in enumerate(prompt_lengths):
-        which = "the prompt" if len(prompt_lengths) == 1 else f"prompt {i + 1} of {len(prompt_lengths)}"
+        which = names[i] if names else "the prompt" if len(prompt_lengths) == 1 else \
+            f"prompt {i + 1} of {len(prompt_lengths)}"
         if n > limit:
             raise ValueError(f"{which} has {n} tokens, more than the model's {limit} positions "
                              "(config.max_position_embeddings): shorten it")

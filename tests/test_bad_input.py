@@ -615,6 +615,12 @@ def test_a_decode_past_the_models_positions_is_refused_before_the_first_forward(
         mask = torch.ones(2, 60, dtype=torch.long)
         mask[0, :10] = 0
         generate(model, input_ids=random_ids(60, batch=2), attention_mask=mask, max_new_tokens=10)
+    from learnkv.eval import build_spec, evaluate
+    from learnkv.eval.tasks import Sample
+
+    with pytest.raises(ValueError, match="fidelity prompt long has 60 tokens: 10 new tokens would run past"):
+        evaluate(model, None, build_spec("h2o", "0.5", "fidelity", max_new_tokens=10),  # before its reference decode
+                 samples=[Sample.from_ids(random_ids(30)[0], id="short"), Sample.from_ids(random_ids(60)[0], id="long")])
     assert forwards == []
     assert generate(model, input_ids=random_ids(60), max_new_tokens=5).new_tokens == [5]  # position 63: the last
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from learnkv.cache import blind_prefill_error, prefill_policy_error
-from learnkv.decode import GenerationResult, parse_number, resolve_budget, resolve_policy
+from learnkv.decode import GenerationResult, check_positions, parse_number, resolve_budget, resolve_policy
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
 from learnkv.eval.tasks.base import RunConfig, evicts
@@ -348,6 +348,8 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
             raise ValueError(f"task {task.name!r}: prompt id {twice[0]!r} appears {seen[twice[0]]} times among its "
                              f"prompts ({len(twice)} ids repeat); give each prompt once")
         check_grid(task, prompts, spec)
+        check_positions(model, [s.input_ids.shape[1] for s in prompts], task.max_new_tokens,
+                        [f"{task.name} prompt {s.id}" for s in prompts])
         keys = [(r, b) for b in spec.budgets for r in spec.runs]
         per_prompt = {key: {} for key in keys}  # (run, budget) -> sample id -> metrics
         costs = {key: {} for key in keys}
