@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -417,7 +418,7 @@ def generate(
     """
     for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("block_size", block_size, 1), ("seed", seed, 0),
                              ("top_k", top_k, 0)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an integer >= {low}, got {value!r}")
     policy_obj = make_policy(policy, **(policy_params or {}))
     if granularity not in GRANULARITIES:

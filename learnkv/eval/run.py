@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -341,9 +342,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         prompts = list(samples)[:limit] if samples is not None else task.load(tokenizer, limit, spec.seed)
         if not prompts:
             raise ValueError(f"task {task.name!r} found no prompts")
-        seen = {}
-        for s in prompts:
-            seen[s.id] = seen.get(s.id, 0) + 1
+        seen = Counter(s.id for s in prompts)
         if twice := [pid for pid, n in seen.items() if n > 1]:  # a record's prompts are distinct, or its interval lies
             raise ValueError(f"task {task.name!r}: prompt id {twice[0]!r} appears {seen[twice[0]]} times among its "
                              f"prompts ({len(twice)} ids repeat); give each prompt once")
