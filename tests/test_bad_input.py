@@ -582,7 +582,15 @@ def test_special_tokens_typed_in_a_prompt_are_text_unless_asked(small, capsys, s
 # -- 5. memory for what the decode can hold, not for the budget ----------------------------------------------------
 
 
-def test_a_budget_over_the_final_length_reserves_the_decode_not_the_budget(tiny):
+def test_a_budget_over_the_final_length_reserves_the_decode_not_the_budget(tiny, capsys, small_model):
+    summaries = []
+    for budget in ["1000000000", None]:  # the command: ~768 GB reserved before
+        code, out, err = run(learnkv_cli, ["generate", "--prompt", "hello", "--max-new-tokens", "4", "--policy",
+                                           "h2o" if budget else "full", *(["--budget", budget] if budget else [])],
+                             capsys)
+        assert code == 0, err
+        summaries.append(json.loads(out.strip().splitlines()[-1]))
+    assert summaries[0]["peak_kv_bytes"] == summaries[1]["peak_kv_bytes"]
     ids = random_ids(20)
     slots = []
 
