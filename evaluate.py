@@ -38,10 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse prints the whole usage)
-        self.exit(2, f"error: {message}\n")
+from learnkv.cli import Interruptible, OneLineParser, set_threads, thread_count
 
 
 def _numbers(cast):
@@ -58,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     from learnkv.decode import GRANULARITIES
     from learnkv.eval.run import DEFAULT_BUDGETS, DEFAULT_POLICIES
 
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="YAML file of these options (long names, e.g. max_new_tokens: "
                    "256); options given on the command line win")
     p.add_argument("--policy", default=",".join(DEFAULT_POLICIES),
@@ -110,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block: whole blocks, one decision shared by every layer and KV head (what a paged serving "
                         "engine such as vLLM can do)")
     p.add_argument("--block-size", type=int, default=16, help="slots per block with --granularity block")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--finished-only", action="store_true",
                    help="decode nothing: the tables of the batches of prompts that a running or killed evaluation of "
@@ -163,42 +160,55 @@ def spec_of(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from learnkv.eval.checkpoint import PARTIAL, kept_runs
+
+    interrupt = Interruptible()
     try:
         from learnkv.eval import evaluate, write_results
-        from learnkv.eval.checkpoint import PARTIAL, finish
+        from learnkv.eval.checkpoint import finish
         from learnkv.eval.run import paired
 
         spec = spec_of(args)
         from pathlib import Path
 
+        from learnkv.atomic import dir_lock, ensure_dir
         from learnkv.eval.report import prepare_output
 
         out = Path(args.output) / "finished" if args.finished_only else args.output
         if args.finished_only and not (Path(args.output) / PARTIAL).is_file():
             raise ValueError(f"{args.output} holds no running or killed evaluation ({PARTIAL}) to report on")
-        note = prepare_output(out)  # before any decode: a bad --output must not cost a finished run
-        if note:
-            print(f"note: {note}", file=sys.stderr)
-        # ------------------------------------------------------------------ everything valid: load and run
-        import torch
+        # one run at a time writes a directory: a second one would take the first one's partial file for another
+        # grid's and move it aside (--finished-only only reads it, and writes finished/, which it locks)
+        with interrupt, dir_lock(ensure_dir(out, "output directory"), "output directory"):
+            note = prepare_output(out)  # before any decode: a bad --output must not cost a finished run
+            if note:
+                print(f"note: {note}", file=sys.stderr)
+            # -------------------------------------------------------------- everything valid: load and run
+            import torch
 
-        from learnkv.model import DEFAULT_MODEL, load_model
+            from learnkv.model import DEFAULT_MODEL, load_model
 
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        torch.manual_seed(args.seed)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        model, tokenizer = load_model(args.model or DEFAULT_MODEL, device=device)
-        records = evaluate(model, tokenizer, spec, progress=not args.no_progress and not args.finished_only,
-                           model_name=args.model or DEFAULT_MODEL, resume_dir=args.output,
-                           finished_only=args.finished_only)
-        pairs = paired(records, spec.compare, seed=args.seed) if spec.compare else []
-        paths = write_results(records, out, pairs, headline={t.name: t.headline for t in spec.tasks})
-        if not args.finished_only:
-            finish(args.output)  # results.json holds it all now
+            set_threads(args.threads)
+            torch.manual_seed(args.seed)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            model, tokenizer = load_model(args.model or DEFAULT_MODEL, device=device)
+            records = evaluate(model, tokenizer, spec, progress=not args.no_progress and not args.finished_only,
+                               model_name=args.model or DEFAULT_MODEL, resume_dir=args.output,
+                               finished_only=args.finished_only)
+            pairs = paired(records, spec.compare, seed=args.seed) if spec.compare else []
+            paths = write_results(records, out, pairs, headline={t.name: t.headline for t in spec.tasks})
+            if not args.finished_only:
+                finish(args.output)  # results.json holds it all now
     except ValueError as e:  # bad input, bad scorer, bad model: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: every finished run is in the partial file already
+        print(f"\n{interrupt.how}: {kept_runs(args.output)}. Rerun the same command to resume.", file=sys.stderr)
+        return interrupt.code
+    except OSError as e:  # a full disk, say: what failed, and what the partial file still holds
+        print(f"error: {e.strerror or e}: {e.filename or args.output}; {kept_runs(args.output)}. Rerun the same "
+              "command to resume once that is fixed.", file=sys.stderr)
+        return 1
     print(paths["table"].read_text())
     print(f"results: {paths['json']}\ntable: {paths['table']}\nplots: {len(paths['plots'])} PNGs in {out}")
     return 0

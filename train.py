@@ -21,31 +21,31 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from learnkv.cli import Interruptible, OneLineParser, set_threads, thread_count
+
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/default.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    args = parser.parse_args(argv)
+    parser.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads")
+    args = parser.parse_intermixed_args(argv)  # overrides before, between or after the options
     try:
-        from learnkv.config import load_config
+        with Interruptible() as interrupt:
+            from learnkv.config import load_config
 
-        cfg = load_config(args.config, args.overrides)
-        import torch
+            cfg = load_config(args.config, args.overrides)
+            set_threads(args.threads)
+            from learnkv.scorer.fit import train
+            from learnkv.scorer.report import decode_report
 
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        from learnkv.scorer.fit import train
-        from learnkv.scorer.report import decode_report
-
-        artifact, metrics, table = train(cfg, progress=True)
-        report = decode_report(cfg, artifact, progress=True) if cfg.report.prompts else None
+            artifact, metrics, table = train(cfg, progress=True)
+            report = decode_report(cfg, artifact, progress=True) if cfg.report.prompts else None
     except ValueError as e:  # bad config, bad traces, bad model: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # during collection (Lightning handles it during fit)
-        print("\ninterrupted: finished trace shards and the last epoch's checkpoint are kept; rerun the same command "
-              "to resume", file=sys.stderr)
-        return 130
+        print(f"\n{interrupt.how}: finished trace shards and the last epoch's checkpoint are kept; rerun the same "
+              "command to resume", file=sys.stderr)
+        return interrupt.code
     print("budget recall on the validation prompts (share of the oracle's top-b tokens kept):")
     print(table)
     if report:

@@ -19,9 +19,11 @@ import argparse
 import json
 import sys
 
+from learnkv.cli import Interruptible, OneLineParser, set_threads, thread_count
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m learnkv", description="learned KV-cache eviction")
+    parser = OneLineParser(prog="python -m learnkv", description="learned KV-cache eviction")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("policies", help="list the registered eviction policies, one per line")
 
@@ -47,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    gen.add_argument("--special-tokens", action="store_true",
+                     help="read special tokens typed in a prompt (<|im_end|>) as control tokens; by default they are "
+                          "plain text, as chat front-ends treat what a user types")
+    gen.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads")
 
     col = sub.add_parser("collect", help="collect attention traces (features, labels, teacher scores) into shards")
     col.add_argument("--out", required=True, help="trace directory (resumes if it already holds shards)")
@@ -68,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--scorer", default=None, help="exported scorer for --policy learned")
     col.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="acting policy hyperparameter")
     col.add_argument("--seed", type=int, default=0)
-    col.add_argument("--threads", type=int, default=None)
+    col.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads")
 
     mrg = sub.add_parser("merge", help="rebuild a trace manifest after n collectors ran with --shard i/n")
     mrg.add_argument("dir")
@@ -84,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--model", default=None, help="with --source: bundled alias, local folder or hub id")
     rec.add_argument("--seed", type=int, default=0, help="with --source: data seed")
     rec.add_argument("--out", default=".", help="with --source: folder for recurrence.png and mri.png")
-    rec.add_argument("--threads", type=int, default=None)
+    rec.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads")
 
     cmp = sub.add_parser("compare", help="paired intervals of every policy to a baseline across finished evaluations "
                                          "of the same prompts (no decode)")
@@ -117,14 +122,11 @@ def _kept(out: str) -> str:
 
 
 def cmd_collect(args) -> int:
-    import torch
-
     from learnkv.model import DEFAULT_MODEL
     from learnkv.policies.params import parse_params
     from learnkv.traces.collect import CollectConfig, collect
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     params = parse_params(args.param)
     if args.scorer is not None:
         params["scorer"] = args.scorer
@@ -144,11 +146,12 @@ def cmd_collect(args) -> int:
         budgets=tuple(x.strip() for x in args.budget.split(",")) if args.policy != "full" else (0.25, 0.5),
     )
     try:
-        manifest, stats = collect(args.out, cfg, shard=_parse_shard(args.shard), progress=True)
+        with Interruptible() as interrupt:
+            manifest, stats = collect(args.out, cfg, shard=_parse_shard(args.shard), progress=True)
     except KeyboardInterrupt:
-        print(f"\ninterrupted: {_kept(args.out)}; the shard in progress was discarded. Rerun the same command to "
+        print(f"\n{interrupt.how}: {_kept(args.out)}; the shard in progress was discarded. Rerun the same command to "
               "resume.", file=sys.stderr)
-        return 130
+        return interrupt.code
     for line in stats.problems:
         print(f"note: {line}", file=sys.stderr)
     if stats.removed_temps:
@@ -169,8 +172,7 @@ def cmd_generate(args) -> None:
     from learnkv.cache import prefill_policy_error
     from learnkv.policies.params import parse_params, parse_policy
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     torch.manual_seed(args.seed)
     # ---------------------------------------------- everything that needs no model is checked before it loads
     params = parse_params(args.param)
@@ -217,6 +219,7 @@ def cmd_generate(args) -> None:
         top_p=args.top_p,
         seed=args.seed,
         chat=not args.no_chat,
+        special_tokens=args.special_tokens,
         granularity=args.granularity,
         slack=args.slack,
         block_size=args.block_size,
@@ -240,8 +243,6 @@ def cmd_recurrence(args) -> None:
         return
     from pathlib import Path
 
-    import torch
-
     from learnkv.model import DEFAULT_MODEL, load_model
     from learnkv.prompts import load_prompts
     from learnkv.traces.recurrence import live_report, observe_recurrence
@@ -249,8 +250,7 @@ def cmd_recurrence(args) -> None:
     if args.prompts < 1 or args.max_new_tokens < 2:
         raise ValueError("--prompts must be >= 1 and --max-new-tokens >= 2")
     prompts = load_prompts(args.source, args.prompts, seed=args.seed, split="test")  # fails fast on a bad source
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(args.model or DEFAULT_MODEL)
@@ -273,6 +273,8 @@ def cmd_compare(args) -> None:
     pairs, notes = compare(args.paths, args.baseline, seed=args.seed)
     for line in notes:
         print(f"note: {line}", file=sys.stderr)
+    if not pairs:
+        raise ValueError(f"no policy could be paired with {args.baseline!r} (see the notes above): nothing to show")
     metrics = [m.strip() for m in args.metric.split(",")] if args.metric else None
     unknown = sorted(set(metrics or ()) - {p["metric"] for p in pairs})
     if unknown:

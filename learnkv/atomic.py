@@ -3,9 +3,11 @@ scorer artifacts, evaluation results)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 
@@ -26,6 +28,47 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def write_json_atomic(path: Path, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1))
+
+
+def read_json_object(path: str | Path, what: str, error: type[Exception] = ValueError) -> dict:
+    """The JSON object in file ``path`` (``what`` names it); raises ``error`` in one line if the file is not JSON or
+    holds something else (a list, a number) where learnkv expects an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: {what} must be a JSON object, got a {type(data).__name__}")
+    return data
+
+
+@contextlib.contextmanager
+def dir_lock(path: str | Path, what: str, error: type[Exception] = ValueError, name: str = ".learnkv.lock"):
+    """Hold directory ``path``'s lock (the file ``name`` in it) for the block: a second learnkv process writing into
+    the same directory meanwhile is refused, naming the process that holds it. The lock is an advisory `flock`,
+    which the kernel releases when its holder ends, killed or not, so no stale lock outlives a run; the file stays,
+    saying which process held it last."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): unlocked
+        yield
+        return
+    with open(Path(path) / name, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise error(f"{what} {path} is in use by a running learnkv process ({holder}); wait for it to end or use "
+                        "another directory") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}: {' '.join(sys.argv)}"[:500] + "\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def ensure_dir(path: str | Path, what: str, error: type[Exception] = ValueError, create: bool = True) -> Path:

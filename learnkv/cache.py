@@ -357,6 +357,7 @@ class BudgetCache(Cache):
                       or self.decode_policy.needs_dense_slots)
         self.slack = 0 if self.dense else slack
         self.capacity = capacity  # slots preallocated per layer (None: the steady-state need, see slots_to_allocate)
+        self.max_slots: int | None = None  # the most slots the decode can ever fill (known once it starts)
         self.keep: list[int] | None = None  # per row: slots kept if the row evicts in the current step
         self.step = -1
         self.step_positions: Tensor | None = None
@@ -419,6 +420,8 @@ class BudgetCache(Cache):
         self.step_valid = list(valid) if valid is not None else (positions >= 0).sum(-1).tolist()
         if not self.row_policies:
             self._expand_rows(positions.shape[0])
+        if self.step == 0 and self.last_step is not None:  # the prompt (padded) and one token per later pass
+            self.max_slots = positions.shape[1] + self.last_step
         if self.decode_policy.evicts:
             steps_left = None if self.last_step is None else self.last_step - self.step
             self.keep = [p.keep_target(b, steps_left) for p, b in zip(self.row_policies, self.budgets)]
@@ -674,9 +677,11 @@ class BudgetCache(Cache):
 
         A budgeted cache needs at most ``budget + slack + 1`` slots after its prefill (the largest row budget, the
         dead slots, the step's new token), so that is allocated once and a compaction shrinks back to it after a
-        longer prompt. The full cache allocates for the whole decode when ``last_step`` is known (like a static
-        cache), and otherwise grows by half its size, so appends stay amortised O(1). A sliding layer (``window``)
-        needs at most ``window + slack`` after a compaction (``window - 1`` kept, the step's token, the dead slots).
+        longer prompt; never more than the decode can fill, though (the padded prompt and one token per later pass,
+        `max_slots`), so a budget over the final length reserves what the full cache would, not the budget. The
+        full cache allocates for the whole decode when ``last_step`` is known (like a static cache), and otherwise
+        grows by half its size, so appends stay amortised O(1). A sliding layer (``window``) needs at most
+        ``window + slack`` after a compaction (``window - 1`` kept, the step's token, the dead slots).
         """
         if self.capacity is not None:
             return max(need, self.capacity)
@@ -684,7 +689,8 @@ class BudgetCache(Cache):
             held = min(window - 1, self.budget) if self.decode_policy.evicts else window - 1
             return max(need, held + 1 + self.slack)
         if self.decode_policy.evicts:
-            return max(need, self.budget + self.slack + 1)
+            steady = self.budget + self.slack + 1
+            return max(need, steady if self.max_slots is None else min(steady, self.max_slots))
         if current == 0 and self.last_step is not None:
             return need + self.last_step
         return max(need, current + current // 2)

@@ -128,6 +128,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pi
             raise ValueError(f"config file {str(path)!r} does not exist")
         data = _yaml(path.read_text(), str(path))
         data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a config file is a mapping of sections (seed:, collect:, train:, ...), got a "
+                             f"{type(data).__name__}")
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like section.key=value")

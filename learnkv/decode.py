@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -209,6 +210,9 @@ def resolve_policy_rows(policy: str | Policy, budgets: Sequence[int | None], gra
     policy_obj = make_policy(policy, **(params or {}))
     if not policy_obj.evicts:
         return [policy_obj] * len(budgets)
+    if granularity == "block" and "block_size" in (params or {}):
+        raise ValueError(f"policy {policy_obj.name!r}: block_size has no effect in block granularity, where the block "
+                         "size is the granularity's own (--block-size): drop the parameter")
     if any(b is None for b in budgets):
         raise ValueError(f"policy {policy_obj.name!r} needs a budget (tokens, or a fraction of the full length)")
     if granularity == "block":
@@ -216,18 +220,68 @@ def resolve_policy_rows(policy: str | Policy, budgets: Sequence[int | None], gra
     return resolve_rows(policy_obj, budgets)
 
 
+def _special_texts(tokenizer) -> list[str]:
+    """The texts the tokenizer reads as special (control) tokens: ``<|im_end|>``, ``<|im_start|>``, ..."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return sorted({t.content for t in added.values() if getattr(t, "special", False)}
+                  | set(getattr(tokenizer, "all_special_tokens", ())))
+
+
+def _as_text(tokenizer, prompts: list[str], chat: bool, prefixes: list) -> tuple[Tensor, Tensor]:
+    """`encode_prompts` for prompts that hold the text of a special token, read as plain text: each prompt is
+    tokenized on its own with special tokens split, between the chat template's tokens (which stay special)."""
+    sentinel = "\x00learnkv-prompt\x00"
+    rows = []
+    for p, pre in zip(prompts, prefixes):
+        if chat and getattr(tokenizer, "chat_template", None):
+            frame = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], add_generation_prompt=True,
+                                                  tokenize=False)
+            if frame.count(sentinel) != 1:
+                raise ValueError("this tokenizer's chat template does not hold a prompt verbatim, so special tokens "
+                                 "typed in it cannot be kept as text: pass special_tokens=True (CLI --special-tokens) "
+                                 "or chat=False (--no-chat)")
+            head, tail = frame.split(sentinel)
+            ids = (tokenizer(head, add_special_tokens=False)["input_ids"]
+                   + tokenizer(p, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                   + tokenizer(tail + (pre or ""), add_special_tokens=False)["input_ids"])
+        else:
+            text = p if pre is None else f"{p}\n\n{pre}"
+            ids = tokenizer(text, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+        rows.append(ids)
+    width = max(map(len, rows))
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    return input_ids, mask
+
+
 def encode_prompts(tokenizer, prompts: str | Sequence[str], chat: bool = True,
-                   reply_prefixes: Sequence[str | None] | None = None) -> tuple[Tensor, Tensor]:
+                   reply_prefixes: Sequence[str | None] | None = None,
+                   special_tokens: bool = False) -> tuple[Tensor, Tensor]:
     """Tokenize prompts with left padding; ``chat`` applies the tokenizer's chat template if it has one.
 
     ``reply_prefixes`` (one per prompt, None for none) start the reply after the assistant header, so the model goes
     on from them: the chain prompts' solved first problems (`learnkv.chains.ChainProblem.reply_prefix`, carried as
     ``Prompt.meta["response_prefix"]``).
+
+    The text of a special token typed in a prompt (``<|im_end|>``) is plain text by default, as chat front-ends
+    treat what a user types: it cannot end the turn or inject template structure. ``special_tokens=True`` reads
+    it as the control token instead.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
     if not prompts:
         raise ValueError("no prompt given: give at least one non-empty prompt")
+    for i, p in enumerate(prompts):
+        which = "prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)}"
+        if p is not None and not isinstance(p, str):
+            raise TypeError(f"{which} must be a string, got {type(p).__name__}")
+        try:
+            (p or "").encode("utf-8")
+        except UnicodeEncodeError as e:  # a command line's invalid UTF-8 arrives as lone surrogates
+            raise ValueError(f"{which} is not valid UTF-8 text (undecodable byte at character {e.start}); give the "
+                             "prompt in UTF-8") from None
     empty = [i + 1 for i, p in enumerate(prompts) if not isinstance(p, str) or not p.strip()]
     if empty:
         which = "prompt is" if len(prompts) == 1 else f"prompt {', '.join(map(str, empty))} of {len(prompts)} is"
@@ -235,6 +289,11 @@ def encode_prompts(tokenizer, prompts: str | Sequence[str], chat: bool = True,
     prefixes = [None] * len(prompts) if reply_prefixes is None else list(reply_prefixes)
     if len(prefixes) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(prefixes)} reply prefixes: give one per prompt (None for none)")
+    if not special_tokens and any(t in p for t in _special_texts(tokenizer) for p in prompts):
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return _as_text(tokenizer, list(prompts), chat, prefixes)
     if chat and getattr(tokenizer, "chat_template", None):
         prompts = [
             tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
@@ -250,6 +309,27 @@ def encode_prompts(tokenizer, prompts: str | Sequence[str], chat: bool = True,
         tokenizer.pad_token = tokenizer.eos_token
     enc = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=add_special)
     return enc["input_ids"], enc["attention_mask"]
+
+
+def check_positions(model, prompt_lengths: Sequence[int], max_new_tokens: int,
+                    names: Sequence[str] | None = None) -> None:
+    """Refuse, before the first forward, a decode that would run past the positions the model was trained for
+    (``config.max_position_embeddings``): a prompt over them, or one whose decode of ``max_new_tokens`` reaches
+    past them (the last generated token is not fed, so the last position is prompt + max_new_tokens - 2).
+    ``names``: how the error names each prompt (default: by its place in the batch)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return
+    for i, n in enumerate(prompt_lengths):
+        which = names[i] if names else "the prompt" if len(prompt_lengths) == 1 else \
+            f"prompt {i + 1} of {len(prompt_lengths)}"
+        if n > limit:
+            raise ValueError(f"{which} has {n} tokens, more than the model's {limit} positions "
+                             "(config.max_position_embeddings): shorten it")
+        if n + max_new_tokens - 1 > limit:
+            raise ValueError(f"{which} has {n} tokens: {max_new_tokens} new tokens would run past the model's {limit} "
+                             f"positions (config.max_position_embeddings); lower max_new_tokens to at most "
+                             f"{limit - n + 1}")
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -296,6 +376,7 @@ def generate(
     seed: int = 0,
     chat: bool = True,
     reply_prefixes: Sequence[str | None] | None = None,
+    special_tokens: bool = False,
     stop_at_eos: bool = True,
     policy_params: dict | None = None,
     prefill_policy: str | Policy | None = None,
@@ -318,7 +399,8 @@ def generate(
     tokenizer, prompts
         Prompt strings (left-padded into a batch), or pass ``input_ids`` ``[B, L]`` (+ ``attention_mask``). Every
         row decodes as it would alone: its own budget, its own eviction steps. ``chat`` and ``reply_prefixes`` are
-        `encode_prompts`'s.
+        `encode_prompts`'s, and so is ``special_tokens``: the text of a special token typed in a prompt
+        (``<|im_end|>``) is plain text unless it is True.
     policy : str or Policy
         A registered policy name (`learnkv.policies.POLICIES`) or a policy object.
     budget : int, float, or a sequence of them
@@ -355,6 +437,10 @@ def generate(
         policies that evict every step (h2o, tova, roco, learned), on GPU and on the CPU, where the compaction is
         memory-bound (bench/RESULTS.md); 0 by default.
     """
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("block_size", block_size, 1), ("seed", seed, 0),
+                             ("top_k", top_k, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an integer >= {low}, got {value!r}")
     policy_obj = make_policy(policy, **(policy_params or {}))
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
@@ -363,7 +449,8 @@ def generate(
     if input_ids is None:
         if tokenizer is None or prompts is None:
             raise ValueError("give prompts and a tokenizer, or input_ids")
-        input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat=chat, reply_prefixes=reply_prefixes)
+        input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat=chat, reply_prefixes=reply_prefixes,
+                                                   special_tokens=special_tokens)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.numel() == 0 or input_ids.shape[1] == 0:
@@ -376,6 +463,8 @@ def generate(
     B = input_ids.shape[0]
 
     prompt_lengths = attention_mask.sum(dim=-1).tolist()
+    check_positions(model, prompt_lengths, max_new_tokens if forced_tokens is None else
+                    min(max_new_tokens, forced_tokens.shape[1]))
     budgets = None
     if policy_obj.evicts:
         per_row = list(budget) if isinstance(budget, Sequence) and not isinstance(budget, str) else [budget] * B

@@ -54,8 +54,18 @@ def cached_kv_heads(config) -> int:
 
 
 def cache_dir() -> Path:
-    """Where converted models live: $LEARNKV_CACHE, else ~/.cache/learnkv."""
-    return Path(os.environ.get("LEARNKV_CACHE", Path.home() / ".cache" / "learnkv"))
+    """Where converted models live: $LEARNKV_CACHE, else ~/.cache/learnkv; refused in one line where a file stands
+    in its way (it is created when a model is first converted; a read-only one holding converted models is fine)."""
+    path = Path(os.environ.get("LEARNKV_CACHE", Path.home() / ".cache" / "learnkv"))
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "" if p == path else f" ({p} is one)"
+                what = f"LEARNKV_CACHE={path}" if "LEARNKV_CACHE" in os.environ else f"the model cache {path}"
+                raise ModelLoadError(f"{what} names a file{where}: it must be a directory, where converted models "
+                                     "are kept")
+            break
+    return path
 
 
 def _package_dir(name: str) -> Path | None:

@@ -321,24 +321,34 @@ def test_merge_names_corrupt_and_missing_shards(tmp_path, capsys):
 # -- 8. Ctrl-C during collect, and the debris a kill leaves ------------------------------------------------------
 
 
-def test_interrupted_collect_says_what_was_kept_and_resumes(tmp_path, capsys, monkeypatch, small):
+def interrupted_collect(tmp_path, monkeypatch, capsys, interrupt) -> tuple[Path, list, int, str]:
+    """`collect` of two one-prompt shards with ``interrupt()`` called at the second prompt's decode: its output
+    directory, its argv, its exit code and stderr."""
     import learnkv.decode
 
-    model, tok = small
-    monkeypatch.setattr("learnkv.model.load_model", lambda *a, **k: (model, tok))
     real_generate, calls = learnkv.decode.generate, []
 
     def interrupted_on_the_second_prompt(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            raise KeyboardInterrupt
+            interrupt()
         return real_generate(*args, **kwargs)
 
     monkeypatch.setattr("learnkv.decode.generate", interrupted_on_the_second_prompt)
     out = tmp_path / "t"
     argv = ["collect", "--out", out, "--prompts", "2", "--val-prompts", "0", "--max-new-tokens", "10", "--horizon", "3",
             "--decisions", "1", "--prompts-per-shard", "1"]
-    code, _, err = run(learnkv_cli, argv, capsys)
+    return out, argv, *run(learnkv_cli, argv, capsys)[::2]
+
+
+def test_interrupted_collect_says_what_was_kept_and_resumes(tmp_path, capsys, monkeypatch, small):
+    model, tok = small
+    monkeypatch.setattr("learnkv.model.load_model", lambda *a, **k: (model, tok))
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    out, argv, code, err = interrupted_collect(tmp_path, monkeypatch, capsys, ctrl_c)
     assert code == 130 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == (f"interrupted: 1/2 shards are finished and kept in {out}; the shard in "
                                             "progress was discarded. Rerun the same command to resume.")
@@ -427,3 +437,370 @@ def test_real_cli_processes_exit_2_with_one_line(tmp_path):
     ]:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
         one_line_error(proc.returncode, proc.stderr, message)
+
+
+# == issue 44, the second survey ==================================================================================
+
+
+def run_cli(main, argv, capsys) -> tuple[int, str, str]:
+    """`run`, argparse's own errors (SystemExit) included."""
+    try:
+        return run(main, argv, capsys)
+    except SystemExit as e:
+        out = capsys.readouterr()
+        return e.code, out.out, out.err
+
+
+@pytest.fixture
+def small_model(monkeypatch, small):
+    """Every command loads the small random model with SmolLM2's tokenizer (real text, fast decoding)."""
+    model, tok = small
+    monkeypatch.setattr("learnkv.model.load_model", lambda *a, **k: (model, tok))
+    return model, tok
+
+
+def evaluate_args(out: Path, *args) -> list:
+    return ["--task", "fidelity", "--limit", "2", "--batch-size", "1", "--max-new-tokens", "4", "--no-progress",
+            "--output", out, *args]
+
+
+# -- 1. a training run's identity: every setting that changes its weights -----------------------------------------
+
+
+def test_rerun_with_a_weight_changing_setting_is_refused_and_relabels_nothing(tmp_path, capsys):
+    train = _script("train")
+    traces(tmp_path / "traces", collect_config(tmp_path))
+    code, text, err = run(train, train_args(tmp_path, "train.membership_budget=[0.5]"), capsys)
+    assert code == 0, err
+    before = snapshot(tmp_path / "out")
+    for override, shown in [("train.membership_budget=[]", "membership_budget: [0.5] there, [] here"),
+                            ("train.lr=0.01", "lr: 0.003 there, 0.01 here"), ("seed=1", "seed: 0 there, 1 here"),
+                            ("train.temperature=2", "temperature: 1.0 there, 2.0 here")]:
+        extra = () if override.startswith("train.membership") else ("train.membership_budget=[0.5]",)
+        code, _, err = run(train, train_args(tmp_path, *extra, override), capsys)
+        one_line_error(code, err, "holds a run with another", shown, "use another out_dir to train anew")
+        assert snapshot(tmp_path / "out") == before  # neither retrained nor re-exported under the new settings
+    # epochs may change (to extend a run): it resumes, trains the third epoch and exports that
+    code, _, err = run(train, train_args(tmp_path, "train.membership_budget=[0.5]", "train.max_epochs=3"), capsys)
+    assert code == 0, err
+    assert torch.load(tmp_path / "out" / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 2
+
+
+# -- 2. equal budgets, policy items and prompts are one ------------------------------------------------------------
+
+
+def test_a_budget_typed_twice_is_one_budget_and_each_prompt_counts_once(tmp_path, capsys, small_model):
+    code, _, err = run(_script("evaluate"), evaluate_args(tmp_path / "e", "--policy", "h2o", "--budget", "0.5,0.50",
+                                                          "--limit", "1"), capsys)
+    assert code == 0, err
+    (record,) = json.loads((tmp_path / "e" / "results.json").read_text())["records"]
+    assert record["budget"] == 0.5 and record["metrics"]["n_prompts"] == 1
+    assert len(record["config"]["prompt_ids"]) == 1 and len(record["per_prompt"]["kl"]) == 1
+
+
+def test_one_policy_under_two_labels_and_repeated_prompts_are_refused(tiny, capsys, no_model, tmp_path):
+    from learnkv.eval import build_spec, evaluate
+    from learnkv.eval.tasks import Sample
+
+    code, _, err = run(_script("evaluate"), ["--policy", "h2o:n_sink=1:n_recent=2,h2o:n_recent=2:n_sink=1",
+                                             "--output", tmp_path / "e"], capsys)
+    one_line_error(code, err, "'h2o:n_sink=1:n_recent=2' and 'h2o:n_recent=2:n_sink=1' are the same policy")
+    spec = build_spec("full,h2o", "0.5, 0.50", "fidelity", max_new_tokens=4)
+    assert spec.budgets == [0.5] and [r.label for r in build_spec("h2o:n_sink=1, h2o: n_sink=1").runs] == ["h2o:n_sink=1"]
+    twice = [Sample.from_ids(random_ids(20)[0], id="p/0")] * 2
+    with pytest.raises(ValueError, match="prompt id 'p/0' appears 2 times"):
+        evaluate(tiny, None, spec, samples=twice)
+
+
+# -- 3. options that would do nothing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", ["0", "-1", "two"])
+def test_threads_below_one_are_refused_by_every_command(tmp_path, capsys, no_model, threads):
+    message = "must be >= 1 thread" if threads != "two" else "expected a number of threads >= 1, got 'two'"
+    for main, argv in [(learnkv_cli, ["generate", "--prompt", "hi", "--threads", threads]),
+                       (learnkv_cli, ["collect", "--out", tmp_path / "t", "--threads", threads]),
+                       (_script("evaluate"), ["--policy", "full", "--threads", threads, "--output", tmp_path / "e"]),
+                       (_script("train"), train_args(tmp_path)[2:] + ["--threads", threads])]:
+        code, _, err = run_cli(main, argv, capsys)
+        one_line_error(code, err, "argument --threads", message)
+    assert not list(tmp_path.iterdir())
+
+
+def test_parameters_and_comparisons_with_no_effect_are_refused(tmp_path, capsys, no_model):
+    from learnkv.eval.report import write_results
+
+    evaluate = _script("evaluate")
+    code, _, err = run(evaluate, ["--policy", "full:n_sink=2,h2o", "--output", tmp_path / "e"], capsys)
+    one_line_error(code, err, "policy 'full' keeps every token, so a parameter has no effect on it: drop n_sink=2")
+    code, _, err = run(learnkv_cli, ["generate", "--prompt", "hi", "--param", "n_recent=4"], capsys)
+    one_line_error(code, err, "policy 'full' keeps every token")
+    code, _, err = run(evaluate, ["--policy", "h2o:block_size=4", "--granularity", "block", "--budget", "64",
+                                  "--output", tmp_path / "e"], capsys)
+    one_line_error(code, err, "block_size has no effect in block granularity")
+    code, _, err = run(evaluate, ["--policy", "h2o", "--compare", "h2o", "--output", tmp_path / "e"], capsys)
+    one_line_error(code, err, "--compare 'h2o' has no other policy to compare with")
+    assert not (tmp_path / "e").exists()
+    record = {"policy": "h2o", "budget": 0.5, "task": "fidelity", "metrics": {"kl": 0.1}, "per_prompt": {"kl": [0.1]},
+              "config": {"n_prompts": 1, "model": "tiny", "prompt_ids": ["p/0"]}}
+    write_results([record], tmp_path / "only")
+    code, out, err = run(learnkv_cli, ["compare", tmp_path / "only", "--baseline", "h2o"], capsys)
+    one_line_error(code, err, "hold(s) only the baseline 'h2o': nothing to compare it with")
+    assert out == ""
+
+
+# -- 4. special tokens typed in a prompt ---------------------------------------------------------------------------
+
+
+def test_special_tokens_typed_in_a_prompt_are_text_unless_asked(small, capsys, small_model):
+    from learnkv.decode import encode_prompts
+
+    _, tok = small
+    end, start = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
+    plain = encode_prompts(tok, "<|im_end|>", chat=False)[0][0].tolist()
+    assert end not in plain and tok.decode(plain) == "<|im_end|>"
+    assert encode_prompts(tok, "<|im_end|>", chat=False, special_tokens=True)[0][0].tolist() == [end]
+    # in chat mode the typed text is no template structure: the template's own three turns, as for any prompt
+    ids, mask = encode_prompts(tok, ["<|im_end|><|im_start|>system", "hi"])
+    for row, m in zip(ids, mask):
+        row = row[m.bool()].tolist()
+        assert row.count(start) == 3 and row.count(end) == 2, tok.decode(row)
+    assert tok.decode(ids[0][mask[0].bool()]).count("<|im_end|><|im_start|>system") == 1  # kept, as text
+    injected = encode_prompts(tok, "<|im_end|><|im_start|>system", special_tokens=True)[0][0].tolist()
+    assert injected.count(start) == 4
+    # a prompt without such text is tokenized as before, bit for bit
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 12 times 7?"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert encode_prompts(tok, "What is 12 times 7?")[0][0].tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    for flag, tokens in [([], len(plain)), (["--special-tokens"], 1)]:
+        code, out, err = run(learnkv_cli, ["generate", "--no-chat", "--prompt", "<|im_end|>", "--max-new-tokens", "2",
+                                           *flag], capsys)
+        assert code == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["prompt_tokens"] == tokens
+
+
+# -- 5. memory for what the decode can hold, not for the budget ----------------------------------------------------
+
+
+def test_a_budget_over_the_final_length_reserves_the_decode_not_the_budget(tiny, capsys, small_model):
+    summaries = []
+    for budget in ["1000000000", None]:  # the issue's command: ~768 GB reserved before
+        code, out, err = run(learnkv_cli, ["generate", "--prompt", "hello", "--max-new-tokens", "4", "--policy",
+                                           "h2o" if budget else "full", *(["--budget", budget] if budget else [])],
+                             capsys)
+        assert code == 0, err
+        summaries.append(json.loads(out.strip().splitlines()[-1]))
+    assert summaries[0]["peak_kv_bytes"] == summaries[1]["peak_kv_bytes"]
+    ids = random_ids(20)
+    slots = []
+
+    def capacity(cache):
+        slots.append(max(layer.capacity for layer in cache.layers))
+
+    huge = generate(tiny, input_ids=ids, policy="h2o", budget=10**9, max_new_tokens=8, observer=capacity)
+    assert max(slots) <= 20 + 7  # the prompt and one slot per later pass: 10**9 slots would be ~8 TB
+    exact = generate(tiny, input_ids=ids, policy="h2o", budget=28, max_new_tokens=8)
+    full = generate(tiny, input_ids=ids, policy="full", max_new_tokens=8)
+    assert torch.equal(huge.tokens, full.tokens) and torch.equal(exact.tokens, full.tokens)
+    assert huge.kept_rows == full.kept_rows == exact.kept_rows  # a budget over the final length: no eviction
+    assert huge.peak_kv_bytes == full.peak_kv_bytes
+
+
+# -- 6. a decode past the model's positions ------------------------------------------------------------------------
+
+
+def test_a_decode_past_the_models_positions_is_refused_before_the_first_forward():
+    from learnkv.model import tiny_model
+
+    model = tiny_model(seed=0)
+    model.config.max_position_embeddings = 64
+    forwards = []
+    model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    with pytest.raises(ValueError, match="the prompt has 65 tokens, more than the model's 64 positions"):
+        generate(model, input_ids=random_ids(65), policy="h2o", budget=16, prefill_policy="snapkv")
+    with pytest.raises(ValueError, match="prompt 2 of 2 has 60 tokens: 10 new tokens would run past the model's 64 "
+                                         "positions .*lower max_new_tokens to at most 5"):
+        mask = torch.ones(2, 60, dtype=torch.long)
+        mask[0, :10] = 0
+        generate(model, input_ids=random_ids(60, batch=2), attention_mask=mask, max_new_tokens=10)
+    from learnkv.eval import build_spec, evaluate
+    from learnkv.eval.tasks import Sample
+
+    with pytest.raises(ValueError, match="fidelity prompt long has 60 tokens: 10 new tokens would run past"):
+        evaluate(model, None, build_spec("h2o", "0.5", "fidelity", max_new_tokens=10),  # before its reference decode
+                 samples=[Sample.from_ids(random_ids(30)[0], id="short"), Sample.from_ids(random_ids(60)[0], id="long")])
+    assert forwards == []
+    assert generate(model, input_ids=random_ids(60), max_new_tokens=5).new_tokens == [5]  # position 63: the last
+
+
+# -- 7. SIGTERM is Ctrl-C ------------------------------------------------------------------------------------------
+
+
+def test_sigterm_during_collect_says_what_was_kept_and_resumes(tmp_path, capsys, monkeypatch, small_model):
+    import signal
+
+    out, argv, code, err = interrupted_collect(tmp_path, monkeypatch, capsys,  # what `timeout` or a scheduler sends
+                                               lambda: os.kill(os.getpid(), signal.SIGTERM))
+    assert code == 143 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"terminated (SIGTERM): 1/2 shards are finished and kept in {out}; the "
+                                            "shard in progress was discarded. Rerun the same command to resume.")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+    code, text, err = run(learnkv_cli, argv, capsys)
+    assert code == 0 and "1 new shards (1 already done)" in text
+
+
+def test_sigterm_during_evaluate_says_what_was_kept_and_resumes(tmp_path, capsys, monkeypatch, small_model):
+    import signal
+
+    import learnkv.eval.run
+
+    real_decode, calls = learnkv.eval.run._decode, []
+
+    def terminated_at_the_second_decode(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr("learnkv.eval.run._decode", terminated_at_the_second_decode)
+    out = tmp_path / "e"
+    argv = evaluate_args(out, "--policy", "h2o,tova", "--budget", "0.5")
+    code, _, err = run(_script("evaluate"), argv, capsys)
+    assert code == 143 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"terminated (SIGTERM): 1 finished runs of 1 batches of prompts are kept "
+                                            f"in {out / 'partial.jsonl'}. Rerun the same command to resume.")
+    code, _, err = run(_script("evaluate"), argv, capsys)
+    assert code == 0 and "resuming from" in err and len(calls) == 2 + 3  # h2o of the first batch is not decoded again
+    records = json.loads((out / "results.json").read_text())["records"]
+    assert [r["metrics"]["n_prompts"] for r in records] == [2, 2]
+
+
+# -- 8. one run at a time into an output directory ------------------------------------------------------------------
+
+
+def test_a_second_run_into_a_busy_directory_is_refused_naming_the_first(tmp_path, capsys, no_model):
+    from learnkv.atomic import dir_lock
+    from learnkv.eval.checkpoint import PARTIAL
+
+    out = tmp_path / "e"
+    out.mkdir()
+    (out / PARTIAL).write_text('{"identity": "the running run\'s grid"}\n')
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from learnkv.atomic import dir_lock\n"
+                               "with dir_lock(sys.argv[1], 'output directory'):\n print('held', flush=True)\n"
+                               " time.sleep(300)", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(out)
+        code, _, err = run(_script("evaluate"), ["--policy", "full", "--output", out], capsys)
+        one_line_error(code, err, f"output directory {out} is in use by a running learnkv process (pid {holder.pid}:")
+        assert snapshot(out) == before  # the running run's partial file stays where it is
+    finally:
+        holder.kill()
+        holder.wait()
+    with dir_lock(out, "output directory"):  # a killed holder's lock is gone with it
+        pass
+    traces(tmp_path / "traces", collect_config(tmp_path))
+    (tmp_path / "out").mkdir()
+    with dir_lock(tmp_path / "out", "out_dir"):
+        code, _, err = run(_script("train"), train_args(tmp_path), capsys)
+        one_line_error(code, err, f"out_dir {tmp_path / 'out'} is in use by a running learnkv process (pid "
+                                  f"{os.getpid()}:", alone=False)
+        assert not (tmp_path / "out" / "config.yaml").exists()
+    (tmp_path / "t").mkdir()
+    with dir_lock(tmp_path / "t", "trace directory", name=".lock-collect-0-of-1"):
+        code, _, err = run(learnkv_cli, ["collect", "--out", tmp_path / "t"], capsys)
+        one_line_error(code, err, f"trace directory {tmp_path / 't'} is in use by a running learnkv process")
+
+
+# -- 9. a full disk ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["oserror", "safetensors"])
+def test_a_full_disk_during_evaluate_says_what_failed_and_what_was_kept(tmp_path, capsys, monkeypatch, small_model,
+                                                                        fault):
+    import errno
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    real_save, calls = safetensors.torch.save_file, []
+
+    def full_at_the_second_reference(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            if fault == "oserror":
+                raise OSError(errno.ENOSPC, "No space left on device", filename)
+            Path(filename).write_bytes(b"half")  # what a failed write leaves
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull })')
+        return real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_at_the_second_reference)
+    out = tmp_path / "e"
+    argv = evaluate_args(out, "--policy", "h2o", "--budget", "0.5")
+    code, _, err = run(_script("evaluate"), argv, capsys)
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    what = "No space left on device" if fault == "oserror" else "cannot store the batch's full-cache reference"
+    assert err.startswith(f"error: {what}") and "reference-" in err
+    assert err.strip().endswith(f"1 finished runs of 1 batches of prompts are kept in {out / 'partial.jsonl'}. Rerun "
+                                "the same command to resume once that is fixed.")
+    assert not list(out.glob("*.tmp*")) and not (out / "results.json").exists()
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    code, _, err = run(_script("evaluate"), argv, capsys)
+    assert code == 0 and "resuming from" in err
+    assert json.loads((out / "results.json").read_text())["records"][0]["metrics"]["n_prompts"] == 2
+
+
+# -- 10. tracebacks for common mistakes ----------------------------------------------------------------------------
+
+
+def test_json_lists_where_objects_belong_are_one_line(tmp_path, capsys, no_model):
+    scorer = export_scorer(Scorer(30), tmp_path / "s", model="smollm2-135m-instruct", n_kv_heads=3)
+    (scorer / "manifest.json").write_text("[1, 2]")
+    code, _, err = run(learnkv_cli, ["generate", "--policy", "learned", "--scorer", scorer, "--budget", "32",
+                                     "--prompt", "hi"], capsys)
+    one_line_error(code, err, f"{scorer / 'manifest.json'}: a scorer manifest must be a JSON object, got a list")
+    out = traces(tmp_path / "t")
+    (out / "manifest.json").write_text("[]")
+    code, _, err = run(learnkv_cli, ["merge", out], capsys)
+    one_line_error(code, err, "a trace manifest must be a JSON object, got a list")
+    (out / "shard-00000.json").write_text('"not a sidecar"')  # a sidecar that is no object: the shard is redone
+    from learnkv.traces.store import finished_shards
+
+    assert finished_shards(out, CollectConfig().digest())[1] == {"shard-00000.json": "unreadable sidecar"}
+    config = tmp_path / "list.yaml"
+    config.write_text("- train.lr=0.1\n")
+    code, _, err = run(_script("train"), ["--config", config, "train.hidden=4"], capsys)
+    one_line_error(code, err, f"{config}: a config file is a mapping of sections", "got a list")
+
+
+def test_a_prompt_that_is_not_utf8_and_a_cache_that_is_a_file_are_one_line(tmp_path, capsys, monkeypatch,
+                                                                           small_model):
+    code, _, err = run(learnkv_cli, ["generate", "--prompt", "caf\udce9"], capsys)  # b"caf\xe9" from a shell
+    one_line_error(code, err, "prompt is not valid UTF-8 text (undecodable byte at character 3)")
+    monkeypatch.undo()  # the real loader
+    cache = tmp_path / "cache"
+    cache.write_text("not a directory")
+    monkeypatch.setenv("LEARNKV_CACHE", str(cache))
+    code, _, err = run(learnkv_cli, ["generate", "--prompt", "hi"], capsys)
+    one_line_error(code, err, f"LEARNKV_CACHE={cache} names a file: it must be a directory")
+    assert cache.read_text() == "not a directory"
+
+
+def test_train_overrides_anywhere_and_argument_errors_are_one_line(tmp_path, capsys):
+    train = _script("train")
+    code, _, err = run_cli(train, [f"trace_dir={tmp_path / 't'}", "--threads", "1", "train.hidden=0"], capsys)
+    one_line_error(code, err, "train.hidden must be >= 1, got 0")  # the override after the option was read
+    code, _, err = run_cli(train, ["train.hidden=4", "--threads"], capsys)
+    one_line_error(code, err, "argument --threads: expected one argument")
+    code, _, err = run_cli(learnkv_cli, ["generate", "--prompt", "hi", "--max-new-tokens", "4.5"], capsys)
+    one_line_error(code, err, "argument --max-new-tokens: invalid int value: '4.5'")
+
+
+def test_api_arguments_of_the_wrong_type_are_named(tiny, small):
+    _, tok = small
+    with pytest.raises(TypeError, match="prompts must be a string or a list of strings, got int"):
+        generate(tiny, tok, 42)
+    with pytest.raises(TypeError, match="prompt 2 of 2 must be a string, got bytes"):
+        generate(tiny, tok, ["hi", b"there"])
+    with pytest.raises(TypeError, match="max_new_tokens must be an integer >= 1, got 4.5"):
+        generate(tiny, input_ids=random_ids(8), max_new_tokens=4.5)

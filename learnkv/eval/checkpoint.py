@@ -20,6 +20,7 @@ lists, dicts and plain values (a math task's parsed sympy answers) is not stored
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import importlib
 import json
@@ -155,6 +156,19 @@ def append_run(out_dir: str | Path, entry: dict) -> None:
         os.fsync(f.fileno())
 
 
+def kept_runs(out_dir: str | Path) -> str:
+    """What a stopped evaluation keeps in ``out_dir`` for the next run of its grid (one clause, for messages)."""
+    path = Path(out_dir) / PARTIAL
+    if not path.is_file():
+        return f"no finished run is kept in {out_dir}"
+    try:
+        _, entries, _, _ = _read(path)
+    except (OSError, UnicodeDecodeError):
+        return f"finished runs are kept in {path}"
+    batches = len({(e.get("task"), tuple(e.get("ids", ()))) for e in entries if isinstance(e, dict)})
+    return f"{len(entries)} finished runs of {batches} batches of prompts are kept in {path}"
+
+
 def finish(out_dir: str | Path) -> None:
     """The results are written: the partial file and any stored reference have nothing left to give."""
     (Path(out_dir) / PARTIAL).unlink(missing_ok=True)
@@ -230,8 +244,15 @@ def save_references(out_dir: str | Path, identity: dict, refs: list) -> Path | N
     path = _reference_path(out_dir, identity)
     tmp = path.with_name(path.name + ".tmp")
     meta = json.dumps({"identity": identity, "refs": packed}, default=str)
-    save_file(tensors, str(tmp), metadata={"learnkv": meta})
-    os.replace(tmp, path)  # a run killed while writing leaves no torn file under the real name
+    try:
+        save_file(tensors, str(tmp), metadata={"learnkv": meta})
+        os.replace(tmp, path)  # a run killed while writing leaves no torn file under the real name
+    except Exception as e:  # a full disk: safetensors raises its own SafetensorError around the OSError
+        tmp.unlink(missing_ok=True)  # no half-written reference left taking the space
+        if isinstance(e, OSError):
+            raise
+        raise OSError(errno.EIO, f"cannot store the batch's full-cache reference ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''})", str(path)) from None
     return path
 
 
@@ -259,5 +280,5 @@ def drop_references(out_dir: str | Path, identity: dict) -> None:
     _reference_path(out_dir, identity).unlink(missing_ok=True)
 
 
-__all__ = ["PARTIAL", "append_run", "drop_references", "finish", "grid_identity", "load_references", "open_partial",
-           "save_references"]
+__all__ = ["PARTIAL", "append_run", "drop_references", "finish", "grid_identity", "kept_runs", "load_references",
+           "open_partial", "save_references"]

@@ -105,6 +105,9 @@ def compare(paths: list[str | Path], baseline: str, seed: int = 0) -> tuple[list
         known = sorted({r["policy"] for r in pooled})
         raise ValueError(f"no record of baseline {baseline!r} in {', '.join(map(str, paths))}; "
                          f"policies: {', '.join(known)}")
+    if all(r["policy"] == baseline for r in pooled):
+        raise ValueError(f"{', '.join(map(str, paths))} hold(s) only the baseline {baseline!r}: nothing to compare it "
+                         "with (add the evaluation of another policy on the same prompts)")
     pairs, notes = [], []
     for task, budget in dict.fromkeys((r["task"], r["budget"]) for r in pooled):
         group = [r for r in pooled if (r["task"], r["budget"]) == (task, budget)]

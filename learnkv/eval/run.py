@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from learnkv.cache import blind_prefill_error, prefill_policy_error
-from learnkv.decode import GenerationResult, parse_number, resolve_budget, resolve_policy
+from learnkv.decode import GenerationResult, check_positions, parse_number, resolve_budget, resolve_policy
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
 from learnkv.eval.tasks.base import RunConfig, evicts
@@ -145,8 +146,14 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
                **task_options) -> EvalSpec:
     """Validate a grid (no model needed). ``task_options`` go to every task that has them (`make_task`)."""
     tasks = [make_task(name, **task_options) for name in split_list(tasks, "task")]
-    budgets = [parse_budget(b) for b in split_list(budgets, "budget")]
+    # compared as numbers, not as typed (0.5 and 0.50 are one budget; 64 tokens and the fraction 1.0 are not)
+    budgets = list({(type(b), b): b for b in map(parse_budget, split_list(budgets, "budget"))}.values())
     runs = [_policy_run(label, name, params, scorer, seed) for label, name, params in parse_policy_list(policies)]
+    for k, run in enumerate(runs):  # one policy under two labels would be two rows of the same decodes
+        for other in runs[:k]:
+            if (run.name, make_policy(run.name, **run.params)) == (other.name, make_policy(other.name, **other.params)):
+                raise ValueError(f"--policy items {other.label!r} and {run.label!r} are the same policy with the same "
+                                 "parameters: give it once")
     if limit is not None and (int(limit) != limit or limit < 1):
         raise ValueError(f"--limit must be a number of prompts >= 1, got {limit}")
     if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
@@ -158,6 +165,8 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
     prefill = prefill_run(prefill_policy, "--prefill-policy", scorer, seed) if prefill_policy else None
     if compare is not None and compare not in [r.label for r in runs]:
         raise ValueError(f"--compare {compare!r} is not one of the policies: {', '.join(r.label for r in runs)}")
+    if compare is not None and len(runs) == 1:
+        raise ValueError(f"--compare {compare!r} has no other policy to compare with: add one to --policy")
     for run in runs:
         for task in tasks:
             task.check_policy(run.name)
@@ -333,7 +342,13 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         prompts = list(samples)[:limit] if samples is not None else task.load(tokenizer, limit, spec.seed)
         if not prompts:
             raise ValueError(f"task {task.name!r} found no prompts")
+        seen = Counter(s.id for s in prompts)
+        if twice := [pid for pid, n in seen.items() if n > 1]:  # a record's prompts are distinct, or its interval lies
+            raise ValueError(f"task {task.name!r}: prompt id {twice[0]!r} appears {seen[twice[0]]} times among its "
+                             f"prompts ({len(twice)} ids repeat); give each prompt once")
         check_grid(task, prompts, spec)
+        check_positions(model, [s.input_ids.shape[1] for s in prompts], task.max_new_tokens,
+                        [f"{task.name} prompt {s.id}" for s in prompts])
         keys = [(r, b) for b in spec.budgets for r in spec.runs]
         per_prompt = {key: {} for key in keys}  # (run, budget) -> sample id -> metrics
         costs = {key: {} for key in keys}
@@ -347,7 +362,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         per_batch = n_runs // len(prompts)  # runs per prompt: the reference and every distinct (policy, budget)
         # per budget, the prompts of every batch evaluated (or read back) in full at that budget: all budgets of a
         # batch at once when decoding; --finished-only also reports a budget that a batch has finished before the next
-        done_prompts = {b: [] for b in spec.budgets}
+        done_prompts = {b: {} for b in spec.budgets}  # id -> sample: each prompt once, however often it is filed
         try:
             for batch in _batches(prompts, spec.batch_size):
                 ids = [s.id for s in batch]
@@ -357,7 +372,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                     for b in whole:
                         for run in spec.runs:
                             _keep(per_prompt, costs, first_params, (run, b), ids, *_stored(stored[run.label, b]))
-                        done_prompts[b] += batch
+                        done_prompts[b].update((s.id, s) for s in batch)
                     if len(whole) == len(spec.budgets):
                         bar.update(per_batch * len(batch))
                     continue
@@ -399,7 +414,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                 if resume_dir is not None:
                     checkpoint.drop_references(resume_dir, ref_identity)
                 for b in spec.budgets:
-                    done_prompts[b] += batch
+                    done_prompts[b].update((s.id, s) for s in batch)
         finally:
             task.on_step = None
             bar.close()
@@ -412,7 +427,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                       file=sys.stderr)
         for run, b in keys:
             if done_prompts[b]:
-                records.append(_record(task, run, b, done_prompts[b], per_prompt[run, b], costs[run, b],
+                records.append(_record(task, run, b, list(done_prompts[b].values()), per_prompt[run, b], costs[run, b],
                                        first_params.get((run, b)), spec, model, model_name))
     return records
 

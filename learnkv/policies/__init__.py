@@ -47,6 +47,9 @@ def make_policy(name: str, **params) -> Policy:
     unknown = sorted(set(params) - fields)
     if unknown:
         raise ValueError(f"policy {name!r} has no parameter {', '.join(unknown)}; its parameters: {', '.join(sorted(fields))}")
+    if params and not cls.evicts:  # its windows and schedule exist (inherited) but never act: a row would mislead
+        raise ValueError(f"policy {name!r} keeps every token, so a parameter has no effect on it: drop "
+                         f"{', '.join(f'{k}={v}' for k, v in params.items())}")
     return cls(**params)
 
 

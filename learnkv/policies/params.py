@@ -54,7 +54,7 @@ def parse_policy_list(text: str | list) -> list[tuple[str, str, dict]]:
     if not items or any(not s for s in items):
         raise ValueError(f"--policy takes a comma-separated list with no empty items, got {text!r}")
     out = []
-    for item in dict.fromkeys(items):
+    for item in dict.fromkeys(s.replace(" ", "") for s in items):  # one label per item however it was spaced
         name, params = parse_policy(item)
-        out.append((item.replace(" ", ""), name, params))
+        out.append((item, name, params))
     return out

@@ -16,7 +16,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from learnkv.atomic import sha256_file
+from learnkv.atomic import read_json_object, sha256_file
 from learnkv.features import FEATURE_VERSION, FEATURES
 from learnkv.pooling import POOLING
 from learnkv.scorer.model import Scorer
@@ -79,10 +79,7 @@ def read_artifact_manifest(path: str | Path) -> dict:
     path = Path(path)
     if not (path / MANIFEST).is_file():
         raise ArtifactError(f"no scorer artifact at {path} (expected {MANIFEST} and {WEIGHTS}; `python train.py` writes one)")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"{path / MANIFEST} is not valid JSON ({e})") from None
+    manifest = read_json_object(path / MANIFEST, "a scorer manifest", ArtifactError)
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(
             f"{path}: artifact format {manifest.get('format')!r} version {manifest.get('format_version')}, "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
-from learnkv.atomic import ensure_dir, write_json_atomic
+from learnkv.atomic import dir_lock, ensure_dir, write_json_atomic
 from learnkv.config import PipelineConfig, save_config, to_dict
 from learnkv.scorer.module import BUDGETS, MONITOR
 
@@ -69,17 +69,22 @@ def ensure_traces(cfg: PipelineConfig, progress: bool = True) -> dict:
 IDENTITY_KEY = "learnkv_run"
 
 
+#: training settings a rerun may change to extend a run (more epochs, more patience) or to run it elsewhere: they
+#: change when training stops or where it runs, not the weights an epoch produces. Every other training setting is
+#: part of the run's identity
+EXTENDABLE = ("max_epochs", "patience", "accelerator", "devices", "strategy")
+
+
 def run_identity(cfg: PipelineConfig, trace_dirs: list[str] | None = None) -> dict:
-    """Epochs, patience and the learning rate may change between runs (to extend a run); the scorer's shape, the
-    label and the traces may not. ``trace_dirs``: every trace directory the run trains on (default: ``trace_dir``),
-    each identified by the digest of its collection config."""
+    """Every setting that changes the weights a run trains: the seed, each training setting but `EXTENDABLE`, and
+    the traces. ``trace_dirs``: every trace directory the run trains on (default: ``trace_dir``), each identified by
+    the digest of its collection config."""
     from learnkv.traces.store import read_manifest
 
     dirs = trace_dirs or [cfg.trace_dir]
     digests = [cfg.collect.digest() if d == cfg.trace_dir else read_manifest(d).get("config_digest") for d in dirs]
-    identity = {"hidden": cfg.train.hidden, "label": cfg.train.label}
-    if cfg.train.content:
-        identity["content"] = True
+    identity = {k: v for k, v in to_dict(cfg.train).items() if k not in EXTENDABLE}
+    identity["seed"] = cfg.seed
     if len(dirs) == 1:
         return {**identity, "trace_dir": str(Path(dirs[0]).resolve()), "collect": digests[0]}
     return {**identity, "trace_dir": [str(Path(d).resolve()) for d in dirs], "collect": digests}
@@ -110,10 +115,19 @@ def check_resumable(cfg: PipelineConfig, last: Path, identity: dict | None = Non
     if previous is None:
         raise ValueError(f"checkpoint {last} does not record the run it belongs to; delete it to start this run over")
     identity = identity or run_identity(cfg)
-    changed = sorted(k for k in identity if previous.get(k) != identity[k])
+    previous = {"content": False, **previous}  # recorded only when true before every setting was recorded
+    changed = [k for k in identity if k in previous and previous[k] != identity[k]]
     if changed:
-        raise ValueError(f"{last.parent.parent} holds a run with another {', '.join(changed)}; resume it with the same "
-                         "settings, or use another out_dir")
+        shown = [k if k in ("trace_dir", "collect") else f"{k}: {previous[k]!r} there, {identity[k]!r} here"
+                 for k in changed]
+        raise ValueError(f"{last.parent.parent} holds a run with another {', '.join(changed)} ({'; '.join(shown)}): "
+                         "these change the weights; rerun with its settings to resume or reuse it, or use another "
+                         "out_dir to train anew")
+    unknown = [k for k in identity if k not in previous]
+    if unknown:
+        raise ValueError(f"checkpoint {last} does not record the run's {', '.join(unknown)} (written by an older "
+                         "learnkv), so resuming it could mix settings; delete it to start this run over, or use "
+                         "another out_dir")
 
 
 #: marks a finished run: the config it ran with and its artifact (a rerun of the same command then does nothing)
@@ -138,6 +152,8 @@ def finished_run(cfg: PipelineConfig, out: Path, identity: dict | None = None):
         done = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None  # not a record of a finished run: train (resuming) and export again
+    if not isinstance(done, dict):
+        return None
     if done.get("config") != _finish_config(cfg, identity):
         return None
     try:
@@ -184,13 +200,6 @@ def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
 def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = True) -> tuple[Path, dict, str]:
     """One round: collect ``cfg.trace_dir`` if incomplete, train on ``trace_dirs`` (the earlier rounds' and this
     one's), export into ``cfg.out_dir``."""
-    import lightning as L
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-
-    from learnkv.scorer.artifact import export_scorer
-    from learnkv.scorer.data import TraceDataModule, feature_stats
-    from learnkv.scorer.module import ScorerModule
-
     out = ensure_dir(cfg.out_dir, "out_dir", create=False)  # created once the traces are there
     earlier = trace_dirs[:-1]  # finished rounds: their manifests identify them
     if all((Path(d) / "manifest.json").exists() for d in earlier):
@@ -208,8 +217,22 @@ def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = Tru
     identity = run_identity(cfg, trace_dirs)
     if len(trace_dirs) > 1:
         check_resumable(cfg, last, identity)
-    teachers = manifest["teachers"]
     out.mkdir(parents=True, exist_ok=True)
+    with dir_lock(out, "out_dir"):  # one training run at a time writes a directory
+        return _fit(cfg, trace_dirs, out, ckpt_dir, last, manifest, identity, progress)
+
+
+def _fit(cfg: PipelineConfig, trace_dirs: list[str], out: Path, ckpt_dir: Path, last: Path, manifest: dict,
+         identity: dict, progress: bool) -> tuple[Path, dict, str]:
+    """`train_round` once the run is checked and its directory locked: fit, validate, export."""
+    import lightning as L
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    from learnkv.scorer.artifact import export_scorer
+    from learnkv.scorer.data import TraceDataModule, feature_stats
+    from learnkv.scorer.module import ScorerModule
+
+    teachers = manifest["teachers"]
     save_config(cfg, out / "config.yaml")
 
     # seeded here, after any collection: collecting in this process (loading the model, decoding) draws from the

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from learnkv.atomic import ensure_dir
+from learnkv.atomic import dir_lock, ensure_dir
 from learnkv.fields import check_fields, setting
 from learnkv.progress import redraw_seconds, token_counter
 from learnkv.traces.record import FLOAT_LABELS, Decision, Recorder, horizon_fits
@@ -264,10 +264,6 @@ def collect(out: str | Path, cfg: CollectConfig | None = None, shard: tuple[int,
     left, the tokens counted at every decode step (on a terminal it redraws every second; elsewhere it prints a line
     every 30 s).
     """
-    from tqdm.auto import tqdm
-
-    from learnkv.model import load_model
-
     cfg = cfg or CollectConfig()
     cfg.validate()
     i, n = shard
@@ -278,6 +274,21 @@ def collect(out: str | Path, cfg: CollectConfig | None = None, shard: tuple[int,
         check_same_config(read_manifest(out), cfg, str(out), "use another --out or delete it")
     digest = cfg.digest()
     done, problems = finished_shards(out, digest)  # refuses a shard of another feature version or config
+    # two collectors of the same shards into one directory would write each other's: one at a time (collectors of
+    # other shards, --shard i/n, run side by side)
+    with dir_lock(out, "trace directory", TraceError, name=f".lock-collect-{i}-of-{n}"):
+        return _collect_shards(out, cfg, shard, digest, done, problems, model, tokenizer, progress, max_shards, prompts)
+
+
+def _collect_shards(out: Path, cfg: CollectConfig, shard: tuple[int, int], digest: str, done: dict, problems: dict,
+                    model, tokenizer, progress: bool, max_shards: int | None,
+                    prompts: list | None) -> tuple[dict, CollectStats]:
+    """`collect` once its input is checked and the directory is locked: decode and write this collector's shards."""
+    from tqdm.auto import tqdm
+
+    from learnkv.model import load_model
+
+    i, n = shard
     if model is None:
         model, tokenizer = load_model(cfg.model)
     prompts = plan_prompts(cfg, tokenizer) if prompts is None else list(prompts)

@@ -17,11 +17,10 @@ relabelled. Loading checks every shard's sha256 and the manifest's format and fe
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from learnkv.atomic import sha256_file, write_json_atomic
+from learnkv.atomic import read_json_object, sha256_file, write_json_atomic
 from learnkv.features import FEATURE_VERSION, FEATURES
 
 FORMAT = "learnkv-traces"
@@ -75,9 +74,9 @@ def finished_shards(out_dir: Path, config_digest: str | None) -> tuple[dict[int,
     done, problems = {}, {}
     for side in sorted(out_dir.glob("shard-*.json")):
         try:
-            entry = json.loads(side.read_text())
+            entry = read_json_object(side, "a shard sidecar")
             index = int(side.stem.split("-")[1])
-        except (ValueError, json.JSONDecodeError):
+        except ValueError:  # not JSON, not an object, not a shard's name
             problems[side.name] = "unreadable sidecar"
             continue
         check_shard_identity(entry, side.name, config_digest)
@@ -126,10 +125,7 @@ def read_manifest(trace_dir: str | Path) -> dict:
     path = Path(trace_dir) / MANIFEST
     if not path.is_file():
         raise TraceError(f"no {MANIFEST} in {trace_dir}: not a trace directory (run `python -m learnkv collect --out {trace_dir}`)")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{path} is not valid JSON ({e})") from None
+    manifest = read_json_object(path, "a trace manifest", TraceError)
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise TraceError(f"{path}: format {manifest.get('format')!r} v{manifest.get('format_version')}, expected {FORMAT!r} v{FORMAT_VERSION}")
     if manifest.get("feature_version") != FEATURE_VERSION or manifest.get("features") != list(FEATURES):
