@@ -68,6 +68,8 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-policy", default="snapkv",
                         help="compresses a prompt longer than the budget at the prefill (the batch's prompts are "
                              "80-174 tokens); 'none' to let each policy do it (LazyEviction then refuses)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the model's dtype (bfloat16 on a GPU)")
     parser.add_argument("--long", action="store_true", help="only table 3: long caches, every policy against full")
     parser.add_argument("--long-settings", default="8:1536,16:2560",
                         help="B:L[,B:L...]: batch size and the cache length each row ends near (prompt + new tokens)")
@@ -236,13 +238,14 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tok = load_model(args.model, device=device)
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     generate(model, tok, PROMPT, policy="full", max_new_tokens=4)  # warm-up
     names = args.policies.split(",") if args.policies else [n for n in POLICIES if n != "learned" or args.scorer]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise SystemExit(f"error: unknown policies {unknown}; known: {', '.join(POLICIES)}")
-    print(f"device: {device}, threads: {args.threads}, model: {args.model}, {time.strftime('%Y-%m-%d')}\n")
+    print(f"device: {device}, threads: {args.threads}, model: {args.model} ({args.dtype}), "
+          f"{time.strftime('%Y-%m-%d')}\n")
     records = None
     if args.long:
         records = long_table(model, tok, [n for n in names if not POLICIES[n].needs_future], args)
