@@ -68,3 +68,28 @@ def test_decode_benchmark_long_mode(small, tmp_path):
             assert r["budgets"] == [-(-int(r["fraction"] * 1000) * f // 1000) for f in finals]
             assert r["eviction_share"] > 0
     assert "| 2 | " in res.stdout and "| snapkv | 25% (" in res.stdout and "[min, max] over 2 rounds" in res.stdout
+
+
+def test_gpu_on_paper_counts():
+    """bench/gpu_on_paper.py's model: Qwen2.5-7B's published 6.53B non-embedding parameters plus the untied LM head
+    (0.545B) read per step, 57,344 bytes of K/V per token, and the radix select's passes as the launcher sets them."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_on_paper as paper
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    pytest.importorskip("triton")
+    from kernels import select
+
+    m = paper.Model()
+    assert m.weight_bytes() / 2 == pytest.approx(6.53e9 + 152064 * 3584, rel=2e-3)
+    assert m.layers * m.kv_heads * m.kv_slot_bytes() == 57344
+    for slots in (1, 2, 600, 4104, 16392, 65536):
+        idx_bits = max(slots - 1, 0).bit_length()
+        passes = -(-(32 + idx_bits) // select.RADIX_BITS)
+        assert paper.select_bytes(slots) == 4 + 16 + 8 + 8 * (passes + 1) + 8
+    full = paper.step_bytes("full", m, 8, 32768, None, 16)
+    flash = paper.step_bytes("full (FlashDecoding)", m, 8, 32768, None, 16)
+    assert full["attention"] > 1.5 * flash["attention"]  # K read twice by kernels.decode_attention
+    half = paper.step_bytes("h2o", m, 8, 32768, 0.5, 16)
+    assert half["attention"] == pytest.approx(full["attention"] * (16384 + 8) / 32768)
