@@ -18,6 +18,10 @@ Every key is distinct, so exactly ``n_keep`` keys are >= the threshold and the r
 Block means divide with `div_rn` (IEEE) so that equal block sums give equal means; block sums are added in a
 different order than torch's, so blocks whose means differ only by rounding may rank differently from the
 reference. That never happens with ties (equal blocks) or with random scores in practice.
+
+The launcher reads nothing back from the device in token mode when ``keep``, ``n_sink`` and ``n_recent`` are host
+ints (one, or one per row, as the cache passes them): they go over in one non-blocking copy from pinned memory.
+Block mode reads back once (the output's width depends on where each row's blocks start).
 """
 
 from __future__ import annotations
