@@ -15,6 +15,17 @@ cache's at the same batch size, paired by round (``--repeats`` rounds time every
 the full cache are timed seconds apart under the same load; median and range over rounds). A prompt longer than the budget is compressed at the prefill by
 ``--prefill-policy`` (default snapkv), so every policy, LazyEviction included, runs on the same batch. ``--json PATH`` writes those records
 (``{"policy", "batch_size", "tokens_per_s", ...}``).
+
+Table 3 (``--long``, issue 43's benchmark): where the KV cache dominates. Per setting ``B:L`` of ``--long-settings``
+(default batch 8 to ~1.5k cached tokens and batch 16 to ~2.5k), B held-out chain prompts (~1k tokens) decode
+``L - median prompt`` new tokens, so each row ends near L cached tokens; every policy (the oracle excepted: it
+replays a full-cache pass) at each fraction of ``--long-fractions`` of each row's final length, against the full
+cache. ``--repeats`` rounds time every (setting, policy, fraction) in turn; per round a run's decode tokens/s (prefill
+excluded) is divided by the full cache's of the same round and setting, reported as the median [min, max] over
+rounds, with the share of the run's time spent in eviction (on CUDA the host's launch time only). ``--json`` writes
+the records (``{"mode": "long", "policy", "fraction", "batch_size", "final_length", "speed_vs_full", ...}``):
+
+    python bench/decode.py --long --threads 2 --slack 16 --repeats 2 --json runs/bench-decode-long.json
 """
 
 from __future__ import annotations
@@ -57,6 +68,12 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-policy", default="snapkv",
                         help="compresses a prompt longer than the budget at the prefill (the batch's prompts are "
                              "80-174 tokens); 'none' to let each policy do it (LazyEviction then refuses)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the model's dtype (bfloat16 on a GPU)")
+    parser.add_argument("--long", action="store_true", help="only table 3: long caches, every policy against full")
+    parser.add_argument("--long-settings", default="8:1536,16:2560",
+                        help="B:L[,B:L...]: batch size and the cache length each row ends near (prompt + new tokens)")
+    parser.add_argument("--long-fractions", default="0.25,0.5", help="budgets as fractions of each row's final length")
     return parser.parse_args(argv)
 
 
@@ -150,25 +167,97 @@ def throughput_table(model, tok, names, args) -> list[dict]:
     return records
 
 
+def long_prompts(n: int) -> list[str]:
+    """``n`` held-out chain prompts (~1k tokens with SmolLM2's or Qwen's chat template)."""
+    from learnkv.prompts import load_prompts
+
+    return [p.text for p in load_prompts("chain", n=n, split="test")]
+
+
+def long_table(model, tok, names, args) -> list[dict]:
+    """Table 3 (see the module docstring): decode speed relative to the full cache at long caches, paired by round."""
+    from learnkv.decode import encode_prompts
+
+    settings = [tuple(int(x) for x in s.split(":")) for s in args.long_settings.split(",")]
+    fractions = [float(f) for f in args.long_fractions.split(",")]
+    runs = [("full", None)] + [(n, f) for n in names if n != "full" for f in fractions]
+    prompts = long_prompts(max(b for b, _ in settings))
+    plan = {}
+    for b, length in settings:
+        ids, mask = encode_prompts(tok, prompts[:b])
+        lengths = mask.sum(-1).tolist()
+        new = length - int(statistics.median(lengths))
+        if new < 1:
+            median = statistics.median(lengths)
+            raise SystemExit(f"error: cache length {length} is not above the prompts' median {median}")
+        plan[b, length] = (ids, mask, lengths, new)
+    rounds: dict[tuple, list[dict]] = {(b, length, n, f): [] for b, length in settings for n, f in runs}
+    for _ in range(args.repeats):
+        for b, length in settings:
+            ids, mask, lengths, new = plan[b, length]
+            for name, frac in runs:
+                params = {"scorer": args.scorer} if name == "learned" else {}
+                r = generate(model, input_ids=ids, attention_mask=mask, policy=name, budget=frac, policy_params=params,
+                             max_new_tokens=new, stop_at_eos=False, **prefill(name, args))
+                rounds[b, length, name, frac].append({
+                    "decode_tokens_per_s": sum(r.new_tokens) / max(r.decode_s, 1e-9), "tokens_per_s": r.tokens_per_s,
+                    "eviction_share": r.eviction_share, "budgets": r.budgets})
+    records = []
+    for b, length in settings:
+        _, _, lengths, new = plan[b, length]
+        full = [x["decode_tokens_per_s"] for x in rounds[b, length, "full", None]]
+        for name, frac in runs:
+            got = rounds[b, length, name, frac]
+            rates = [x["decode_tokens_per_s"] for x in got]
+            speed = [p / f for p, f in zip(rates, full)]
+            records.append({
+                "mode": "long", "policy": name, "fraction": frac, "batch_size": b, "final_length": length,
+                "prompt_tokens": lengths, "new_tokens": new, "budgets": got[0]["budgets"], "threads": args.threads,
+                "slack": args.slack, "device": str(next(model.parameters()).device),
+                "decode_tokens_per_s": max(rates), "decode_tokens_per_s_rounds": rates,
+                "tokens_per_s_rounds": [x["tokens_per_s"] for x in got],
+                "speed_vs_full_rounds": speed, "speed_vs_full": statistics.median(speed),
+                "eviction_share_rounds": [x["eviction_share"] for x in got],
+                "eviction_share": statistics.median(x["eviction_share"] for x in got)})
+    spread = f" [min, max] over {args.repeats} rounds" if args.repeats > 1 else ""
+    print(f"\nlong caches: decode tokens/s (prefill excluded) relative to the full cache, paired by round "
+          f"(median{spread}); eviction share of each run's time; slack {args.slack}\n")
+    print("| batch | cache (prompt + new) | policy | budget | decode tok/s | vs full | eviction share |")
+    print("|---|---|---|---|---|---|---|")
+    for r in records:
+        s = r["speed_vs_full_rounds"]
+        rng = f" [{min(s):.2f}, {max(s):.2f}]" if len(s) > 1 else ""
+        budget = "-" if r["fraction"] is None else f"{r['fraction']:.0%} ({min(r['budgets'])}-{max(r['budgets'])})"
+        print(f"| {r['batch_size']} | {min(r['prompt_tokens'])}-{max(r['prompt_tokens'])} + {r['new_tokens']} | "
+              f"{r['policy']} | {budget} | {r['decode_tokens_per_s']:.1f} | {r['speed_vs_full']:.2f}x{rng} | "
+              f"{r['eviction_share']:.0%} |")
+    return records
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tok = load_model(args.model, device=device)
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     generate(model, tok, PROMPT, policy="full", max_new_tokens=4)  # warm-up
     names = args.policies.split(",") if args.policies else [n for n in POLICIES if n != "learned" or args.scorer]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise SystemExit(f"error: unknown policies {unknown}; known: {', '.join(POLICIES)}")
-    print(f"device: {device}, threads: {args.threads}, model: {args.model}, {time.strftime('%Y-%m-%d')}\n")
-    if args.batch_sizes is None or "1" in args.batch_sizes.split(","):
-        single_table(model, tok, names, args)
-    if args.batch_sizes:
-        records = throughput_table(model, tok, names, args)
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(records, indent=1))
-            print(f"\nrecords: {args.json}")
+    print(f"device: {device}, threads: {args.threads}, model: {args.model} ({args.dtype}), "
+          f"{time.strftime('%Y-%m-%d')}\n")
+    records = None
+    if args.long:
+        records = long_table(model, tok, [n for n in names if not POLICIES[n].needs_future], args)
+    else:
+        if args.batch_sizes is None or "1" in args.batch_sizes.split(","):
+            single_table(model, tok, names, args)
+        if args.batch_sizes:
+            records = throughput_table(model, tok, names, args)
+    if records is not None and args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(records, indent=1))
+        print(f"\nrecords: {args.json}")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,13 @@ Split-T design (FlashDecoding), so short batches still fill the GPU; ``[B, Hq, T
    split's partial ``P @ V``.
 3. `_combine_kernel`, grid ``(B*H,)``: sums the partial outputs over the splits in a fixed order (deterministic).
 
-K is read twice and V once. Compute is fp32 (bf16/fp16 inputs are upcast right after loading). Dots on fp32 inputs
-use IEEE precision; on 16-bit inputs they use TF32, which is exact for the upcast q and k (TF32 holds a bf16 or
-fp16 mantissa) and rounds only P in ``P @ V``, well below the output's own rounding.
+K is read twice and V once. Softmax statistics, probabilities and the output accumulate in fp32. With bf16 (or
+fp16) q, K and V the dots take them as stored: ``q @ K^T`` is exact products summed in fp32 (what the reference's
+fp32 upcast computes, in another order), and ``P @ V`` rounds P to V's dtype (as FlashAttention does; the error
+stays below the 16-bit output's own rounding). Upcasting them for a TF32 dot held 218 registers per thread in the
+statistics kernel on sm_90 (164 without). Otherwise (fp32, or mixed dtypes) both dots run in fp32 at IEEE
+precision. Maxima propagate NaN as torch's (`kernels.nanmax`), so ``reduce="max"`` hands on a NaN probability
+instead of dropping it.
 Masking follows `learnkv_attention`: a hidden key scores the fp32 minimum, not -inf, so a query that sees no key
 attends uniformly. A sliding window hides keys at ``key_pos <= query_pos - window`` too; softcapping maps scores
 through ``softcap * tanh(scores / softcap)`` (tanh as ``2 * sigmoid(2x) - 1``) before masking; sink logits (one per
@@ -25,16 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.nanmax import fmax, rmax
+
 
 @triton.jit
 def _scores(q, k_base, kpos_base, qpos, start, t_end, offs_d, md, sk_t, sk_d, sp_t, scaling, window, softcap,
-            BLOCK_T: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
+            BLOCK_T: tl.constexpr, PRECISION: tl.constexpr, F32: tl.constexpr, WINDOWED: tl.constexpr,
             SOFTCAP: tl.constexpr):  # fmt: skip
     """Masked scores ``[BLOCK_G, BLOCK_T]`` of the group's queries against keys ``start .. start + BLOCK_T``."""
     offs_t = start + tl.arange(0, BLOCK_T)
     mt = offs_t < t_end
     k = tl.load(k_base + offs_t[:, None] * sk_t + offs_d[None, :] * sk_d, mask=mt[:, None] & md[None, :], other=0.0)
-    s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scaling
+    if F32:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
     if SOFTCAP:
         s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
     kpos = tl.load(kpos_base + offs_t * sp_t, mask=mt, other=-1)
@@ -46,14 +54,18 @@ def _scores(q, k_base, kpos_base, qpos, start, t_end, offs_d, md, sk_t, sk_d, sp
 
 
 @triton.jit
-def _load_group(q_ptr, b, h, G, D, sq_b, sq_h, sq_d, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The G query heads of KV head h, ``[BLOCK_G, BLOCK_D]`` fp32 (padding rows and columns are 0)."""
+def _load_group(q_ptr, b, h, G, D, sq_b, sq_h, sq_d, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                F32: tl.constexpr):
+    """The G query heads of KV head h, ``[BLOCK_G, BLOCK_D]``, fp32 if F32 else as stored (padding rows and columns
+    are 0)."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mg = offs_g < G
     md = offs_d < D
     q_off = b * sq_b + (h * G + offs_g)[:, None].to(tl.int64) * sq_h + offs_d[None, :] * sq_d
-    q = tl.load(q_ptr + q_off, mask=mg[:, None] & md[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + q_off, mask=mg[:, None] & md[None, :], other=0.0)
+    if F32:
+        q = q.to(tl.float32)
     return q, offs_g, offs_d, mg, md
 
 
@@ -63,13 +75,13 @@ def _stats_kernel(
     H, T, G, D, split_t, scaling, window, softcap,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sp_b, sp_h, sp_t, sqp,
     BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+    F32: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    q, offs_g, offs_d, mg, md = _load_group(q_ptr, b, h, G, D, sq_b, sq_h, sq_d, BLOCK_G, BLOCK_D)
+    q, offs_g, offs_d, mg, md = _load_group(q_ptr, b, h, G, D, sq_b, sq_h, sq_d, BLOCK_G, BLOCK_D, F32)
     qpos = tl.load(qpos_ptr + b * sqp)
     k_base = k_ptr + b * sk_b + h * sk_h
     kpos_base = kpos_ptr + b * sp_b + h * sp_h
@@ -80,8 +92,8 @@ def _stats_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     for start in range(t_begin, t_end, BLOCK_T):
         s, _, _ = _scores(q, k_base, kpos_base, qpos, start, t_end, offs_d, md, sk_t, sk_d, sp_t, scaling, window,
-                          softcap, BLOCK_T, PRECISION, WINDOWED, SOFTCAP)  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                          softcap, BLOCK_T, PRECISION, F32, WINDOWED, SOFTCAP)  # fmt: skip
+        m_new = fmax(m_i, rmax(s, 1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
         m_i = m_new
     part = (bh * tl.num_programs(1) + split).to(tl.int64) * BLOCK_G + offs_g
@@ -95,14 +107,15 @@ def _probs_pv_kernel(
     H, T, G, D, split_t, scaling, window, softcap,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_h, sp_t, sqp,
     REDUCE_MAX: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+    PRECISION: tl.constexpr, F32: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    q, offs_g, offs_d, mg, md = _load_group(q_ptr, b, h, G, D, sq_b, sq_h, sq_d, BLOCK_G, BLOCK_D)
+    q, offs_g, offs_d, mg, md = _load_group(q_ptr, b, h, G, D, sq_b, sq_h, sq_d, BLOCK_G, BLOCK_D, F32)
     qpos = tl.load(qpos_ptr + b * sqp)
     k_base = k_ptr + b * sk_b + h * sk_h
     v_base = v_ptr + b * sv_b + h * sv_h
@@ -114,10 +127,10 @@ def _probs_pv_kernel(
     stats = bh.to(tl.int64) * n_splits * BLOCK_G + offs_g
     m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
     for i in range(0, n_splits):
-        m_all = tl.maximum(m_all, tl.load(m_ptr + stats + i * BLOCK_G))
+        m_all = fmax(m_all, tl.load(m_ptr + stats + i * BLOCK_G))
     if SINKS:  # the head's sink logit joins the normaliser (and the max, so exp never overflows)
         sink = tl.load(sinks_ptr + h * G + offs_g, mask=mg, other=float("-inf")).to(tl.float32)
-        m_all = tl.maximum(m_all, sink)
+        m_all = fmax(m_all, sink)
     l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
     for i in range(0, n_splits):
         l_all += tl.load(l_ptr + stats + i * BLOCK_G) * tl.exp(tl.load(m_ptr + stats + i * BLOCK_G) - m_all)
@@ -128,17 +141,20 @@ def _probs_pv_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for start in range(t_begin, t_end, BLOCK_T):
         s, offs_t, mt = _scores(q, k_base, kpos_base, qpos, start, t_end, offs_d, md, sk_t, sk_d, sp_t, scaling,
-                                window, softcap, BLOCK_T, PRECISION, WINDOWED, SOFTCAP)  # fmt: skip
+                                window, softcap, BLOCK_T, PRECISION, F32, WINDOWED, SOFTCAP)  # fmt: skip
         p = tl.exp(s - m_all[:, None]) / l_all[:, None]
         p_group = tl.where(mg[:, None], p, 0.0)
         if REDUCE_MAX:
-            r = tl.max(p_group, axis=0)
+            r = rmax(p_group, 0)
         else:
             r = tl.sum(p_group, axis=0) / G
         tl.store(probs_ptr + bh.to(tl.int64) * T + offs_t, r * keep_row, mask=mt)
         v_off = offs_t[:, None] * sv_t + offs_d[None, :] * sv_d
-        v = tl.load(v_base + v_off, mask=mt[:, None] & md[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(p, v, input_precision=PRECISION)
+        v = tl.load(v_base + v_off, mask=mt[:, None] & md[None, :], other=0.0)
+        if F32:
+            acc += tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
     part = (bh * n_splits + split).to(tl.int64) * BLOCK_G * BLOCK_D
     tl.store(acc_ptr + part + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
 
@@ -213,7 +229,11 @@ def decode_attention(
         split_t = triton.cdiv(T, max(1, programs // (B * H)))
     split_t = triton.cdiv(split_t, block_t) * block_t
     n_splits = triton.cdiv(T, split_t)
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    # 16-bit dots where the three share a 16-bit dtype; not bf16 in the interpreter, whose tl.dot multiplies bf16
+    # bit patterns as integers (numpy has no bf16), so there bf16 runs the fp32 path and fp16 tests the 16-bit one
+    native = (torch.float16,) if not query.is_cuda else (torch.bfloat16, torch.float16)
+    f32 = not (query.dtype == key.dtype == value.dtype and query.dtype in native)
+    precision = "ieee"  # the fp32 dots' (the 16-bit dots take no precision)
     warps = 4 if query.is_cuda else 1
 
     key_positions = key_positions.long()
@@ -233,7 +253,8 @@ def decode_attention(
         query, key, key_positions, query_positions, m_part, l_part,
         H, T, G, D, split_t, scaling, window, softcap,
         *sq, *key.stride(), *key_positions.stride(), query_positions.stride(0),
-        BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=precision, WINDOWED=windowed, SOFTCAP=capped,
+        BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=precision, F32=f32, WINDOWED=windowed,
+        SOFTCAP=capped,
         num_warps=warps,
     )  # fmt: skip
     _probs_pv_kernel[grid](
@@ -241,7 +262,7 @@ def decode_attention(
         H, T, G, D, split_t, scaling, window, softcap,
         *sq, *key.stride(), *value.stride(), *key_positions.stride(), query_positions.stride(0),
         REDUCE_MAX=reduce == "max", BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=precision,
-        WINDOWED=windowed, SOFTCAP=capped, SINKS=has_sinks, num_warps=warps,
+        F32=f32, WINDOWED=windowed, SOFTCAP=capped, SINKS=has_sinks, num_warps=warps,
     )  # fmt: skip
     _combine_kernel[(B * H,)](acc_part, out, G, D, n_splits, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=warps)
     return out, probs

@@ -11,7 +11,8 @@ The arithmetic follows the tracker op by op in fp32: the group mean is a sequent
 and square roots are correctly rounded (``div_rn``, ``sqrt_rn``), the window std is Welford's (as torch's), so
 integer-valued state (counts, steps, intervals) is exact and the rest agrees to a few ulps. ``log1p`` is libdevice's
 on GPU; the interpreter has no libdevice, so there it is Goldberg's ``log(u) * x / (u - 1)``, ``u = 1 + x``
-(accurate to a few ulps for the non-negative arguments used here).
+(accurate to a few ulps for the non-negative arguments used here). Float maxima and clamps propagate NaN as the
+tracker's torch ops do (`kernels.nanmax`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.nanmax import fmax
 from learnkv.features import _STATE, FEATURES, SINKS, WINDOW
 
 # the column order the kernel writes; checked against the feature list so a change there cannot go unnoticed
@@ -29,6 +31,14 @@ _ORDER = (
     "n_returns", "mean_interval", "last_interval", "max_interval", "key_norm", "value_norm", "age", "rel_pos",
     "is_sink", "layer",
 )  # fmt: skip
+
+#: the launch on CUDA: 256 slots per program, one per thread of 8 warps, and 16-wide D chunks for the norms keep
+#: the kernel at ~150 registers with no spills (512 slots and 32-wide chunks took 255 and spilled).
+CUDA_BLOCK_T, CUDA_BLOCK_D, CUDA_WARPS = 256, 16, 8
+#: no fused multiply-add: the tracker rounds ``acc_sq / cnt - mean * mean`` (and ``acc_sq + a * a``, Welford's
+#: ``m2 += delta * (x - mu)``) op by op, and a fused one gives a slot seen once a spurious std of ~1e-4 instead of 0.
+#: The interpreter never fuses; ``--fmad=false`` on the GPU makes the compiled kernel round as it does.
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -88,7 +98,7 @@ def _decode_features_kernel(
     for g in range(0, G):
         a = tl.load(a_base + g * sa_g, mask=m, other=0.0).to(tl.float32)
         a_sum += a
-        a_max = tl.maximum(a_max, a)
+        a_max = fmax(a_max, a)
     a_mean = tl.math.div_rn(a_sum, g_f)
 
     # -- update: running sums, observation count
@@ -119,7 +129,7 @@ def _decode_features_kernel(
         if w >= w_first:
             w_k += 1.0
             w_sum += x
-            w_max = tl.maximum(w_max, x)
+            w_max = fmax(w_max, x)
             delta = x - w_mu
             w_mu += tl.math.div_rn(delta, w_k)
             w_m2 += delta * (x - w_mu)
@@ -135,15 +145,15 @@ def _decode_features_kernel(
     tl.store(si_ptr + st, s_int, mask=m)
     l_int = tl.where(ret, gap, tl.load(li_ptr + st, mask=m))
     tl.store(li_ptr + st, l_int, mask=m)
-    m_int = tl.maximum(tl.load(mi_ptr + st, mask=m), tl.where(high, gap, 0.0))
+    m_int = fmax(tl.load(mi_ptr + st, mask=m), tl.where(high, gap, 0.0))
     tl.store(mi_ptr + st, m_int, mask=m)
     last = tl.where(high, step_f, last)
     tl.store(lh_ptr + st, last, mask=m)
 
     # -- features, in FEATURES order; padding slots get zeros
-    cnt1 = tl.maximum(count, 1.0)
+    cnt1 = fmax(count, 1.0)
     mean = tl.math.div_rn(acc, cnt1)
-    std = tl.sqrt_rn(tl.maximum(tl.math.div_rn(acc_sq, cnt1) - mean * mean, 0.0))
+    std = tl.sqrt_rn(fmax(tl.math.div_rn(acc_sq, cnt1) - mean * mean, 0.0))
     pos_f = pos.to(tl.float32)
     k_norm = tl.sqrt_rn(_sq_norm(key_ptr + b * sk_b + h * sk_h, slot, m, sk_t, sk_d, DK, BLOCK_T, BLOCK_D))
     v_norm = tl.sqrt_rn(_sq_norm(val_ptr + b * sv_b + h * sv_h, slot, m, sv_t, sv_d, DV, BLOCK_T, BLOCK_D))
@@ -167,11 +177,11 @@ def _decode_features_kernel(
         elif f == 7:
             v = _log1p(tl.sqrt_rn(tl.math.div_rn(w_m2, n_win_f)) * n_f, LIBDEVICE)
         elif f == 8:
-            v = _log1p(tl.maximum(step_f - last, 0.0), LIBDEVICE)
+            v = _log1p(fmax(step_f - last, 0.0), LIBDEVICE)
         elif f == 9:
             v = _log1p(n_ret, LIBDEVICE)
         elif f == 10:
-            v = _log1p(tl.math.div_rn(s_int, tl.maximum(n_ret, 1.0)), LIBDEVICE)
+            v = _log1p(tl.math.div_rn(s_int, fmax(n_ret, 1.0)), LIBDEVICE)
         elif f == 11:
             v = _log1p(l_int, LIBDEVICE)
         elif f == 12:
@@ -181,7 +191,7 @@ def _decode_features_kernel(
         elif f == 14:
             v = v_norm
         elif f == 15:
-            v = _log1p(tl.maximum(current - pos_f, 0.0), LIBDEVICE)
+            v = _log1p(fmax(current - pos_f, 0.0), LIBDEVICE)
         elif f == 16:
             v = tl.math.div_rn(pos_f, current)
         elif f == 17:
@@ -249,7 +259,7 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
 
     D = max(keys.shape[-1], values.shape[-1], 1)
     if positions.is_cuda:
-        default_t, block_d, warps = 512, min(32, triton.next_power_of_2(D)), 8
+        default_t, block_d, warps = CUDA_BLOCK_T, min(CUDA_BLOCK_D, triton.next_power_of_2(D)), CUDA_WARPS
     else:  # the interpreter: one program per row is fastest
         default_t, block_d, warps = triton.next_power_of_2(T), triton.next_power_of_2(D), 1
     block_t = block_t or default_t
@@ -267,5 +277,6 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
         attn.stride(0), attn.stride(1), attn.stride(2), attn.stride(4), *keys.stride(), *values.stride(),
         *positions.stride(), *first.stride(), *s["f.win"].stride(), *out.stride(),
         WIN=WINDOW, N_SINK=SINKS, BLOCK_T=block_t, BLOCK_D=block_d, LIBDEVICE=positions.is_cuda, num_warps=warps,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return out

@@ -48,13 +48,18 @@ def _rank_prefer_recent(priority: Tensor) -> Tensor:
     return T - 1 - order
 
 
-def block_layout(positions: Tensor, keep: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def block_layout(
+    positions: Tensor, keep: Tensor, block_size: int, check: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
     """Where each ``(b, h)`` row's blocks start, how many full blocks it has, and how many it keeps.
 
     Blocks are counted from the row's first live slot, so a row of a batch, behind its left padding or dead slots,
     is cut into the same blocks as it is alone (with ``block_size`` 1 every row starts at slot 0: a slot is a unit).
     The trailing partial block always stays; the fewest whole blocks are dropped that bring the row to at most
     ``keep [B]`` slots (counted from its first live slot).
+
+    ``check=False`` skips the check that every row has the blocks to drop (a device-to-host sync on CUDA): a row
+    without them then gets a negative ``n_kept``, and the caller must raise.
 
     Returns
     -------
@@ -71,7 +76,7 @@ def block_layout(positions: Tensor, keep: Tensor, block_size: int) -> tuple[Tens
     span = T - first
     n_full = span // block_size
     n_drop = (span - keep).clamp(min=0).add(block_size - 1).div(block_size, rounding_mode="floor")  # ceil
-    if bool((n_drop > n_full).any()):
+    if check and bool((n_drop > n_full).any()):
         raise ValueError(f"cannot drop {int(n_drop.max())} blocks of {block_size} from {int(span.max())} slots "
                          f"(only {int(n_full.min())} full blocks)")
     return first, n_full, n_full - n_drop

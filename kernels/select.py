@@ -18,15 +18,23 @@ Every key is distinct, so exactly ``n_keep`` keys are >= the threshold and the r
 Block means divide with `div_rn` (IEEE) so that equal block sums give equal means; block sums are added in a
 different order than torch's, so blocks whose means differ only by rounding may rank differently from the
 reference. That never happens with ties (equal blocks) or with random scores in practice.
+
+The launcher reads nothing back from the device in token mode when ``keep``, ``n_sink`` and ``n_recent`` are host
+ints (one, or one per row, as the cache passes them): they go over in one non-blocking copy from pinned memory.
+Block mode reads back once (the output's width depends on where each row's blocks start).
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 import triton
 import triton.language as tl
 
 RADIX_BITS = 4
+#: warps of the two kernels on CUDA (`_select_kernel` at 8 warps spills: ptxas caps it at 64 registers)
+CUDA_WARPS_PRIORITY, CUDA_WARPS_SELECT = 8, 4
 
 
 @triton.jit
@@ -126,6 +134,32 @@ def _select_kernel(
     tl.store(o_base + n_keep * block_size + j, (tail + j).to(tl.int64), mask=j < n_tail)
 
 
+def _row_values(keep, n_sink, n_recent, B: int, device):
+    """``keep``, ``n_sink`` and ``n_recent`` as int64 ``[B]`` tensors on ``device``, and keep's per-row values on
+    the host (None if any of the three came as a tensor).
+
+    Given as ints or sequences of ints, all three go over in one non-blocking copy from pinned memory: no
+    device-to-host sync (a plain ``torch.as_tensor(..., device="cuda")`` of a host value waits for the stream)."""
+    values = (keep, n_sink, n_recent)
+    if any(isinstance(v, torch.Tensor) for v in values):
+        from kernels.reference import per_row
+
+        return (*(per_row(v, B, device).view(B).contiguous() for v in values), None)
+    rows = []
+    for name, v in zip(("keep", "n_sink", "n_recent"), values):
+        row = [int(v)] * B if isinstance(v, numbers.Integral) else [int(x) for x in v]
+        if len(row) != B:
+            raise ValueError(f"expected one value or one per row ({B} rows) for {name}, got {len(row)}")
+        rows.append(row)
+    if min(rows[0], default=0) < 0:
+        raise ValueError(f"keep must be >= 0, got {keep}")
+    host = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    return dev[0], dev[1], dev[2], rows[0]
+
+
 def select_keep(scores, positions, keep, n_sink, n_recent, block_size: int = 1, *, block_n=None):
     """Triton launcher of `kernels.reference.select_keep_reference` (same arguments, same result).
 
@@ -147,37 +181,43 @@ def select_keep(scores, positions, keep, n_sink, n_recent, block_size: int = 1, 
     Tensor
         ``[B, H, K]`` int64 kept slot indices, ascending, after -1 entries in rows that keep fewer than the widest.
     """
-    from kernels.reference import block_layout, per_row
+    from kernels.reference import block_layout
 
     B, H, T = scores.shape
     device = scores.device
     if positions.shape != scores.shape:
         raise ValueError(f"positions {tuple(positions.shape)} must match scores {tuple(scores.shape)}")
-    keep_b = per_row(keep, B, device).view(B)
-    if bool((keep_b < 0).any()):
-        raise ValueError(f"keep must be >= 0, got {keep}")
     if isinstance(keep, int) and T <= keep:
         return torch.arange(T, device=device).expand(B, H, T).clone()
     bs = max(1, int(block_size))
     N = T // bs
     positions = positions.long()
-    first, n_full, n_kept = (t.reshape(B * H).contiguous() for t in block_layout(positions, keep_b, bs))
-    out_len = int((n_kept * bs + T - first - n_full * bs).max()) if B * H else 0
+    keep_b, sinks, recents, host_keep = _row_values(keep, n_sink, n_recent, B, device)
+    first, n_full, n_kept = (t.reshape(B * H).contiguous() for t in block_layout(positions, keep_b, bs, check=False))
+    if B * H == 0:
+        out_len = 0
+    elif host_keep is not None and bs == 1:  # token mode with keep known on the host: no device-to-host sync
+        out_len = min(max(host_keep), T)
+    else:  # one device-to-host sync for the output's width and both checks
+        width = (n_kept * bs + T - first - n_full * bs).max()
+        least_keep, least_kept, out_len = torch.stack([keep_b.min(), n_kept.min(), width]).tolist()
+        if least_keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
+        if least_kept < 0:
+            block_layout(positions, keep_b, bs)  # raises the reference's "cannot drop" error
     out = torch.empty(B, H, out_len, dtype=torch.int64, device=device)
     if out_len == 0 or B * H == 0:
         return out
 
     block_s = triton.next_power_of_2(bs)
     if device.type == "cuda":
-        default_n, warps = max(1, 1024 // block_s), 8
+        default_n, warps, select_warps = max(1, 1024 // block_s), CUDA_WARPS_PRIORITY, CUDA_WARPS_SELECT
     else:  # the interpreter: one chunk per row is fastest
-        default_n, warps = triton.next_power_of_2(max(N, 1)), 1
+        default_n, warps, select_warps = triton.next_power_of_2(max(N, 1)), 1, 1
     block_n = block_n or default_n
     block_t = block_n * block_s  # slots per chunk of the newest-position sweep
     idx_bits = max(N - 1, 0).bit_length()
     keys = torch.empty(B * H, max(N, 1), dtype=torch.int64, device=device)
-    sinks = per_row(n_sink, B, device).view(B).contiguous()
-    recents = per_row(n_recent, B, device).view(B).contiguous()
     _priority_kernel[(B * H,)](
         scores, positions, keys, sinks, recents, first, n_full,
         H, T, N, bs,
@@ -188,6 +228,6 @@ def select_keep(scores, positions, keep, n_sink, n_recent, block_size: int = 1, 
         keys, out, n_kept, first, n_full,
         T, N, out_len, bs,
         N_PASSES=-(-(32 + idx_bits) // RADIX_BITS), RADIX_BITS=RADIX_BITS, BLOCK_N=block_n, BLOCK_S=block_s,
-        num_warps=warps,
+        num_warps=select_warps,
     )  # fmt: skip
     return out

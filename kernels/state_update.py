@@ -5,7 +5,8 @@ One launch per layer covers the whole cache: program ``(b * H + h, chunk)`` read
 the step's attention and positions once, and updates every state tensor it is given (H2O's ``acc``, RoCo's
 ``s1``/``s2``/``count``, LazyEviction's ``ts``/``mri``). Skipped states cost nothing: each is a constexpr flag.
 The arithmetic is the reference's, one fp32 operation per statistic, so integer-valued state (``count``, ``ts``,
-``mri``) is exact and the sums round alike (``s2`` up to a fused multiply-add on GPU).
+``mri``) is exact and the sums round alike: the launch turns off fused multiply-adds (`LAUNCH_OPTIONS`), so ``s2``
+rounds ``a * a`` before adding it as torch does, and ``mri``'s maximum propagates NaN as torch's (`kernels.nanmax`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.nanmax import fmax
+
+#: ``s2 += a * a`` rounded op by op, as the reference (the interpreter never fuses; ``--fmad=false`` on the GPU)
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -54,7 +60,7 @@ def _state_update_kernel(
         hot = tl.load(max_ptr + b * sx_b + h * sx_h + slot * sx_t, mask=m, other=0.0).to(tl.float32) >= alpha
         new = tl.where(hot, step_f, prev)
         tl.store(ts_ptr + st, new, mask=m)
-        tl.store(mri_ptr + st, tl.maximum(tl.load(mri_ptr + st, mask=m), new - prev), mask=m)
+        tl.store(mri_ptr + st, fmax(tl.load(mri_ptr + st, mask=m), new - prev), mask=m)
 
 
 def update_token_state(
@@ -124,5 +130,5 @@ def update_token_state(
         H, T, n_new, float(step), alpha,
         *mean_t.stride(), *max_t.stride(), *positions.stride(), *first.stride(),
         HAS_ACC=acc is not None, HAS_S1=s1 is not None, HAS_S2=s2 is not None, HAS_COUNT=count is not None,
-        HAS_LAZY=lazy, BLOCK_T=block_t, num_warps=warps,
+        HAS_LAZY=lazy, BLOCK_T=block_t, num_warps=warps, **LAUNCH_OPTIONS,
     )  # fmt: skip

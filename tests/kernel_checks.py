@@ -38,21 +38,72 @@ def assert_close(name, expected, actual, atol, rtol):
     assert ok, f"{name}: max abs err {err.max():.3g}, mean {err.mean():.3g} (atol {atol}, rtol {rtol})"
 
 
+
+def assert_nan_parity(name, expected, actual, atol, rtol):
+    """NaN exactly where the reference has NaN (torch propagates it through max, amax and clamp; the GPU's plain
+    ``max.f32`` does not), and the rest close."""
+    expected, actual = expected.float().cpu(), actual.float().cpu()
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    nan = expected.isnan()
+    assert nan.any(), f"{name}: the reference has no NaN, so the case checks nothing"
+    assert torch.equal(actual.isnan(), nan), f"{name}: NaN at {actual.isnan().sum()} entries, reference {nan.sum()}"
+    assert_close(name, expected[~nan], actual[~nan], atol, rtol)
+
+
+#: prepended to every compile script: ``build(fn, consts, warps, nan=..., **types)`` compiles ``fn`` for sm_90
+#: (``options`` as the launcher passes them, e.g. ``enable_fp_fusion``) and prints one ``RES`` line with the
+#: registers, the local-memory bytes per thread (spills: what the driver reports as ``n_spills * 4``) and, for a
+#: kernel whose float maxima must propagate NaN (``nan=True``), the count of PTX ``max.f32`` that drop it.
+COMPILE_PREAMBLE = """
+import os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+def build(fn, consts, warps=4, nan=False, options=None, **types):
+    sig = {n: types.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
+    opts = dict(options or {}, num_warps=warps)
+    k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    use = dict(re.findall(r"(REG|STACK|LOCAL):(\\d+)", res))
+    drops = len(re.findall(r"\\bmax(?:\\.ftz)?\\.f32\\b", k.asm["ptx"])) if nan else 0
+    label = fn.__name__ + str(sorted((n, v) for n, v in consts.items()))
+    print(f"RES {label} regs={use['REG']} spill={int(use['STACK']) + int(use['LOCAL'])} nan_drops={drops}")
+    return k
+"""
+
+
 def assert_compiles_for_h100(script: str) -> None:
-    """Run ``script`` (which builds kernels with ``triton.compile`` for sm_90 and prints "compiled") outside the
-    interpreter; skip if this triton wheel ships no ptxas. No GPU needed, and the interpreter checks none of what
-    the GPU compiler does (e.g. tl.dot's minimum tile sizes)."""
+    """Run ``script`` (which builds kernels with `COMPILE_PREAMBLE`'s ``build`` for sm_90 and prints "compiled")
+    outside the interpreter; skip if this triton wheel ships no ptxas or cuobjdump. No GPU needed, and the
+    interpreter checks none of what the GPU compiler does (e.g. tl.dot's minimum tile sizes). Every kernel built
+    must use no local memory (no register spills) and, where it asked for NaN parity, no NaN-dropping ``max.f32``."""
     import os
+    import re
     import subprocess
     import sys
     from pathlib import Path
 
     import triton
 
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this triton wheel ships no ptxas")
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bin_dir / "ptxas").exists() or not (bin_dir / "cuobjdump").exists():
+        pytest.skip("this triton wheel ships no ptxas or cuobjdump")
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    res = subprocess.run([sys.executable, "-c", COMPILE_PREAMBLE + script], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+    rows = re.findall(r"^RES (.+) regs=(\d+) spill=(\d+) nan_drops=(\d+)$", res.stdout, re.M)
+    assert rows, "the script built no kernel through build()"
+    spills = [f"{name}: {regs} registers, {spill} bytes of local memory" for name, regs, spill, _ in rows
+              if int(spill)]  # fmt: skip
+    assert not spills, "register spills:\n" + "\n".join(spills)
+    drops = [f"{name}: {n} max.f32" for name, _, _, n in rows if int(n)]
+    assert not drops, "float maxima that drop NaN (use kernels.nanmax):\n" + "\n".join(drops)

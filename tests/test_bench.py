@@ -34,3 +34,62 @@ def test_decode_benchmark_batch_sizes_and_json(smollm2, tmp_path):
         assert min(ratios) <= r["time_vs_full"] <= max(ratios)
     assert "| h2o |" in res.stdout and "batch 2 / batch 1" in res.stdout and "step time relative" in res.stdout
     assert "over 2 rounds" in res.stdout
+
+
+def test_decode_benchmark_long_mode(small, tmp_path):
+    """`--long` on a tiny random model with SmolLM2's tokenizer (fast; the real figures need the real model):
+    every policy at every fraction against the full cache, paired by round, records in JSON."""
+    model, tok = small
+    model_dir, out = tmp_path / "tiny", tmp_path / "long.json"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "bench/decode.py", "--model", str(model_dir), "--long", "--long-settings",
+                          "2:1040", "--long-fractions", "0.25,0.5", "--policies", "full,h2o,snapkv,oracle",
+                          "--threads", "1", "--repeats", "2", "--slack", "4", "--json", str(out)],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    records = json.loads(out.read_text())
+    # the oracle is left out (it replays a full-cache pass); full once, the others at each fraction
+    assert [(r["policy"], r["fraction"]) for r in records] == [
+        ("full", None), ("h2o", 0.25), ("h2o", 0.5), ("snapkv", 0.25), ("snapkv", 0.5)]
+    for r in records:
+        assert r["mode"] == "long" and r["batch_size"] == 2 and r["final_length"] == 1040 and r["slack"] == 4
+        assert len(r["prompt_tokens"]) == 2 and r["new_tokens"] == 1040 - int(sum(r["prompt_tokens"]) / 2)
+        rates, full = r["decode_tokens_per_s_rounds"], records[0]["decode_tokens_per_s_rounds"]
+        assert len(rates) == 2 and r["decode_tokens_per_s"] == max(rates)
+        assert r["speed_vs_full_rounds"] == pytest.approx([a / b for a, b in zip(rates, full)])
+        assert min(r["speed_vs_full_rounds"]) <= r["speed_vs_full"] <= max(r["speed_vs_full_rounds"])
+        assert all(0 <= e < 1 for e in r["eviction_share_rounds"])
+        if r["policy"] == "full":
+            assert r["speed_vs_full"] == 1.0 and r["budgets"] is None
+        else:
+            finals = [n + r["new_tokens"] for n in r["prompt_tokens"]]
+            assert r["budgets"] == [-(-int(r["fraction"] * 1000) * f // 1000) for f in finals]
+            assert r["eviction_share"] > 0
+    assert "| 2 | " in res.stdout and "| snapkv | 25% (" in res.stdout and "[min, max] over 2 rounds" in res.stdout
+
+
+def test_gpu_on_paper_counts():
+    """bench/gpu_on_paper.py's model: Qwen2.5-7B's published 6.53B non-embedding parameters plus the untied LM head
+    (0.545B) read per step, 57,344 bytes of K/V per token, and the radix select's passes as the launcher sets them."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_on_paper as paper
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    pytest.importorskip("triton")
+    from kernels import select
+
+    m = paper.Model()
+    assert m.weight_bytes() / 2 == pytest.approx(6.53e9 + 152064 * 3584, rel=2e-3)
+    assert m.layers * m.kv_heads * m.kv_slot_bytes() == 57344
+    for slots in (1, 2, 600, 4104, 16392, 65536):
+        idx_bits = max(slots - 1, 0).bit_length()
+        passes = -(-(32 + idx_bits) // select.RADIX_BITS)
+        assert paper.select_bytes(slots) == 4 + 16 + 8 + 8 * (passes + 1) + 8
+    full = paper.step_bytes("full", m, 8, 32768, None, 16)
+    flash = paper.step_bytes("full (FlashDecoding)", m, 8, 32768, None, 16)
+    assert full["attention"] > 1.5 * flash["attention"]  # K read twice by kernels.decode_attention
+    half = paper.step_bytes("h2o", m, 8, 32768, 0.5, 16)
+    assert half["attention"] == pytest.approx(full["attention"] * (16384 + 8) / 32768)

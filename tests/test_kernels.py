@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from kernel_checks import assert_close, assert_compiles_for_h100, gen, poisoned
+from kernel_checks import assert_close, assert_compiles_for_h100, assert_nan_parity, gen, poisoned
 
 pytest.importorskip("triton")
 from kernels.block_score import block_scores  # noqa: E402
@@ -29,7 +29,7 @@ CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != 
 DEVICE = "cuda" if CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not CUDA, reason="large shapes need a GPU (compiled Triton, not the interpreter)")
 #: (atol, rtol) per input dtype for float outputs
-TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
 
 
 def make_positions(B, H, T, g, pad=3):
@@ -91,6 +91,55 @@ def test_select_keep_special_values():
         with poisoned():
             actual = select_keep(s.to(DEVICE), pos.to(DEVICE), keep, 1, 1)
         assert torch.equal(actual.cpu(), expected), f"keep {keep}: {actual.tolist()} != {expected.tolist()}"
+
+
+def count_readbacks(fn):
+    """Run ``fn`` and return how many times it read a tensor's value back to the host (``.item()``, ``.tolist()``,
+    ``bool``, ``int``...): each is a device-to-host sync on CUDA."""
+    calls = []
+
+    def counted(name, orig):
+        return lambda self, *a, **k: (calls.append(name), orig(self, *a, **k))[1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("item", "tolist", "__bool__", "__int__", "__index__", "__float__"):
+            mp.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+        fn()
+    return calls
+
+
+def test_select_keep_launcher_syncs(monkeypatch):
+    """The launcher reads nothing back from the device in token mode when keep, n_sink and n_recent are host ints
+    (one or one per row, as the cache passes them), and once in block mode (the output's width depends on the
+    rows' first live slots); the kernels themselves are stubbed out here (the interpreter reads tensors back)."""
+    import kernels.select as sel
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(sel, "_priority_kernel", Stub())
+    monkeypatch.setattr(sel, "_select_kernel", Stub())
+    s, pos = torch.randn(2, 3, 50), torch.arange(50).expand(2, 3, 50).clone()
+    assert count_readbacks(lambda: sel.select_keep(s, pos, 20, 4, 8)) == []
+    assert count_readbacks(lambda: sel.select_keep(s, pos, [20, 30], [4, 0], [8, 8])) == []
+    assert len(count_readbacks(lambda: sel.select_keep(s, pos, 20, 4, 8, 16))) == 1
+    assert len(count_readbacks(lambda: sel.select_keep(s, pos, torch.tensor([20, 30]), 4, 8))) == 1
+
+
+@gpu_only
+def test_select_keep_no_sync_gpu():
+    """On CUDA, token mode with host ints runs without a device-to-host sync (torch's sync debug mode raises)."""
+    g = gen("sync-gpu")
+    scores, pos = torch.randn(4, 8, 3000, generator=g).to(DEVICE), make_positions(4, 8, 3000, g).to(DEVICE)
+    expected = ref.select_keep_reference(scores, pos, 1500, 4, 64)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kept = select_keep(scores, pos, 1500, 4, 64)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(kept, expected)
 
 
 def test_select_keep_too_many_blocks():
@@ -193,6 +242,9 @@ ATTENTION_CASES = [  # B, H, G, T, D, dtype, reduce, block_t, split_t
     pytest.param(2, 1, 8, 100, 128, torch.bfloat16, "mean", 64, 64, id="B2-H1-G8-T100-D128-bf16-mean-split64"),
     pytest.param(1, 1, 8, 17, 128, torch.float32, "max", 16, 16, id="B1-H1-G8-T17-D128-fp32-max-split16"),
     pytest.param(2, 2, 1, 63, 128, torch.bfloat16, "mean", None, None, id="B2-H2-G1-T63-D128-bf16-mean"),
+    # fp16: the 16-bit dots (q @ K^T and P @ V as stored) also in the interpreter, which cannot multiply bf16
+    pytest.param(2, 2, 4, 100, 128, torch.float16, "max", 32, 64, id="B2-H2-G4-T100-D128-fp16-max-split64"),
+    pytest.param(1, 1, 8, 33, 64, torch.float16, "mean", None, None, id="B1-H1-G8-T33-D64-fp16-mean"),
 ]
 
 
@@ -234,6 +286,24 @@ def test_decode_attention_padding_rows():
     assert_close("output", out_ref, out, *TOL[torch.float32])
     assert_close("probs", probs_ref, probs, 1e-6, 1e-5)
     assert torch.allclose(out_ref[0, 0], v[0].mean(dim=1).repeat_interleave(4, dim=0), atol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["query-head", "key"])
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_decode_attention_nan_parity(reduce, where):
+    """A NaN in one query head (the group's other heads and its 16-row padding stay finite) or in one visible key
+    reaches the output and the reduced probabilities where it does in torch: ``reduce="max"`` must not drop it."""
+    g = gen(f"nan-{reduce}-{where}")
+    q, k, v, kp, qp = attention_inputs(g, 2, 2, 4, 40, 64, torch.float32)
+    if where == "query-head":
+        q[0, 5, 0, 3] = float("nan")  # KV head 1's second query head
+    else:
+        k[1, 0, 10, 7] = float("nan")  # a key row 1 sees (it sees about half of its keys)
+    out_ref, probs_ref = ref.decode_attention_reference(q, k, v, kp, qp, None, reduce)
+    with poisoned():
+        out, probs = decode_attention(*(t.to(DEVICE) for t in (q, k, v, kp, qp)), None, reduce, block_t=16, split_t=32)
+    assert_nan_parity("output", out_ref, out, *TOL[torch.float32])
+    assert_nan_parity("probs", probs_ref, probs, 1e-5, 1e-4)
 
 
 @pytest.mark.parametrize("reduce", ["mean", "max"])
@@ -330,6 +400,16 @@ def test_block_scores(request, B, H, T, D, block_size, dtype, block_nb):
     assert_close("block scores", expected, actual, 1e-5, 1e-5)
 
 
+def test_block_scores_nan_parity():
+    """A NaN key element gives its token (and block) a NaN score, as the reference's clamp does."""
+    g = gen("block-nan")
+    k, v = torch.randn(2, 2, 40, 32, generator=g), torch.randn(2, 2, 40, 32, generator=g)
+    k[1, 1, 21, 3] = float("nan")
+    for bs in (1, 16):
+        expected = ref.block_scores_reference(k, v, bs)
+        assert_nan_parity(f"block {bs}", expected, block_scores(k.to(DEVICE), v.to(DEVICE), bs), 1e-5, 1e-5)
+
+
 def test_block_scores_match_paged_policy():
     """The reference is PagedEviction's token score, block-averaged."""
     from learnkv.policies.base import LayerView
@@ -365,34 +445,31 @@ def test_large_shapes_gpu(T):
 
 
 COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kernels import block_score, compact, decode_attn, select
 
-def build(fn, consts, warps=4, **types):
-    sig = {n: types.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
-    triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-
 for bs in (1, 16):
-    build(select._priority_kernel, dict(IDX_BITS=15, BLOCK_N=1024 // bs, BLOCK_S=bs, BLOCK_T=1024), 8,
+    build(select._priority_kernel, dict(IDX_BITS=15, BLOCK_N=1024 // bs, BLOCK_S=bs, BLOCK_T=1024),
+          select.CUDA_WARPS_PRIORITY,
           scores_ptr="*bf16", pos_ptr="*i64", key_ptr="*i64", sink_ptr="*i64", recent_ptr="*i64",
           first_ptr="*i64", nfull_ptr="*i64")
-    build(select._select_kernel, dict(N_PASSES=12, RADIX_BITS=4, BLOCK_N=1024 // bs, BLOCK_S=bs), 8,
+    build(select._select_kernel, dict(N_PASSES=12, RADIX_BITS=4, BLOCK_N=1024 // bs, BLOCK_S=bs),
+          select.CUDA_WARPS_SELECT,
           key_ptr="*i64", out_ptr="*i64", keep_ptr="*i64", first_ptr="*i64", nfull_ptr="*i64")
 build(compact._gather_kernel, dict(BLOCK_K=16, BLOCK_R=128), x_ptr="*i16", idx_ptr="*i64", out_ptr="*i16")
 build(compact._gather_kernel, dict(BLOCK_K=1024, BLOCK_R=1), x_ptr="*i64", idx_ptr="*i64", out_ptr="*i64")
-build(block_score._block_scores_kernel, dict(BLOCK_NB=1, BLOCK_S=16, BLOCK_D=128),
-      k_ptr="*bf16", v_ptr="*bf16", out_ptr="*fp32")
-build(block_score._block_scores_kernel, dict(BLOCK_NB=16, BLOCK_S=1, BLOCK_D=128),  # the paged policy's token scores
-      k_ptr="*bf16", v_ptr="*bf16", out_ptr="*fp32")
-for dt, prec, bt in (("*bf16", "tf32", 64), ("*fp32", "ieee", 32)):
+for bs in (1, 16, 32, 64, 256):  # block 1: the paged policy's token scores; from 32 x D 128 on, chunked over D
+    bd = min(128, max(1, block_score.CUDA_TILE // bs))
+    build(block_score._block_scores_kernel, dict(BLOCK_NB=max(1, block_score.CUDA_TILE // (bs * bd)), BLOCK_S=bs,
+          BLOCK_D=bd), block_score.CUDA_WARPS, nan=True, k_ptr="*bf16", v_ptr="*bf16", out_ptr="*fp32")
+for dt, bt in (("*bf16", 64), ("*fp16", 64), ("*fp32", 32)):
     ptrs = dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, kpos_ptr="*i64", qpos_ptr="*i64", m_ptr="*fp32", l_ptr="*fp32",
                 probs_ptr="*fp32", acc_ptr="*fp32", sinks_ptr="*fp32", scaling="fp32", softcap="fp32")
-    terms = dt == "*bf16"  # a sliding window, softcapping and sinks in one build, none in the other
-    consts = dict(BLOCK_G=16, BLOCK_T=bt, BLOCK_D=128, PRECISION=prec, WINDOWED=terms, SOFTCAP=terms)
-    build(decode_attn._stats_kernel, consts, **ptrs)
-    build(decode_attn._probs_pv_kernel, dict(consts, REDUCE_MAX=dt == "*bf16", SINKS=terms), **ptrs)
+    terms = dt == "*bf16"  # a sliding window, softcapping and sinks in one build, none in the others
+    consts = dict(BLOCK_G=16, BLOCK_T=bt, BLOCK_D=128, PRECISION="ieee", F32=dt == "*fp32", WINDOWED=terms,
+                  SOFTCAP=terms)
+    build(decode_attn._stats_kernel, consts, nan=True, **ptrs)
+    for reduce_max in (False, True):
+        build(decode_attn._probs_pv_kernel, dict(consts, REDUCE_MAX=reduce_max, SINKS=terms), nan=True, **ptrs)
     build(decode_attn._combine_kernel, dict(BLOCK_G=16, BLOCK_D=128), acc_ptr="*fp32", out_ptr=dt)
 print("compiled")
 """
@@ -400,7 +477,8 @@ print("compiled")
 
 def test_kernels_compile_for_h100():
     """Every kernel, in the configurations the launchers pick on CUDA, compiles to an sm_90 cubin with the
-    ptxas bundled in the triton wheel: no GPU needed, and the interpreter does not check this."""
+    ptxas bundled in the triton wheel, with no register spills, and the float maxima of block_score and
+    decode_attn propagate NaN: no GPU needed, and the interpreter does not check this."""
     assert_compiles_for_h100(COMPILE)
 
 

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from kernel_checks import assert_close, assert_compiles_for_h100, gen, poisoned
+from kernel_checks import assert_close, assert_compiles_for_h100, assert_nan_parity, gen, poisoned
 from kernels import reference as ref
 from learnkv.features import _STATE, FEATURES, WINDOW, FeatureTracker
 
@@ -23,7 +23,7 @@ from kernels.features import decode_features  # noqa: E402
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
 EXACT = ("f.count", "f.last_high", "f.n_returns", "f.sum_interval", "f.last_interval", "f.max_interval")
-#: fp32 sums (acc_sq may take a fused multiply-add on GPU); features: log1p and norms to a few ulps
+#: fp32 sums; features: log1p and norms to a few ulps
 STATE_TOL = (1e-7, 1e-6)
 FEATURE_TOL = (1e-6, 4e-6)
 N_LAYERS = 3
@@ -127,6 +127,31 @@ def test_decode_features(request, B, H, G, T, D, step, dtype, layout, block_t):
         assert edges.isnan().all(), f"{name}: a write outside the state tensor"
 
 
+def test_decode_features_nan_parity():
+    """A NaN in one query head's attention, in a window row and in the interval state reaches the state and the
+    features where it does in the tracker (group max, window max and std, the clamps): the GPU's plain ``max.f32``
+    would drop it."""
+    g = gen("features-nan")
+    attn, keys, values, pos, state = decode_inputs(g, 2, 2, 4, 13, 8, 20, torch.float32, "contiguous")
+    attn[1, 0, 2, 0, 7] = float("nan")
+    state["f.win"][0, 1, 5, 9] = float("nan")
+    state["f.max_interval"][0, 0, 10] = float("nan")
+    state["f.count"][1, 1, 5] = float("nan")
+    expected_state = {n: t.clone() for n, t in state.items()}
+    expected = ref.decode_features_reference(attn, keys, values, pos, 1, N_LAYERS, 20, expected_state)
+    actual_state = {n: t.to(DEVICE) for n, t in state.items()}
+    feats = decode_features(*(t.to(DEVICE) for t in (attn, keys, values, pos)), 1, N_LAYERS, 20, actual_state)
+    for name in ("f.acc", "f.acc_sq", "f.win", "f.max_interval"):
+        assert_nan_parity(name, expected_state[name], actual_state[name], *STATE_TOL)
+    for i, name in enumerate(FEATURES):
+        if expected[..., i].isnan().any():
+            assert_nan_parity(f"feature {name}", expected[..., i], feats[..., i], *FEATURE_TOL)
+        else:
+            assert_close(f"feature {name}", expected[..., i], feats[..., i], *FEATURE_TOL)
+    nan_features = {FEATURES[i] for i in range(len(FEATURES)) if expected[..., i].isnan().any()}
+    assert {"attn_gmax", "acc_std", "win_max", "win_std", "max_interval"} <= nan_features, nan_features
+
+
 def test_paths_take_turns_over_a_decode():
     """Prefill with the tracker, then decode steps alternating kernel and reference on one growing state, against
     the tracker alone: either path can take over mid-run (same state layout), past the window filling up."""
@@ -179,19 +204,15 @@ def test_decode_features_rejects_bad_arguments():
 
 
 COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kernels import features
 
 fn = features._decode_features_kernel
-consts = dict(WIN=16, N_SINK=4, BLOCK_T=512, BLOCK_D=32, LIBDEVICE=True)
+consts = dict(WIN=16, N_SINK=4, BLOCK_T=features.CUDA_BLOCK_T, BLOCK_D=features.CUDA_BLOCK_D, LIBDEVICE=True)
 floats = ("g_f", "n_win_f", "step_f", "layer_f")
 for kv in ("*fp32", "*bf16"):
-    sig = {n: "constexpr" if n in consts else "fp32" if n in floats else "*fp32" if n.endswith("_ptr") else "i32"
-           for n in fn.arg_names}
-    sig.update(key_ptr=kv, val_ptr=kv, pos_ptr="*i64")
-    triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    types = {n: "fp32" if n in floats else "*fp32" for n in fn.arg_names if n in floats or n.endswith("_ptr")}
+    types.update(key_ptr=kv, val_ptr=kv, pos_ptr="*i64")
+    build(fn, consts, features.CUDA_WARPS, nan=True, options=features.LAUNCH_OPTIONS, **types)
 print("compiled")
 """
 

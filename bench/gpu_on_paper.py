@@ -1,0 +1,168 @@
+"""Bytes moved per decode step on a GPU, on paper: a 7B model's weights, its KV cache, and eviction's reads and
+writes as learnkv's kernels and decode loop make them, turned into time at HBM bandwidth (issue 43, item 6).
+
+    python bench/gpu_on_paper.py                 # Qwen2.5-7B shapes, H100 (3.35 TB/s), slack 16
+    python bench/gpu_on_paper.py --slack 64 --bandwidth 4.8e12
+
+A decode step of a memory-bound model takes at least (bytes it moves) / (HBM bandwidth). This counts, per step,
+every byte the step reads or writes in HBM (caches ignored, so each pass over a tensor counts), from the access
+patterns of the code as it is (`kernels/*.py`, `learnkv/attention.py`, `learnkv/cache.py`), and nothing else: no
+launch latency (each layer's eviction adds ~10 small launches, ~0.3-1 ms per step over 28 layers, which bounds
+batch 1 more than bandwidth does), no compute, no overlap. So the times are lower bounds and the speedups are what
+bandwidth alone predicts. Per (layer, batch row, KV head) and slot, with D the head dim (bf16 K/V: 2D bytes each),
+G query heads per KV head and S slots held (budget + slack / 2 on average: dead slots wait for a compaction):
+
+- attention, `kernels.decode_attention` (every policy with a group mean or max, the full cache included, on CUDA):
+  K read twice (statistics, then probabilities and P @ V), V once, positions twice (int64), probabilities written
+  (fp32): 3 * 2D + 16 + 4. A FlashDecoding-style full cache would read K and V once: 2 * 2D.
+- attention, torch eager (the learned policy: it wants every query head's row, ``group_reduce="none"``): K and V
+  once, fp32 scores written, masked (read, write), softmax (read, write), cast to bf16 (read 4, write 2), read by
+  P @ V: 2 * 2D + 28 G, plus the mask from the positions: 9.
+- H2O's state update (`kernels.update_token_state`): the group mean read, ``acc`` read and written, then cloned as
+  the score: 12 + 8.
+- StreamingLLM's score: positions read, fp32 score written: 12.
+- the learned policy's features (`kernels.decode_features`): attention G * 4, positions twice 16, 8 state tensors
+  read and written 64, the 16-row window shifted (15 rows read, 16 written) 124, K and V read in full for their
+  norms 2 * 2D, 19 fp32 features written 76; then the scorer (`kernels.scorer_mlp`) reads the features and writes a
+  score: 80.
+- selection (`kernels.select_keep`, every step once over the budget): priorities from scores and positions (read
+  twice) written as int64 keys, 4 + 16 + 8; a radix select reading the keys once per 4-bit digit of
+  (32 + index bits) and once more to write the kept indices: 8 * (passes + 1) + 8.
+- eviction without compaction (`learnkv.cache.mark_dead`): ~45 bytes of index, mask and position passes.
+- compaction, once every ``slack`` evictions (`kernels.gather_tokens` of K, V, positions and the policy's fp32 state
+  channels): each kept slot read and written, 2 * (2 * 2D + 8 + 4 * channels) / slack per step.
+
+The new token's K/V writes and the small per-row buffers are left out (one slot per step, not per held slot).
+
+``--fixed`` counts three changes that are not made (docs/gpu-on-paper.md): a one-pass decode attention (K read once;
+the split's unnormalised probabilities written, then rescaled in place: 2 * 2D + 8 + 4 + 8), a radix select on
+8-bit digits (half the passes), and the learned policy's key and value norms kept per slot (computed once, when the
+token enters) with its per-head attention from the one-pass kernel instead of torch eager (2 * 2D + 20 + 4 G).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+HBM_H100 = 3.35e12  # bytes/s, H100 SXM
+
+
+@dataclass(frozen=True)
+class Model:
+    """Shapes of a decoder (Qwen2.5-7B's by default: config.json of Qwen/Qwen2.5-7B)."""
+
+    layers: int = 28
+    hidden: int = 3584
+    intermediate: int = 18944
+    q_heads: int = 28
+    kv_heads: int = 4
+    head_dim: int = 128
+    vocab: int = 152064
+    bytes: int = 2  # bf16
+
+    def weight_bytes(self) -> int:
+        """Every weight a decode step reads: the layers' projections, biases and norms, the final norm and the LM
+        head (untied); the embedding table is only indexed (B rows)."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        attn = 2 * h * h + 2 * h * kv + (h + 2 * kv)  # q, o; k, v; the q/k/v biases
+        mlp = 3 * h * self.intermediate
+        params = self.layers * (attn + mlp + 2 * h) + h + self.vocab * h
+        return params * self.bytes
+
+    def kv_slot_bytes(self) -> int:
+        """K and V bytes of one slot of one KV head."""
+        return 2 * self.head_dim * self.bytes
+
+
+def select_bytes(slots: int, digit_bits: int = 4) -> float:
+    """`kernels.select_keep` per slot: the priority kernel and the radix select's passes over the int64 keys."""
+    passes = math.ceil((32 + max(slots - 1, 0).bit_length()) / digit_bits)
+    return 4 + 16 + 8 + 8 * (passes + 1) + 8
+
+
+def per_slot_bytes(policy: str, m: Model, slots: int, slack: int, fixed: bool = False) -> dict[str, float]:
+    """Bytes per held slot, per (layer, batch row, KV head), of one decode step, by part (``fixed``: with the three
+    changes of the module docstring)."""
+    D, kv = m.head_dim, m.kv_slot_bytes()
+    G = m.q_heads // m.kv_heads
+    # kernels.decode_attention: K twice, V once, positions twice, probs out (fixed: one pass, then a rescale)
+    fused = kv + 8 + 4 + 8 if fixed else 3 * D * m.bytes + 16 + 4
+    if policy == "full (FlashDecoding)":
+        return {"attention": kv}
+    if policy == "full":
+        return {"attention": fused}
+    evict = {"select": select_bytes(slots, 8 if fixed else 4), "mark dead": 45}
+    if policy == "streaming":
+        return {"attention": fused, "score": 12, **evict, "compaction": 2 * (kv + 8) / slack}
+    if policy == "h2o":
+        return {"attention": fused, "score": 12 + 8, **evict, "compaction": 2 * (kv + 8 + 4) / slack}
+    if policy == "learned":
+        norms = 8 if fixed else kv  # fixed: two fp32 norms read per slot instead of K and V
+        features = 4 * G + 16 + 64 + 124 + norms + 76
+        channels = 8 + 16 + (2 if fixed else 0)  # the tracker's state: 8 [B, H, T] tensors, the 16-row window
+        attention = fused + 4 * G if fixed else kv + 28 * G + 9
+        return {"attention": attention, "score": features + 80, **evict,
+                "compaction": 2 * (kv + 8 + 4 * channels) / slack}  # fmt: skip
+    raise ValueError(policy)
+
+
+POLICIES = ("full", "full (FlashDecoding)", "streaming", "h2o", "learned")
+
+
+def step_bytes(policy: str, m: Model, batch: int, context: int, fraction: float | None, slack: int,
+               fixed: bool = False) -> dict:
+    """Bytes of one decode step at ``batch`` rows whose full cache would hold ``context`` tokens; an evicting policy
+    holds ``fraction`` of it (+ slack / 2 dead slots on average)."""
+    slots = context if fraction is None else math.ceil(fraction * context) + slack // 2
+    parts = per_slot_bytes(policy, m, slots, slack, fixed)
+    rows = m.layers * batch * m.kv_heads * slots
+    out = {"weights": m.weight_bytes(), **{k: v * rows for k, v in parts.items()}}
+    out["total"] = sum(out.values())
+    return out
+
+
+def fmt_gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="8192,32768")
+    p.add_argument("--fractions", default="0.25,0.5")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--slack", type=int, default=16)
+    p.add_argument("--bandwidth", type=float, default=HBM_H100, help="HBM bytes/s (H100 SXM: 3.35e12)")
+    p.add_argument("--memory", type=float, default=80e9, help="HBM bytes, to flag a full cache that does not fit")
+    p.add_argument("--fixed", action="store_true", help="count the three changes of the docstring (not made)")
+    args = p.parse_args(argv)
+    m = Model()
+    contexts = [int(x) for x in args.contexts.split(",")]
+    fractions = [float(x) for x in args.fractions.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    print(f"model: {m}\nweights read per step: {fmt_gb(m.weight_bytes())} GB; K+V per token: "
+          f"{m.layers * m.kv_heads * m.kv_slot_bytes() / 1e3:.0f} kB; bandwidth {args.bandwidth / 1e12:.2f} TB/s; "
+          f"slack {args.slack}{'; with the three changes (--fixed), not made' if args.fixed else ''}\n")  # fmt: skip
+    print("| context | batch | policy | budget | weights GB | attention GB | eviction GB | total GB | step ms (bound) "
+          "| speedup vs full | vs FlashDecoding full |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for ctx in contexts:
+        for b in batches:
+            full = step_bytes("full", m, b, ctx, None, args.slack, args.fixed)["total"]
+            flash = step_bytes("full (FlashDecoding)", m, b, ctx, None, args.slack)["total"]
+            fits = m.weight_bytes() + b * ctx * m.layers * m.kv_heads * m.kv_slot_bytes() <= args.memory
+            runs = [("full", None), ("full (FlashDecoding)", None)]
+            runs += [(n, f) for f in fractions for n in POLICIES if not n.startswith("full")]
+            for name, frac in runs:
+                r = step_bytes(name, m, b, ctx, frac, args.slack, args.fixed)
+                evict = r["total"] - r["weights"] - r["attention"]
+                note = "" if fits or frac is not None else " (does not fit)"
+                print(f"| {ctx} | {b} | {name}{note} | {'-' if frac is None else f'{frac:.0%}'} | "
+                      f"{fmt_gb(r['weights'])} | {fmt_gb(r['attention'])} | {fmt_gb(evict)} | {fmt_gb(r['total'])} | "
+                      f"{r['total'] / args.bandwidth * 1e3:.2f} | {full / r['total']:.2f}x | "
+                      f"{flash / r['total']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

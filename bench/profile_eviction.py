@@ -1,0 +1,86 @@
+"""Where eviction spends its time at 1-2k cached tokens: cProfile of one batched decode per policy (issue 43, item 2).
+
+    python bench/profile_eviction.py                         # learned, snapkv, rkv; batch 4 of held-out chain prompts
+    python bench/profile_eviction.py --policies snapkv --batch 8 --new-tokens 256 --top 25
+
+Each policy decodes the same left-padded batch of held-out chain prompts (~1k tokens) for ``--new-tokens`` steps at
+``--fraction`` of each row's final length (SnapKV compresses the prompts at the prefill), under cProfile. Printed
+per policy: the decode's wall time and eviction share (`GenerationResult.eviction_share`), then the functions with
+the most cumulative time inside the cache's eviction path (`BudgetCache` update/score/select/compact and below),
+as a share of the decode's profiled time. The learned policy runs a random-init scorer bound to the model: the
+same shapes, hence the same cost, as a trained one (the features and MLP do not depend on the weights' values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+# the repo root must come before this script's folder, or `import kernels` would find bench/kernels.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from learnkv import generate, load_model  # noqa: E402
+from learnkv.decode import encode_prompts  # noqa: E402
+from learnkv.prompts import load_prompts  # noqa: E402
+
+
+def random_scorer(model, name: str) -> str:
+    """A random-init scorer exported for ``model`` (bound to ``name``)."""
+    from learnkv.scorer.artifact import export_scorer
+    from learnkv.scorer.model import Scorer
+
+    cfg = model.config
+    torch.manual_seed(0)
+    out = Path(tempfile.mkdtemp(prefix="learnkv-profile-")) / "scorer"
+    return str(export_scorer(Scorer(cfg.num_hidden_layers), out, model=cfg.name_or_path or name,
+                             n_kv_heads=cfg.num_key_value_heads))  # fmt: skip
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--policies", default="learned,snapkv,rkv")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--fraction", type=float, default=0.5)
+    p.add_argument("--slack", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--top", type=int, default=15)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    ids, mask = encode_prompts(tok, [x.text for x in load_prompts("chain", n=args.batch, split="test")])
+    lengths = mask.sum(-1).tolist()
+    print(f"model {args.model}, batch {args.batch}, prompts {min(lengths)}-{max(lengths)} tokens + {args.new_tokens} "
+          f"new, budget {args.fraction:.0%} of the final length, slack {args.slack}, threads {args.threads}")
+    for name in args.policies.split(","):
+        params = {"scorer": random_scorer(model, args.model)} if name == "learned" else {}
+        run = dict(input_ids=ids, attention_mask=mask, policy=name, budget=args.fraction, policy_params=params,
+                   max_new_tokens=args.new_tokens, stop_at_eos=False, slack=args.slack, prefill_policy="snapkv")
+        generate(model, **dict(run, max_new_tokens=2))  # warm-up (loads the scorer)
+        prof = cProfile.Profile()
+        prof.enable()
+        r = generate(model, **run)
+        prof.disable()
+        stats = pstats.Stats(prof)
+        total = r.prefill_s + r.decode_s
+        print(f"\n## {name}: budgets {min(r.budgets)}-{max(r.budgets)}, decode {r.decode_s:.1f} s, prefill "
+              f"{r.prefill_s:.1f} s, eviction share {r.eviction_share:.0%} (of prefill + decode)\n")
+        print("| cumulative s | share of prefill + decode | calls | function |")
+        print("|---|---|---|---|")
+        rows = []
+        for (file, line, fn), (_, calls, _, cum, _) in stats.stats.items():
+            if "/learnkv/" in file or "/kernels/" in file:
+                rows.append((cum, calls, f"{Path(file).parent.name}/{Path(file).name}:{line} {fn}"))
+        for cum, calls, where in sorted(rows, reverse=True)[: args.top]:
+            print(f"| {cum:.2f} | {cum / total:.0%} | {calls} | `{where}` |")
+
+
+if __name__ == "__main__":
+    main()
