@@ -62,7 +62,7 @@ def test_accuracy_only_reaches_the_chain_task_and_only_it():
 
 
 def test_long_chain_table_config_asks_what_issue_13_asks():
-    """configs/long-chain-smollm2.yaml is the README long-task table: every policy, 25% and 50%, >= 32 held-out
+    """configs/long-chain-smollm2.yaml is the long-task table of docs/long-chain.md: every policy, 25% and 50%, >= 32 held-out
     prompts of at least 1,000 decode steps, compared to the learned policy; it loads through --config."""
     path = ROOT / "configs" / "long-chain-smollm2.yaml"
     assert yaml.safe_load(path.read_text())["scorer"] == "runs/train/scorer"  # what `python train.py` exports
@@ -75,7 +75,7 @@ def test_long_chain_table_config_asks_what_issue_13_asks():
 
 
 def test_qwen_accuracy_config_asks_what_issue_13_asks():
-    """configs/chain-accuracy-qwen.yaml is the README accuracy table on Qwen2.5-Coder-0.5B: every heuristic at 25% and
+    """configs/chain-accuracy-qwen.yaml is the accuracy table of docs/chain-accuracy.md (Qwen2.5-Coder-0.5B): every heuristic at 25% and
     50%, graded free runs of the chain task; it loads through --config."""
     args = parse_args(["--config", str(ROOT / "configs" / "chain-accuracy-qwen.yaml")])
     spec = spec_of(args)

@@ -82,7 +82,7 @@ class Oracle(Policy):
     queries at positions t+1 .. t+horizon in a full-cache run of the same sequence (group mean, summed). This is
     the label the learned scorer is trained on, so the oracle is its ceiling on that objective; over a thousand
     decode steps tokens go quiet for longer than 32 steps and return, and there a longer horizon than the labels'
-    keeps the better output (README, "The long table so far"). It needs the future: `generate`
+    keeps the better output (docs/long-chain.md, "The long table"). It needs the future: `generate`
     first decodes with the full cache (or is handed that run's attention, as the fidelity task's reference holds
     it), then replays the same tokens (teacher forcing) under the budget with this policy.
 
