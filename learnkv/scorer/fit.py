@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 
 from learnkv.atomic import ensure_dir, write_json_atomic
 from learnkv.config import PipelineConfig, save_config, to_dict
+from learnkv.runlog import loud_wandb, quiet_wandb
 from learnkv.scorer.module import BUDGETS, MONITOR
 
 
@@ -168,8 +169,10 @@ def round_config(cfg: PipelineConfig, r: int, previous: Path | None) -> Pipeline
     return dataclasses.replace(cfg, trace_dir=trace_dir, out_dir=out_dir, collect=collect)
 
 
-def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
-    """Run the pipeline, every round; returns (artifact path, validation metrics, recall table) of the last round."""
+def train(cfg: PipelineConfig, progress: bool = True, verbose: bool = True) -> tuple[Path, dict, str]:
+    """Run the pipeline, every round; returns (artifact path, validation metrics, recall table) of the last round.
+    ``verbose=False``: wandb's terminal messages go to the `WANDB_LOGGER` logger (`learnkv.runlog.run_log` writes it
+    to the run's log file)."""
     trace_dirs, artifact = [], None
     for r in range(1, cfg.rounds + 1):
         rcfg = round_config(cfg, r, artifact)
@@ -177,11 +180,12 @@ def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
             print(f"round {r}/{cfg.rounds}: traces under {rcfg.collect.policy} in {rcfg.trace_dir}, "
                   f"training on {len(trace_dirs) + 1} trace director{'ies' if trace_dirs else 'y'}")
         trace_dirs.append(rcfg.trace_dir)
-        artifact, metrics, table = train_round(rcfg, list(trace_dirs), progress)
+        artifact, metrics, table = train_round(rcfg, list(trace_dirs), progress, verbose)
     return artifact, metrics, table
 
 
-def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = True) -> tuple[Path, dict, str]:
+def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = True,
+                verbose: bool = True) -> tuple[Path, dict, str]:
     """One round: collect ``cfg.trace_dir`` if incomplete, train on ``trace_dirs`` (the earlier rounds' and this
     one's), export into ``cfg.out_dir``."""
     import lightning as L
@@ -231,6 +235,9 @@ def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = Tru
           f"{len(dm.train_rows)} train rows, {len(dm.val_rows)} validation rows")
 
     logger = make_logger(cfg, out)
+    wandb_run = type(logger).__name__ == "WandbLogger"
+    if wandb_run:
+        quiet_wandb(verbose)
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=MONITOR, mode="max")
     # every epoch, improved or not: a killed run resumes from its last epoch (the best one may be long before)
     every_epoch = ModelCheckpoint(dirpath=ckpt_dir, filename="last", monitor=None, enable_version_counter=False)
@@ -244,10 +251,11 @@ def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = Tru
     trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.exists() else None)
     best = ScorerModule.load_from_checkpoint(checkpoint.best_model_path) if checkpoint.best_model_path else module
     metrics = {k: float(v) for k, v in trainer.validate(best, datamodule=dm, verbose=False)[0].items()}
-    if type(logger).__name__ == "WandbLogger":
+    if wandb_run:
         import wandb
 
         wandb.finish()  # so a second run in the same process starts its own
+        loud_wandb(verbose)
     table = recall_table(metrics, teachers)
     artifact = export_scorer(best.scorer.cpu(), out / "scorer", model=manifest["model"], n_kv_heads=manifest["n_kv_heads"],
                              config_digest=manifest["config_digest"], metrics=metrics,
