@@ -19,6 +19,8 @@ import argparse
 import json
 import sys
 
+# imports inside functions: each subcommand imports only what it runs, so `--help` and a bad argument answer at once
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m learnkv", description="learned KV-cache eviction")

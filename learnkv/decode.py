@@ -430,7 +430,7 @@ def generate(
     out_tokens = []
     steps = range(max_new_tokens)
     if progress:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # only when a progress bar is asked for
 
         steps = tqdm(steps, desc=f"decode [{policy_obj.name}]", unit="tok", leave=False)
     for i in steps:

@@ -57,7 +57,7 @@ def _package_dir(name: str) -> Path | None:
 
 def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> Path:
     """Load a GGUF with transformers, copy the weights into a clean model, save safetensors atomically."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers (~1.3 s) only once a model is built: `learnkv.decode`, policies and serving import without it
 
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
@@ -139,7 +139,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
 
     The model comes back in eval mode with the "learnkv" attention implementation.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers (~1.3 s) only once a model is built: `learnkv.decode`, policies and serving import without it
 
     if name_or_path in BUNDLED:
         path = str(BUNDLED[name_or_path]())
@@ -169,7 +169,7 @@ def tiny_model(
     attn_implementation: str = attention.NAME,
 ):
     """A random-init Llama with GQA, for fast unit tests only (no tokenizer; feed token ids)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # transformers (~1.3 s) only once a model is built: `learnkv.decode`, policies and serving import without it
 
     attention.register()
     cfg = LlamaConfig(

@@ -201,7 +201,7 @@ def _iter_gsm_symbolic(
 ) -> Iterator[Prompt]:
     """reasoning-gym gsm_symbolic items 0, 1, 2, ... of one seed; a question already seen under it is skipped."""
     try:
-        import reasoning_gym
+        import reasoning_gym  # ~3 s to import: only gsm_symbolic prompts need it
     except ImportError:
         raise ValueError(
             "gsm_symbolic prompts need the PyPI package reasoning-gym: pip install 'reasoning-gym>=0.1.25'"

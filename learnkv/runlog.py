@@ -69,6 +69,6 @@ def quiet_wandb(verbose: bool) -> None:
 def loud_wandb(verbose: bool) -> None:
     """After the run: wandb's terminal messages back on the terminal."""
     if not verbose:
-        import wandb
+        import wandb  # optional: as in `quiet_wandb`
 
         wandb.termsetup(wandb.Settings(), None)

@@ -1,6 +1,10 @@
-"""Imports point one way. `lint-imports` (CI, contracts in pyproject.toml) checks the layers; this checks that no
-import cycle is left among learnkv's and kernels' modules, counting imports inside functions (an import inside a
-function is there to keep an optional dependency optional or a command line fast to start, not to hide a cycle).
+"""Imports point one way. `lint-imports` (CI, contracts in pyproject.toml) checks the layers, imports inside functions
+included; this checks that no import cycle is left among learnkv's and kernels' modules, counting imports inside
+functions, and that every import inside a function says why it is there (to keep an optional dependency optional or
+a start quick, never to hide a cycle).
+
+A reason is a comment on the import's line, a comment line right above the first import of its function, or, for a
+module whose functions all import lazily for one reason, a module-level line ``# imports inside functions: REASON``.
 """
 
 import ast
@@ -8,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("learnkv", "kernels")
+MODULE_REASON = "# imports inside functions:"
 
 
 def _modules() -> dict[str, Path]:
@@ -105,14 +110,64 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_graph_counts_imports_inside_functions():
-    graph = import_graph()
-    # learnkv.eval.run imports the checkpoint module inside `evaluate` only if that is where it is imported; either
-    # way the edge is there, and so is every module-level one
-    assert "learnkv.decode" in graph["learnkv.eval.run"] and "learnkv.eval.checkpoint" in graph["learnkv.eval.run"]
-    assert "learnkv.scorer.artifact" in graph["learnkv.policies.learned"]
+def test_the_graph_counts_imports_inside_functions(tmp_path):
+    source = tmp_path / "probe.py"
+    source.write_text("import learnkv.fields\n\n\ndef f():\n    from learnkv.decode import generate\n    return generate\n")
+    modules = {**_modules(), "learnkv.probe": source}
+    assert sorted(_imports("learnkv.probe", source, modules)) == [("learnkv.decode", 5, True), ("learnkv.fields", 1, False)]
+    # and on the real tree: the command line imports every subcommand's module inside its function only
+    assert "learnkv.traces.collect" in import_graph()["learnkv.__main__"]
 
 
 def test_no_import_cycle_among_learnkv_modules():
     found = cycles(import_graph())
     assert not found, "import cycles (imports inside functions counted): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def _function_imports_without_reason():
+    missing = []
+    for module, path in _modules().items():
+        lines = path.read_text().splitlines()
+        if any(line.startswith(MODULE_REASON) and line[len(MODULE_REASON):].strip() for line in lines):
+            continue
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                if "#" in lines[node.end_lineno - 1] or "#" in lines[node.lineno - 1]:
+                    continue
+                # a comment line right above the function's first import gives the reason for all of its imports
+                first = min(n.lineno for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
+                if first >= 2 and lines[first - 2].strip().startswith("#"):
+                    continue
+                missing.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return missing
+
+
+def test_every_import_inside_a_function_says_why():
+    missing = _function_imports_without_reason()
+    assert not missing, f"imports inside functions without a reason ({len(missing)}): {', '.join(missing)}"
+
+
+def test_the_readme_layer_table_is_the_contract():
+    """README "How it works" lists the layers top to bottom as pyproject.toml's layers contract does."""
+    import re
+    import tomllib
+
+    contract = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]
+    assert contract["type"] == "layers"
+    layer_of = {m.strip(): i for i, layer in enumerate(contract["layers"]) for m in re.split(r"[|:]", layer)}
+    how = (ROOT / "README.md").read_text().split("## How it works", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in how.splitlines() if line.startswith("| ") and "`" in line]
+    seen = []
+    for row in rows:
+        cells = row.split("|")[2]
+        for path in re.findall(r"`([^`]+)`", cells):
+            name = path.removesuffix("/").removesuffix(".py").replace("/", ".")
+            if name in layer_of:
+                seen.append((layer_of[name], name))
+    assert len(seen) == len(layer_of), sorted(set(layer_of) - {n for _, n in seen})
+    assert [i for i, _ in seen] == sorted(i for i, _ in seen), seen

@@ -10,24 +10,30 @@ last one into ``out_dir``. Every round resumes like a single run: finished shard
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import netrc
 import os
 import sys
 from pathlib import Path
 
-from lightning.pytorch.callbacks import Callback
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from learnkv.atomic import ensure_dir, write_json_atomic
 from learnkv.config import PipelineConfig, save_config, to_dict
 from learnkv.runlog import loud_wandb, quiet_wandb
-from learnkv.scorer.module import BUDGETS, MONITOR
+from learnkv.scorer.artifact import ArtifactError, export_scorer, load_scorer
+from learnkv.scorer.data import TraceDataModule, feature_stats
+from learnkv.scorer.module import BUDGETS, MONITOR, ScorerModule
+from learnkv.traces.collect import check_same_config, collect
+from learnkv.traces.store import MANIFEST, read_manifest
 
 
 def make_logger(cfg: PipelineConfig, out_dir: Path):
     """WandbLogger, offline unless the user has a wandb key (or WANDB_MODE says otherwise); CSV without wandb."""
-    from lightning.pytorch.loggers import CSVLogger
-
     mode = os.environ.get("WANDB_MODE") or cfg.wandb.mode
     if mode == "auto":
         has_key = bool(os.environ.get("WANDB_API_KEY"))
@@ -37,8 +43,6 @@ def make_logger(cfg: PipelineConfig, out_dir: Path):
             pass
         mode = "online" if has_key else "offline"
     try:
-        from lightning.pytorch.loggers import WandbLogger
-
         import wandb  # noqa: F401  (absent on some GPU images)
     except ImportError:
         print("wandb is not installed: logging to CSV instead")
@@ -49,9 +53,6 @@ def make_logger(cfg: PipelineConfig, out_dir: Path):
 def ensure_traces(cfg: PipelineConfig, progress: bool = True) -> dict:
     """The trace manifest, collecting traces first if the trace directory lacks a complete set. Traces of another
     format, feature version or collection config are refused, saying what differs."""
-    from learnkv.traces.collect import check_same_config, collect
-    from learnkv.traces.store import MANIFEST, read_manifest
-
     if (Path(cfg.trace_dir) / MANIFEST).exists():
         manifest = read_manifest(cfg.trace_dir)
         check_same_config(manifest, cfg.collect, f"trace_dir {cfg.trace_dir}",
@@ -74,8 +75,6 @@ def run_identity(cfg: PipelineConfig, trace_dirs: list[str] | None = None) -> di
     """Epochs, patience and the learning rate may change between runs (to extend a run); the scorer's shape, the
     label and the traces may not. ``trace_dirs``: every trace directory the run trains on (default: ``trace_dir``),
     each identified by the digest of its collection config."""
-    from learnkv.traces.store import read_manifest
-
     dirs = trace_dirs or [cfg.trace_dir]
     digests = [cfg.collect.digest() if d == cfg.trace_dir else read_manifest(d).get("config_digest") for d in dirs]
     identity = {"hidden": cfg.train.hidden, "label": cfg.train.label}
@@ -99,8 +98,6 @@ class RunIdentity(Callback):
 def check_resumable(cfg: PipelineConfig, last: Path, identity: dict | None = None) -> None:
     """A rerun resumes from the checkpoint ``last``; refuse one whose scorer or data would not match it (read from
     the checkpoint itself, so nothing is written before it has been checked)."""
-    import torch
-
     if not last.exists():
         return
     try:
@@ -130,8 +127,6 @@ def _finish_config(cfg: PipelineConfig, identity: dict | None = None) -> dict:
 
 def finished_run(cfg: PipelineConfig, out: Path, identity: dict | None = None):
     """(artifact, metrics, teachers) if ``out`` holds a finished run of exactly this config, else None."""
-    from learnkv.scorer.artifact import ArtifactError, load_scorer
-
     path = out / DONE
     if not path.is_file():
         return None
@@ -159,8 +154,6 @@ def recall_table(metrics: dict, teachers: list[str]) -> str:
 
 def round_config(cfg: PipelineConfig, r: int, previous: Path | None) -> PipelineConfig:
     """Round ``r``'s pipeline config (1-based): its trace and output directories and what it collects under."""
-    import dataclasses
-
     trace_dir = cfg.trace_dir if r == 1 else f"{cfg.trace_dir}-round{r}"
     out_dir = cfg.out_dir if r == cfg.rounds else str(Path(cfg.out_dir) / f"round-{r}")
     collect = cfg.collect
@@ -188,13 +181,6 @@ def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = Tru
                 verbose: bool = True) -> tuple[Path, dict, str]:
     """One round: collect ``cfg.trace_dir`` if incomplete, train on ``trace_dirs`` (the earlier rounds' and this
     one's), export into ``cfg.out_dir``."""
-    import lightning as L
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-
-    from learnkv.scorer.artifact import export_scorer
-    from learnkv.scorer.data import TraceDataModule, feature_stats
-    from learnkv.scorer.module import ScorerModule
-
     out = ensure_dir(cfg.out_dir, "out_dir", create=False)  # created once the traces are there
     earlier = trace_dirs[:-1]  # finished rounds: their manifests identify them
     if all((Path(d) / "manifest.json").exists() for d in earlier):
@@ -252,7 +238,7 @@ def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = Tru
     best = ScorerModule.load_from_checkpoint(checkpoint.best_model_path) if checkpoint.best_model_path else module
     metrics = {k: float(v) for k, v in trainer.validate(best, datamodule=dm, verbose=False)[0].items()}
     if wandb_run:
-        import wandb
+        import wandb  # optional: only a run that logs to wandb has it
 
         wandb.finish()  # so a second run in the same process starts its own
         loud_wandb(verbose)

@@ -30,7 +30,7 @@ from learnkv.capture import step_attention
 from learnkv.decode import generate
 from learnkv.eval import metrics as M
 from learnkv.eval.tasks.base import RunConfig, Sample, Task, capture_logits, left_pad, replays
-from learnkv.prompts import load_prompts
+from learnkv.prompts import SOURCES, load_prompts
 
 HELD_OUT = ("test", "validation")  # splits a fidelity run may use: never the training prompts
 
@@ -165,7 +165,6 @@ class Fidelity(Task):
 
     def __post_init__(self):
         super().__post_init__()
-        from learnkv.prompts import SOURCES
 
         if self.source not in SOURCES:
             raise ValueError(f"unknown prompt source {self.source!r}; known: {', '.join(sorted(SOURCES))}")
