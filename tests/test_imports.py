@@ -155,7 +155,11 @@ def test_every_import_inside_a_function_says_why():
 def test_the_readme_layer_table_is_the_contract():
     """README "How it works" lists the layers top to bottom as pyproject.toml's layers contract does."""
     import re
-    import tomllib
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
 
     contract = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]
     assert contract["type"] == "layers"
