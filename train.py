@@ -7,8 +7,10 @@ recall against every teacher, export, then compare its decode-time fidelity with
     python train.py rounds=2                          # then collect under the learned scorer, retrain on the union
     python train.py collect.policy=rkv                # traces under eviction by R-KV instead of the full cache
 
-Resumable: traces resume shard by shard, training from the last checkpoint, rounds one by one. The last line
-printed is `artifact: PATH`, the exported scorer that `--policy learned --scorer PATH` loads.
+Quiet by default: it prints progress bars and its tables; Lightning's and wandb's messages and warnings go to
+OUT_DIR/train.log (`--verbose` shows them too). Resumable: traces resume shard by shard, training from the last
+checkpoint, rounds one by one. The last line printed is `artifact: PATH`, the exported scorer that `--policy learned
+--scorer PATH` loads.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/default.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     parser.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show Lightning's and wandb's messages and warnings (always in OUT_DIR/train.log)")
     args = parser.parse_intermixed_args(argv)  # overrides before, between or after the options
     try:
         with Interruptible() as interrupt:
@@ -34,10 +38,12 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = load_config(args.config, args.overrides)
             set_threads(args.threads)
+            from learnkv.runlog import LOG, run_log
             from learnkv.scorer.fit import train
             from learnkv.scorer.report import decode_report
 
-            artifact, metrics, table = train(cfg, progress=True)
+            with run_log(Path(cfg.out_dir) / LOG, verbose=args.verbose):
+                artifact, metrics, table = train(cfg, progress=True, verbose=args.verbose)
             report = decode_report(cfg, artifact, progress=True) if cfg.report.prompts else None
     except ValueError as e:  # bad config, bad traces, bad model: one line, no traceback
         print(f"error: {e}", file=sys.stderr)

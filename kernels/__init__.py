@@ -21,6 +21,9 @@ The one switch is the environment variable ``LEARNKV_KERNELS``, read at every ca
 
 import os
 
+# imports inside functions: an implementation is imported on its first call (this package stays cheap to import, and
+# triton optional: see above)
+
 __all__ = [
     "select_keep",
     "gather_tokens",

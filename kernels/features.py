@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.nanmax import fmax
-from learnkv.features import _STATE, FEATURES, SINKS, WINDOW
+from learnkv.features import FEATURES, SINKS, STATE, WINDOW
 
 # the column order the kernel writes; checked against the feature list so a change there cannot go unnoticed
 _ORDER = (
@@ -241,12 +241,12 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
             raise ValueError(f"{name} must be [B, H, T, D] with [B, H, T] = {(B, H, T)}, got {tuple(x.shape)}")
     if step < 1:
         raise ValueError(f"decode_features is for decode steps (step >= 1), got step {step}")
-    missing = [n for n in _STATE if n not in state]
+    missing = [n for n in STATE if n not in state]
     if missing:
         raise ValueError(f"state lacks {missing}: the prefill (the torch tracker) creates it")
     first = state["f.acc"]
     layout = [s for s, n in zip(first.stride(), first.shape) if n > 1]  # a size-1 dim's stride is never used
-    for name in _STATE:
+    for name in STATE:
         t = state[name]
         shape = (B, H, WINDOW, T) if name == "f.win" else (B, H, T)
         same = name == "f.win" or [s for s, n in zip(t.stride(), t.shape) if n > 1] == layout
@@ -265,7 +265,7 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
     block_t = block_t or default_t
     positions = positions.long()
     layer_f = float(torch.tensor(layer / max(n_layers - 1, 1), dtype=torch.float32))  # torch.full's fp32 value
-    s = {n: state[n] for n in _STATE}
+    s = {n: state[n] for n in STATE}
     n_win = min(WINDOW, step + 1)  # the window rows filled so far, as the tracker counts them
     grid = (B * H, triton.cdiv(T, block_t))
     _decode_features_kernel[grid](

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from learnkv.features import FeatureTracker
+
 
 def per_row(value, B: int, device=None) -> Tensor:
     """``value`` (an int, or one int per row) as an int64 ``[B, 1, 1]`` tensor, to broadcast over ``[B, H, T]``."""
@@ -408,8 +410,6 @@ def decode_features_reference(
     Tensor
         ``[B, H, T, F]`` fp32 features in `learnkv.features.FEATURES` order, zero on padding slots.
     """
-    from learnkv.features import FeatureTracker
-
     if attn.ndim != 5 or attn.shape[3] != 1 or step < 1:
         raise ValueError(f"a decode step: attn [B, H, G, 1, T] and step >= 1, got {tuple(attn.shape)}, step {step}")
     tracker = FeatureTracker(n_layers)

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import block_layout, per_row
+
 RADIX_BITS = 4
 #: warps of the two kernels on CUDA (`_select_kernel` at 8 warps spills: ptxas caps it at 64 registers)
 CUDA_WARPS_PRIORITY, CUDA_WARPS_SELECT = 8, 4
@@ -181,8 +183,6 @@ def select_keep(scores, positions, keep, n_sink, n_recent, block_size: int = 1, 
     Tensor
         ``[B, H, K]`` int64 kept slot indices, ascending, after -1 entries in rows that keep fewer than the widest.
     """
-    from kernels.reference import block_layout
-
     B, H, T = scores.shape
     device = scores.device
     if positions.shape != scores.shape:

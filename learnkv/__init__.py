@@ -1,6 +1,7 @@
 """learnkv: learned KV-cache eviction for LLM decoding.
 
-Data flows one way: model -> budgeted cache + policy -> traces -> scorer -> export.
+Data flows one way: model -> budgeted cache + policy -> traces -> scorer -> export, and imports point the same way
+(the layers in README, "How it works"; checked by import-linter's contract in pyproject.toml and tests/test_imports.py).
 
 The public names below are imported on first use, so `learnkv.scorer.artifact` (what serving loads) needs only
 torch and safetensors, not transformers or Lightning.

@@ -21,6 +21,8 @@ import sys
 
 from learnkv.cli import Interruptible, OneLineParser, set_threads, thread_count
 
+# imports inside functions: each subcommand imports only what it runs, so `--help` and a bad argument answer at once
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m learnkv", description="learned KV-cache eviction")

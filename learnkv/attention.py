@@ -195,7 +195,7 @@ def _hand_statistics(cache, layer_idx: int, probs: Tensor, query_pos: Tensor) ->
 
 def register() -> str:
     """Register the attention function with transformers (idempotent); returns its name."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # transformers only once a model is loaded (learnkv.model)
 
     AttentionInterface.register(NAME, learnkv_attention)
     return NAME

@@ -26,6 +26,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from learnkv.answers import normalise_number
+
 #: problems per prompt and facts stated at its top, by default (chosen by measurement: docs/tasks-notes.md)
 N_PROBLEMS = 30
 N_FACTS = 4
@@ -248,8 +250,6 @@ def parse_answers(text: str, n_problems: int, first: int = 1) -> list[str | None
     answer is the number after the line's last ``=`` if there is one (``Answer 1: 4 * 5 = 20``), else its first
     number (``Answer 2: 15 (from Problem 1)``). The last problem's ``#### N`` overrides its answer line. Numbers are normalised as `learnkv.prompts.extract_answer` does.
     """
-    from learnkv.prompts import _normalise_number
-
     out: list[str | None] = [None] * n_problems
     current = first
     for line in text.splitlines():
@@ -268,7 +268,7 @@ def parse_answers(text: str, n_problems: int, first: int = 1) -> list[str | None
         current = k
         found = _NUMBER.search(rest.rpartition("=")[2]) or _NUMBER.search(rest)
         if found:
-            out[k - 1] = _normalise_number(found.group())
+            out[k - 1] = normalise_number(found.group())
     final = final_answer(text)
     if final is not None:
         out[-1] = final
@@ -277,11 +277,9 @@ def parse_answers(text: str, n_problems: int, first: int = 1) -> list[str | None
 
 def final_answer(text: str) -> str | None:
     """The number on the line of the last ``####`` that has one (None if there is none)."""
-    from learnkv.prompts import _normalise_number
-
     for line in reversed(text.splitlines()):
         _, sep, tail = line.rpartition("####")
         found = _NUMBER.search(tail) if sep else None
         if found:
-            return _normalise_number(found.group())
+            return normalise_number(found.group())
     return None

@@ -16,7 +16,11 @@ from pathlib import Path
 
 import yaml
 
+from learnkv.decode import resolve_budget
+from learnkv.eval.run import prefill_run
+from learnkv.features import FEATURES
 from learnkv.fields import check_fields, setting
+from learnkv.policies import POLICIES
 from learnkv.traces.collect import CollectConfig
 
 
@@ -143,7 +147,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pi
     if unknown:
         raise ValueError(f"train.distill names {', '.join(unknown)}, not among collect.teachers "
                          f"({', '.join(cfg.collect.teachers)})")
-    from learnkv.features import FEATURES
 
     unknown = [f for f in cfg.train.ignore_features if f not in FEATURES]
     if unknown:
@@ -154,9 +157,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pi
 
 def check_report(report: ReportConfig) -> None:
     """The decode-time comparison's policies and budgets, checked before anything runs."""
-    from learnkv.decode import resolve_budget
-    from learnkv.policies import POLICIES
-
     unknown = [p for p in report.policies if p not in POLICIES or p in ("learned", "full")]
     if unknown:
         raise ValueError(f"report.policies: {unknown} cannot be compared (registered heuristics: "
@@ -166,8 +166,6 @@ def check_report(report: ReportConfig) -> None:
             raise ValueError(f"report.budgets are fractions of the final length in (0, 1], got {b}")
         resolve_budget(b, 1)
     if report.prefill_policy:
-        from learnkv.eval.run import prefill_run
-
         prefill_run(report.prefill_policy, "report.prefill_policy")
 
 

@@ -21,10 +21,10 @@ from torch import Tensor
 from learnkv import attention
 from learnkv.model import cache_kwargs
 from learnkv.cache import BudgetCache, blind_prefill_error
+from learnkv.capture import step_attention
 from learnkv.memory import TRIM_EVERY, release_free_heap
 from learnkv.policies import Policy, make_policy
 from learnkv.policies.base import resolve_rows
-from learnkv.policies.oracle import step_attention
 
 
 @dataclass
@@ -424,7 +424,7 @@ def generate(
         budgeted run can follow a full-cache continuation.
     future : sequence, optional
         For a policy that looks ahead (the oracle), per row the full-cache run's attention of the continuation it
-        replays (`learnkv.policies.oracle.step_attention` of the row's unpadded prompt and ``forced_tokens`` row),
+        replays (`learnkv.capture.step_attention` of the row's unpadded prompt and ``forced_tokens`` row),
         where the caller holds it already (the fidelity task's reference); computed here otherwise.
     observer : callable, optional
         Called with the cache after every forward pass (after eviction).
@@ -495,7 +495,7 @@ def generate(
             lengths = [forced_tokens.shape[1]] * B
         if future is None:
             future = [step_attention(model, input_ids[b : b + 1, attention_mask[b].bool()],
-                                     forced_tokens[b : b + 1, :n]) for b, n in enumerate(lengths)]
+                                     forced_tokens[b : b + 1, :n], generate) for b, n in enumerate(lengths)]
         seer = rows[0].with_future(future)
         rows = [dataclasses.replace(seer, **{k: getattr(r, k) for k in r.per_row_fields}) for r in rows]
     if forced_tokens is not None:
@@ -548,7 +548,7 @@ def generate(
     out_tokens = []
     steps = range(max_new_tokens)
     if progress:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # only when a progress bar is asked for
 
         steps = tqdm(steps, desc=f"decode [{policy_obj.name}]", unit="tok", leave=False)
     for i in steps:

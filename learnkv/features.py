@@ -43,7 +43,9 @@ FEATURES: tuple[str, ...] = (
 N_FEATURES = len(FEATURES)
 WINDOW = 16
 SINKS = 4
-_STATE = ("f.acc", "f.acc_sq", "f.count", "f.win", "f.last_high", "f.n_returns", "f.sum_interval", "f.last_interval", "f.max_interval")
+#: the names of the tracker's per-token state tensors (what `FeatureTracker.update` keeps; the Triton kernel
+#: `kernels.features` updates the same ones)
+STATE = ("f.acc", "f.acc_sq", "f.count", "f.win", "f.last_high", "f.n_returns", "f.sum_interval", "f.last_interval", "f.max_interval")
 
 
 @dataclass
@@ -68,7 +70,7 @@ class FeatureTracker:
         mean_rows = attn.mean(dim=2)  # [B, H, q, T]
         if "f.acc" not in state:
             zeros = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
-            for name in _STATE:
+            for name in STATE:
                 state[name] = zeros.clone()
             state["f.win"] = zeros[:, :, None, :].repeat(1, 1, WINDOW, 1)
         q_pos = positions[..., -n_new:]

@@ -45,14 +45,6 @@ def cache_kwargs(model, cache) -> dict:
     return {_cache_kwarg(type(model)): cache}
 
 
-def cached_kv_heads(config) -> int:
-    """KV heads a layer's cache holds per token: the config's KV heads (all query heads without GQA), or one for
-    multi-head latent attention (DeepSeek-V2/V3 cache one latent per token, shared by every head)."""
-    if getattr(config, "kv_lora_rank", None):
-        return 1
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
 def cache_dir() -> Path:
     """Where converted models live: $LEARNKV_CACHE, else ~/.cache/learnkv; refused in one line where a file stands
     in its way (it is created when a model is first converted; a read-only one holding converted models is fine)."""
@@ -78,7 +70,7 @@ def _package_dir(name: str) -> Path | None:
 
 def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> Path:
     """Load a GGUF with transformers, copy the weights into a clean model, save safetensors atomically."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers (~1.3 s) only once a model is built: `learnkv.decode`, policies and serving import without it
 
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
@@ -177,7 +169,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
 
     The model comes back in eval mode with the "learnkv" attention implementation.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers (~1.3 s) only once a model is built: `learnkv.decode`, policies and serving import without it
 
     if name_or_path in BUNDLED:
         path = str(BUNDLED[name_or_path]())
@@ -209,7 +201,7 @@ def tiny_model(
     attn_implementation: str = attention.NAME,
 ):
     """A random-init Llama with GQA, for fast unit tests only (no tokenizer; feed token ids)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # transformers (~1.3 s) only once a model is built: `learnkv.decode`, policies and serving import without it
 
     attention.register()
     cfg = LlamaConfig(

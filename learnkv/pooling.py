@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+import kernels
+
 POOLING_RULES = ("mean_rank", "mean_mass")
 POOLING = "mean_rank"  # the learned scorer's rule, which its exported artifact records
 
@@ -68,7 +70,5 @@ def shared_keep_slots(per_layer: list[Tensor], positions: Tensor, keep, n_sink, 
         ``[B, 1, K]`` int64 kept slot indices, ascending, -1 entries first in a row that keeps fewer than the
         widest (expand over heads to apply).
     """
-    import kernels  # the repository's kernel package; cheap to import, torch reference on CPU
-
     pooled = shared_token_scores(per_layer, positions, rule)
     return kernels.select_keep(pooled[:, None], positions[:, :1], keep, n_sink, n_recent, block_size)

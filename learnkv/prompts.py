@@ -28,7 +28,7 @@ import random
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,9 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+
+from learnkv import chains
+from learnkv.answers import normalise_number
 
 SPLITS = ("train", "validation", "test")
 SPLIT_FRACTIONS = (0.8, 0.1, 0.1)
@@ -115,21 +118,6 @@ def split_of(prompt_id: str, seed: int = 0, fractions: Sequence[float] = SPLIT_F
     return "test"
 
 
-def _normalise_number(s: str) -> str | None:
-    """``"1,234.50"`` -> ``"1234.5"``, ``"18.0"`` -> ``"18"``, ``"-0"`` -> ``"0"``; None if it is not a number."""
-    s = s.replace(",", "").strip().rstrip(".")
-    try:
-        d = Decimal(s)
-    except InvalidOperation:
-        return None
-    if not d.is_finite():
-        return None
-    text = format(d, "f")
-    if "." in text:
-        text = text.rstrip("0").rstrip(".")
-    return "0" if text in ("-0", "") else text
-
-
 def extract_answer(text: str) -> str | None:
     """The final numeric answer in a math completion or gold solution, normalised.
 
@@ -150,9 +138,9 @@ def extract_answer(text: str) -> str | None:
     if sep:
         found = _NUMBER.search(tail)
         if found:
-            return _normalise_number(found.group())
+            return normalise_number(found.group())
     numbers = _NUMBER.findall(text)
-    return _normalise_number(numbers[-1]) if numbers else None
+    return normalise_number(numbers[-1]) if numbers else None
 
 
 def is_correct(pred: str | None, gold: str) -> bool:
@@ -213,7 +201,7 @@ def _iter_gsm_symbolic(
 ) -> Iterator[Prompt]:
     """reasoning-gym gsm_symbolic items 0, 1, 2, ... of one seed; a question already seen under it is skipped."""
     try:
-        import reasoning_gym
+        import reasoning_gym  # ~3 s to import: only gsm_symbolic prompts need it
     except ImportError:
         raise ValueError(
             "gsm_symbolic prompts need the PyPI package reasoning-gym: pip install 'reasoning-gym>=0.1.25'"
@@ -235,7 +223,7 @@ def _iter_gsm_symbolic(
         if split is not None and s != split:
             continue
         question = item["question"].removesuffix(_RG_SUFFIX)
-        answer = _normalise_number(str(item["answer"]))
+        answer = normalise_number(str(item["answer"]))
         md = item["metadata"]
         meta = {"cot": md.get("answer_cot"), "question": question, "rg_seed": rg_seed, "rg_index": i}
         yield Prompt(pid, "gsm_symbolic", _reasoning_text(question), answer, s, meta)
@@ -358,8 +346,6 @@ def _iter_chain(
     """Chain prompts 0, 1, 2, ... of one seed (`learnkv.chains.chain_problem`); the answer is the last problem's,
     ``meta["answers"]`` holds every problem's, ``meta["response_prefix"]`` the start of the reply (the first
     ``meta["given"]`` problems solved)."""
-    from learnkv import chains
-
     n_problems = chains.N_PROBLEMS if n_problems is None else n_problems
     n_facts = chains.N_FACTS if n_facts is None else n_facts
     linked_share = chains.LINKED_SHARE if linked_share is None else linked_share

@@ -62,7 +62,7 @@ def test_accuracy_only_reaches_the_chain_task_and_only_it():
 
 
 def test_long_chain_table_config_asks_what_issue_13_asks():
-    """configs/long-chain-smollm2.yaml is the README long-task table: every policy, 25% and 50%, >= 32 held-out
+    """configs/long-chain-smollm2.yaml is the long-task table of docs/long-chain.md: every policy, 25% and 50%, >= 32 held-out
     prompts of at least 1,000 decode steps, compared to the learned policy; it loads through --config."""
     path = ROOT / "configs" / "long-chain-smollm2.yaml"
     assert yaml.safe_load(path.read_text())["scorer"] == "runs/train/scorer"  # what `python train.py` exports
@@ -75,9 +75,10 @@ def test_long_chain_table_config_asks_what_issue_13_asks():
 
 
 def test_qwen_accuracy_config_asks_what_issue_39_asks():
-    """configs/chain-accuracy-qwen.yaml is issue 39's accuracy table on Qwen2.5-Coder-0.5B: the full cache and the
-    six heuristics the issue names at 25% and 50%, graded free runs of the chain task on 32 held-out prompts; it loads
-    through --config (the learned row runs by the same config with the Qwen scorer and pools by prompt id)."""
+    """configs/chain-accuracy-qwen.yaml is issue 39's accuracy table on Qwen2.5-Coder-0.5B (docs/chain-accuracy.md):
+    the full cache and the six heuristics the issue names at 25% and 50%, graded free runs of the chain task on 32
+    held-out prompts; it loads through --config (the learned row runs by the same config with the Qwen scorer and pools
+    by prompt id)."""
     args = parse_args(["--config", str(ROOT / "configs" / "chain-accuracy-qwen.yaml")])
     spec = spec_of(args)
     assert args.model == "qwen2.5-coder-0.5b-instruct" and spec.tasks[0].name == "chain"

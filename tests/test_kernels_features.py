@@ -15,7 +15,7 @@ import torch
 
 from kernel_checks import assert_close, assert_compiles_for_h100, assert_nan_parity, gen, poisoned
 from kernels import reference as ref
-from learnkv.features import _STATE, FEATURES, WINDOW, FeatureTracker
+from learnkv.features import FEATURES, STATE, WINDOW, FeatureTracker
 
 pytest.importorskip("triton")
 from kernels.features import decode_features  # noqa: E402
@@ -96,7 +96,7 @@ def nan_views(state):
 
 
 def check(expected_state, state, expected_feats, feats, where=""):
-    for name in _STATE:
+    for name in STATE:
         if name in EXACT:
             assert torch.equal(state[name].cpu(), expected_state[name]), f"{where}{name} differs"
         else:

@@ -54,7 +54,7 @@ def test_opt_in_gemma_without_its_packages_names_the_install(tmp_path, monkeypat
 def test_cached_kv_heads_is_one_latent_for_mla():
     from transformers import DeepseekV3Config, LlamaConfig
 
-    from learnkv.model import cached_kv_heads
+    from learnkv.scorer.artifact import cached_kv_heads
 
     assert cached_kv_heads(LlamaConfig(num_attention_heads=8, num_key_value_heads=2)) == 2
     assert cached_kv_heads(DeepseekV3Config(num_attention_heads=8, num_key_value_heads=8)) == 1

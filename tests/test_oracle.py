@@ -7,7 +7,8 @@ from conftest import random_ids
 from learnkv import generate
 from learnkv.model import tiny_model
 from learnkv.policies.base import LayerView
-from learnkv.policies.oracle import Oracle, full_attention, step_attention
+from learnkv.capture import full_attention, step_attention
+from learnkv.policies.oracle import Oracle
 
 
 def test_full_attention_matches_eager_output_attentions():
@@ -15,7 +16,7 @@ def test_full_attention_matches_eager_output_attentions():
     ids = random_ids(20, batch=2, seed=1)
     mask = torch.ones_like(ids)
     mask[1, :6] = 0  # left padding in row 1
-    ours = full_attention(model, ids, mask)
+    ours = full_attention(model, ids, mask, generate)
     eager = tiny_model(seed=0, attn_implementation="eager")
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
@@ -59,9 +60,9 @@ def test_oracle_scores_nothing_ahead_past_the_end_and_refuses_before_the_start()
 def test_step_attention_is_the_decode_rows_of_the_full_attention():
     model = tiny_model(seed=0)
     prompt, continuation = random_ids(9, seed=5), random_ids(7, seed=6)
-    rows = step_attention(model, prompt, continuation)
+    rows = step_attention(model, prompt, continuation, generate)
     seq = torch.cat([prompt, continuation[:, :-1]], dim=1)
-    whole = full_attention(model, seq, torch.ones_like(seq))
+    whole = full_attention(model, seq, torch.ones_like(seq), generate)
     assert len(rows) == len(whole)
     for ours, ref in zip(rows, whole):
         assert ours.dtype == torch.float16 and ours.shape == (ref.shape[1], 6, 15)
@@ -78,7 +79,7 @@ def test_oracle_handed_the_reference_attention_decodes_as_computing_its_own(tiny
         batch[b, 14 - len(row):], mask[b, 14 - len(row):] = row, 1
     forced = random_ids(12, batch=2, seed=9)
     lengths = [12, 8]  # row 1's continuation ends early; the rest of its forced row is padding
-    future = [step_attention(tiny, ids[b][None], forced[b : b + 1, :n]) for b, n in enumerate(lengths)]
+    future = [step_attention(tiny, ids[b][None], forced[b : b + 1, :n], generate) for b, n in enumerate(lengths)]
     kept = {}
     for name, given in (("handed", future), ("own", None)):
         seen = []

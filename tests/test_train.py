@@ -236,3 +236,43 @@ def test_rounds_collect_under_the_previous_scorer_and_train_on_the_union(synthet
     dm = TraceDataModule([union.trace_dir, str(second)])
     dm.setup()
     assert len(dm.train_rows) == 96 + 32 and len(dm.val_rows) == 24 + 8
+
+
+def _train_py(tmp_path, *flags):
+    """`python train.py` on the synthetic traces with wandb offline (its run summary and Lightning's deprecation
+    warnings are what a default run used to print), no decode-time report (no model)."""
+    import os
+
+    synthetic_traces(tmp_path / "traces")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+               PYTHONWARNINGS="default")
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", str(empty), *flags, f"trace_dir={tmp_path / 'traces'}",
+         f"out_dir={tmp_path / 'out'}", "wandb.mode=offline", "train.max_epochs=2", "report.prompts=0"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out, tmp_path / "out" / "train.log"
+
+
+CHATTER = ("wandb:", "Run summary", "GPU available", "deprecated", "Warning", "`Trainer.fit` stopped")
+
+
+def test_train_py_is_quiet_by_default_and_logs_the_chatter(tmp_path):
+    out, log = _train_py(tmp_path)
+    printed = out.stdout + out.stderr
+    assert not [c for c in CHATTER if c in printed], printed[-3000:]
+    assert "| **learned** |" in out.stdout and out.stdout.strip().splitlines()[-1].startswith("artifact: ")
+    logged = log.read_text()
+    # what used to be printed is in the run's log: Lightning's info lines, the wandb run and its summary
+    assert "GPU available" in logged and "`Trainer.fit` stopped" in logged
+    assert "Tracking run with wandb" in logged and "Run summary" in logged, logged[-3000:]
+
+
+def test_train_py_verbose_shows_the_chatter(tmp_path):
+    out, log = _train_py(tmp_path, "--verbose")
+    printed = out.stdout + out.stderr
+    assert "GPU available" in printed and "Run summary" in printed, printed[-3000:]
+    assert "| **learned** |" in out.stdout and "GPU available" in log.read_text()

@@ -28,9 +28,12 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from learnkv.atomic import ensure_dir, write_text_atomic
 from learnkv.eval.report import keep_aside
+from learnkv.scorer.artifact import read_artifact_manifest
 
 PARTIAL = "partial.jsonl"
 FORMAT = 1
@@ -38,8 +41,6 @@ FORMAT = 1
 
 def scorer_identity(path: str) -> dict:
     """A scorer artifact named by its weights' digest, so retraining into the same path is a different grid."""
-    from learnkv.scorer.artifact import read_artifact_manifest
-
     return {"path": str(path), "weights_sha256": read_artifact_manifest(Path(path)).get("weights_sha256")}
 
 
@@ -232,8 +233,6 @@ def _reference_path(out_dir: str | Path, identity: dict) -> Path:
 def save_references(out_dir: str | Path, identity: dict, refs: list) -> Path | None:
     """Store a batch's references (``identity``: what they depend on: model, task and its options, prompt ids);
     None, and nothing written, where a reference holds something that cannot be stored."""
-    from safetensors.torch import save_file
-
     if all(ref is None for ref in refs):  # a task without a reference
         return None
     tensors: dict = {}
@@ -259,9 +258,6 @@ def save_references(out_dir: str | Path, identity: dict, refs: list) -> Path | N
 def load_references(out_dir: str | Path, identity: dict) -> list | None:
     """The references `save_references` stored for ``identity``, or None (none stored, or a damaged or foreign
     file: the caller decodes them again)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     path = _reference_path(out_dir, identity)
     if not path.is_file():
         return None

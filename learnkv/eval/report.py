@@ -109,6 +109,7 @@ def plot(records: list[dict], out_dir: str | Path) -> list[Path]:
     share):
     metric vs budget, one line per policy. Budgets all fractions or all token counts share a numeric axis; a mix
     is drawn in the given order."""
+    # matplotlib (~0.9 s, Agg backend set first) only when a plot is written
     import matplotlib
 
     matplotlib.use("Agg")

@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from learnkv.cache import blind_prefill_error, prefill_policy_error
 from learnkv.decode import GenerationResult, check_positions, parse_number, resolve_budget, resolve_policy
+from learnkv.eval import checkpoint
+from learnkv.eval.checkpoint import scorer_identity
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
 from learnkv.eval.tasks.base import RunConfig, evicts
@@ -322,10 +325,6 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         "budget", "task", "metrics": {m, m_ci95, ..., cost}, "per_prompt": {m: [...]}, "config": {...}}``, with
         ``config["policy_params"]`` the resolved parameters and ``config["n_prompts"]``.
     """
-    from tqdm.auto import tqdm
-
-    from learnkv.eval import checkpoint
-
     torch.manual_seed(spec.seed)
     finished = {}
     if finished_only:
@@ -447,8 +446,6 @@ def _keep(per_prompt: dict, costs: dict, first_params: dict, run_b: tuple, ids: 
 
 
 def _record(task, run, b, prompts, per_prompt, costs, params, spec, model, model_name) -> dict:
-    from learnkv.eval.checkpoint import scorer_identity
-
     rows = [per_prompt[s.id] for s in prompts]
     names = list(task.metric_names()) + [k for k in dict.fromkeys(k for r in rows for k in r)
                                           if k not in task.metric_names()]

@@ -13,7 +13,7 @@ DEFAULT_WINDOW = 128  # `decoding_recent_size` argparse default of the official 
 VARIANTS = ("official", "paper")
 # W as a share of the budget when the budget is too small for 128: the official Qwen scripts run W = 175 of 1,492
 # slots (MATH), about an eighth. A quarter evicted in bulk down to three quarters of the budget, so the cache ran far
-# below its budget (README, "What a budget means", measures both).
+# below its budget (docs/decoding.md, "What a budget means", measures both).
 WINDOW_SHARE = 8
 
 

@@ -9,9 +9,11 @@ import torch
 from torch import Tensor
 
 import kernels
-from learnkv.policies.base import LayerView, Policy
+from learnkv.features import FeatureTracker
 from learnkv.fields import setting
+from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import POOLING
+from learnkv.scorer.artifact import cached_kv_heads, check_binding, load_scorer, read_artifact_manifest
 
 
 @dataclass
@@ -77,7 +79,6 @@ class Learned(Policy):
             raise ValueError("policy 'learned' needs a scorer artifact: --scorer PATH (train one with `python train.py`)")
         if not Path(self.scorer).exists():
             raise ValueError(f"scorer artifact {self.scorer!r} does not exist")
-        from learnkv.scorer.artifact import read_artifact_manifest
 
         read_artifact_manifest(self.scorer)  # refuses a wrong format or feature version now, not mid-decode
         return {}
@@ -85,9 +86,6 @@ class Learned(Policy):
     def check_model(self, model) -> None:
         """Refuse a scorer trained for another model than ``model`` (a loaded HF causal LM): its name (the id or
         folder it was loaded from; unnamed test models skip this), layer count and KV-head count."""
-        from learnkv.model import cached_kv_heads
-        from learnkv.scorer.artifact import check_binding, read_artifact_manifest
-
         cfg = model.config
         check_binding(read_artifact_manifest(self.scorer), self.scorer, model=getattr(cfg, "name_or_path", "") or None,
                       n_layers=cfg.num_hidden_layers, n_kv_heads=cached_kv_heads(cfg))
@@ -95,9 +93,6 @@ class Learned(Policy):
     def _loaded(self, view: LayerView):
         cached = self.__dict__.get("_loaded_scorer")
         if cached is None:
-            from learnkv.features import FeatureTracker
-            from learnkv.scorer.artifact import load_scorer
-
             model, manifest = load_scorer(self.scorer, expect_kv_heads=view.positions.shape[1])
             cached = self.__dict__["_loaded_scorer"] = (model, FeatureTracker(manifest["n_layers"]))
         if view.layer + view.layers - 1 >= cached[0].n_layers:

@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from learnkv.atomic import read_json_object, sha256_file
 from learnkv.features import FEATURE_VERSION, FEATURES
@@ -34,8 +39,6 @@ class ArtifactError(ValueError):
 def export_scorer(scorer: Scorer, out: str | Path, *, model: str, n_kv_heads: int, config_digest: str = "",
                   metrics: dict | None = None, extra: dict | None = None) -> Path:
     """Write the artifact directory atomically (a temporary directory renamed into place)."""
-    from safetensors.torch import save_file
-
     bad = _non_finite(scorer.state_dict())
     if bad:
         raise ArtifactError(f"refusing to export a scorer with non-finite weights ({bad}): training diverged; "
@@ -67,7 +70,6 @@ def export_scorer(scorer: Scorer, out: str | Path, *, model: str, n_kv_heads: in
         old = out.with_name(out.name + f".old-{os.getpid()}")
         os.replace(out, old)
         os.replace(tmp, out)
-        import shutil
 
         shutil.rmtree(old, ignore_errors=True)
     else:
@@ -106,6 +108,14 @@ def same_model(bound: str, model: str) -> bool:
     return bound_name.startswith((".", "/", "~")) and Path(bound_name).name == Path(model_name).name
 
 
+def cached_kv_heads(config) -> int:
+    """KV heads a layer's cache holds per token: the config's KV heads (all query heads without GQA), or one for
+    multi-head latent attention (DeepSeek-V2/V3 cache one latent per token, shared by every head)."""
+    if getattr(config, "kv_lora_rank", None):
+        return 1
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def check_binding(manifest: dict, path: str | Path, *, model: str | None = None, n_layers: int | None = None,
                   n_kv_heads: int | None = None) -> None:
     """Refuse (`ArtifactError`) an artifact trained for another model: another name, layer or KV-head count.
@@ -122,8 +132,6 @@ def check_binding(manifest: dict, path: str | Path, *, model: str | None = None,
 
 def _non_finite(tensors: dict) -> str:
     """Names of the tensors holding NaN or infinity, comma-separated ('' if none)."""
-    import torch
-
     return ", ".join(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
 
 
@@ -131,9 +139,6 @@ def load_scorer(path: str | Path, expect_model: str | None = None, expect_layers
                 expect_kv_heads: int | None = None) -> tuple[Scorer, dict]:
     """(scorer in eval mode, manifest); refuses a wrong version, a tampered or inconsistent weights file, non-finite
     weights, or another model (`check_binding`)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(path)
     manifest = read_artifact_manifest(path)
     weights = path / manifest.get("weights", WEIGHTS)

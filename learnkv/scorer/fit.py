@@ -10,23 +10,30 @@ last one into ``out_dir``. Every round resumes like a single run: finished shard
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import netrc
 import os
 import sys
 from pathlib import Path
 
-from lightning.pytorch.callbacks import Callback
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from learnkv.atomic import dir_lock, ensure_dir, write_json_atomic
 from learnkv.config import PipelineConfig, save_config, to_dict
-from learnkv.scorer.module import BUDGETS, MONITOR
+from learnkv.runlog import loud_wandb, quiet_wandb
+from learnkv.scorer.artifact import ArtifactError, export_scorer, load_scorer
+from learnkv.scorer.data import TraceDataModule, feature_stats
+from learnkv.scorer.module import BUDGETS, MONITOR, ScorerModule
+from learnkv.traces.collect import check_same_config, collect
+from learnkv.traces.store import MANIFEST, read_manifest
 
 
 def make_logger(cfg: PipelineConfig, out_dir: Path):
     """WandbLogger, offline unless the user has a wandb key (or WANDB_MODE says otherwise); CSV without wandb."""
-    from lightning.pytorch.loggers import CSVLogger
-
     mode = os.environ.get("WANDB_MODE") or cfg.wandb.mode
     if mode == "auto":
         has_key = bool(os.environ.get("WANDB_API_KEY"))
@@ -36,8 +43,6 @@ def make_logger(cfg: PipelineConfig, out_dir: Path):
             pass
         mode = "online" if has_key else "offline"
     try:
-        from lightning.pytorch.loggers import WandbLogger
-
         import wandb  # noqa: F401  (absent on some GPU images)
     except ImportError:
         print("wandb is not installed: logging to CSV instead")
@@ -48,9 +53,6 @@ def make_logger(cfg: PipelineConfig, out_dir: Path):
 def ensure_traces(cfg: PipelineConfig, progress: bool = True) -> dict:
     """The trace manifest, collecting traces first if the trace directory lacks a complete set. Traces of another
     format, feature version or collection config are refused, saying what differs."""
-    from learnkv.traces.collect import check_same_config, collect
-    from learnkv.traces.store import MANIFEST, read_manifest
-
     if (Path(cfg.trace_dir) / MANIFEST).exists():
         manifest = read_manifest(cfg.trace_dir)
         check_same_config(manifest, cfg.collect, f"trace_dir {cfg.trace_dir}",
@@ -79,8 +81,6 @@ def run_identity(cfg: PipelineConfig, trace_dirs: list[str] | None = None) -> di
     """Every setting that changes the weights a run trains: the seed, each training setting but `EXTENDABLE`, and
     the traces. ``trace_dirs``: every trace directory the run trains on (default: ``trace_dir``), each identified by
     the digest of its collection config."""
-    from learnkv.traces.store import read_manifest
-
     dirs = trace_dirs or [cfg.trace_dir]
     digests = [cfg.collect.digest() if d == cfg.trace_dir else read_manifest(d).get("config_digest") for d in dirs]
     identity = {k: v for k, v in to_dict(cfg.train).items() if k not in EXTENDABLE}
@@ -103,8 +103,6 @@ class RunIdentity(Callback):
 def check_resumable(cfg: PipelineConfig, last: Path, identity: dict | None = None) -> None:
     """A rerun resumes from the checkpoint ``last``; refuse one whose scorer or data would not match it (read from
     the checkpoint itself, so nothing is written before it has been checked)."""
-    import torch
-
     if not last.exists():
         return
     try:
@@ -143,8 +141,6 @@ def _finish_config(cfg: PipelineConfig, identity: dict | None = None) -> dict:
 
 def finished_run(cfg: PipelineConfig, out: Path, identity: dict | None = None):
     """(artifact, metrics, teachers) if ``out`` holds a finished run of exactly this config, else None."""
-    from learnkv.scorer.artifact import ArtifactError, load_scorer
-
     path = out / DONE
     if not path.is_file():
         return None
@@ -174,8 +170,6 @@ def recall_table(metrics: dict, teachers: list[str]) -> str:
 
 def round_config(cfg: PipelineConfig, r: int, previous: Path | None) -> PipelineConfig:
     """Round ``r``'s pipeline config (1-based): its trace and output directories and what it collects under."""
-    import dataclasses
-
     trace_dir = cfg.trace_dir if r == 1 else f"{cfg.trace_dir}-round{r}"
     out_dir = cfg.out_dir if r == cfg.rounds else str(Path(cfg.out_dir) / f"round-{r}")
     collect = cfg.collect
@@ -184,8 +178,10 @@ def round_config(cfg: PipelineConfig, r: int, previous: Path | None) -> Pipeline
     return dataclasses.replace(cfg, trace_dir=trace_dir, out_dir=out_dir, collect=collect)
 
 
-def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
-    """Run the pipeline, every round; returns (artifact path, validation metrics, recall table) of the last round."""
+def train(cfg: PipelineConfig, progress: bool = True, verbose: bool = True) -> tuple[Path, dict, str]:
+    """Run the pipeline, every round; returns (artifact path, validation metrics, recall table) of the last round.
+    ``verbose=False``: wandb's terminal messages go to the `WANDB_LOGGER` logger (`learnkv.runlog.run_log` writes it
+    to the run's log file)."""
     trace_dirs, artifact = [], None
     for r in range(1, cfg.rounds + 1):
         rcfg = round_config(cfg, r, artifact)
@@ -193,11 +189,12 @@ def train(cfg: PipelineConfig, progress: bool = True) -> tuple[Path, dict, str]:
             print(f"round {r}/{cfg.rounds}: traces under {rcfg.collect.policy} in {rcfg.trace_dir}, "
                   f"training on {len(trace_dirs) + 1} trace director{'ies' if trace_dirs else 'y'}")
         trace_dirs.append(rcfg.trace_dir)
-        artifact, metrics, table = train_round(rcfg, list(trace_dirs), progress)
+        artifact, metrics, table = train_round(rcfg, list(trace_dirs), progress, verbose)
     return artifact, metrics, table
 
 
-def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = True) -> tuple[Path, dict, str]:
+def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = True,
+                verbose: bool = True) -> tuple[Path, dict, str]:
     """One round: collect ``cfg.trace_dir`` if incomplete, train on ``trace_dirs`` (the earlier rounds' and this
     one's), export into ``cfg.out_dir``."""
     out = ensure_dir(cfg.out_dir, "out_dir", create=False)  # created once the traces are there
@@ -254,6 +251,9 @@ def _fit(cfg: PipelineConfig, trace_dirs: list[str], out: Path, ckpt_dir: Path, 
           f"{len(dm.train_rows)} train rows, {len(dm.val_rows)} validation rows")
 
     logger = make_logger(cfg, out)
+    wandb_run = type(logger).__name__ == "WandbLogger"
+    if wandb_run:
+        quiet_wandb(verbose)
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=MONITOR, mode="max")
     # every epoch, improved or not: a killed run resumes from its last epoch (the best one may be long before)
     every_epoch = ModelCheckpoint(dirpath=ckpt_dir, filename="last", monitor=None, enable_version_counter=False)
@@ -267,10 +267,11 @@ def _fit(cfg: PipelineConfig, trace_dirs: list[str], out: Path, ckpt_dir: Path, 
     trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.exists() else None)
     best = ScorerModule.load_from_checkpoint(checkpoint.best_model_path) if checkpoint.best_model_path else module
     metrics = {k: float(v) for k, v in trainer.validate(best, datamodule=dm, verbose=False)[0].items()}
-    if type(logger).__name__ == "WandbLogger":
-        import wandb
+    if wandb_run:
+        import wandb  # optional: only a run that logs to wandb has it
 
         wandb.finish()  # so a second run in the same process starts its own
+        loud_wandb(verbose)
     table = recall_table(metrics, teachers)
     artifact = export_scorer(best.scorer.cpu(), out / "scorer", model=manifest["model"], n_kv_heads=manifest["n_kv_heads"],
                              config_digest=manifest["config_digest"], metrics=metrics,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+import kernels
 from learnkv.features import N_FEATURES
 
 
@@ -82,8 +83,6 @@ class Scorer(nn.Module):
         return torch.einsum("nhtd,nhd->nht", values.float(), self.wc[layer.reshape(-1)])
 
     def _mlp(self, features: Tensor, layer: int | Tensor) -> Tensor:
-        import kernels
-
         if isinstance(layer, int) and not torch.is_grad_enabled() and kernels.use_triton(features):
             # inference on the kernel path (the learned policy on GPU): one fused launch; the kernel has no backward
             w = (self.mean, self.std, self.w1[layer], self.b1[layer], self.w2[layer], self.b2[layer])

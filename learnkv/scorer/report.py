@@ -10,20 +10,24 @@ over prompts and each teacher's paired difference to the learned policy. The res
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 from learnkv.config import PipelineConfig
+from learnkv.eval import build_spec, evaluate, markdown_table, write_results
+from learnkv.eval.report import paired_table
+from learnkv.eval.run import paired
+from learnkv.eval.tasks import Sample
+import learnkv.model  # load_model is called through its module: tests stand in for it there
+from learnkv.prompts import load_prompts
+from learnkv.scorer.artifact import read_artifact_manifest
 
 COLUMNS = ("kl", "top1_agreement", "attention_recall")
 
 
 def validation_prompts(cfg: PipelineConfig, tokenizer, n: int) -> list:
     """The first ``n`` validation prompts of the collection's sources (interleaved, as traces take them)."""
-    import itertools
-
-    from learnkv.prompts import load_prompts
-
     per_source = [load_prompts(src, n=n, seed=cfg.collect.seed, split="validation", tokenizer=tokenizer)
                   for src in cfg.collect.sources]
     return [p for group in itertools.zip_longest(*per_source) for p in group if p is not None][:n]
@@ -32,12 +36,6 @@ def validation_prompts(cfg: PipelineConfig, tokenizer, n: int) -> list:
 def decode_report(cfg: PipelineConfig, artifact: str | Path, progress: bool = True, model=None,
                   tokenizer=None) -> str:
     """The markdown tables (means with intervals, paired differences to ``learned``) for ``artifact``."""
-    from learnkv.eval import build_spec, evaluate, markdown_table, write_results
-    from learnkv.eval.report import paired_table
-    from learnkv.eval.run import paired
-    from learnkv.eval.tasks import Sample
-    from learnkv.scorer.artifact import read_artifact_manifest
-
     r = cfg.report
     out = Path(cfg.out_dir) / "report"
     weights = read_artifact_manifest(artifact)["weights_sha256"]
@@ -45,9 +43,7 @@ def decode_report(cfg: PipelineConfig, artifact: str | Path, progress: bool = Tr
     if (out / "stamp.json").is_file() and json.loads((out / "stamp.json").read_text()) == stamp:
         return (out / "results.md").read_text()
     if model is None:
-        from learnkv.model import load_model
-
-        model, tokenizer = load_model(cfg.collect.model)
+        model, tokenizer = learnkv.model.load_model(cfg.collect.model)
     samples = [Sample.from_prompt(p, tokenizer) for p in validation_prompts(cfg, tokenizer, r.prompts)]
     spec = build_spec(["learned", *r.policies], list(r.budgets), "fidelity", scorer=str(artifact),
                       limit=len(samples), seed=cfg.seed, batch_size=r.batch_size, compare="learned",

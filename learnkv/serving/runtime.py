@@ -35,7 +35,8 @@ from torch import Tensor
 
 from learnkv.features import FEATURES, FeatureTracker
 from learnkv.pooling import shared_keep_slots
-from learnkv.scorer.artifact import load_scorer
+from learnkv.policies.learned import Learned
+from learnkv.scorer.artifact import load_scorer, read_artifact_manifest
 from learnkv.serving.batch import DecodeBatch
 
 
@@ -106,8 +107,6 @@ class ServingRuntime:
     def __init__(self, scorer: str | Path, budget: int, *, block_size: int = 16, sink_blocks: int = 1,
                  recent_blocks: int = 1, expect_model: str | None = None, n_layers: int | None = None,
                  n_kv_heads: int | None = None, device: str | torch.device = "cpu"):
-        from learnkv.policies.learned import Learned
-
         # the same checks as the decode loop's `learned` policy (`learnkv.scorer.artifact.check_binding`)
         self.model, self.manifest = load_scorer(scorer, expect_model=expect_model, expect_layers=n_layers,
                                                 expect_kv_heads=n_kv_heads)
@@ -414,8 +413,6 @@ def runtime_for(config, *, n_layers: int | None = None, n_kv_heads: int | None =
 def _bound_name(scorer: str, served_model: str) -> str:
     """The served model as the artifact names it: the hub id or path itself, or the folder's name (learnkv names
     bundled models by folder, e.g. ``smollm2-135m-instruct``)."""
-    from learnkv.scorer.artifact import read_artifact_manifest
-
     bound = read_artifact_manifest(scorer).get("model")
     candidates = {served_model, served_model.rstrip("/").rsplit("/", 1)[-1]}
     return bound if bound in candidates else served_model

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
+from learnkv import attention
 from learnkv.model import cache_kwargs
 
 NULL_BLOCK = 0
@@ -143,8 +144,6 @@ class PagedSimulator:
     """
 
     def __init__(self, model, runtime, num_blocks: int):
-        from learnkv import attention
-
         if model.config._attn_implementation != attention.NAME:
             attention.register()
             model.set_attn_implementation(attention.NAME)

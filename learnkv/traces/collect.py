@@ -30,10 +30,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
+import learnkv.decode  # generate and load_model are called through their modules: tests stand in for them there
+import learnkv.model
 from learnkv.atomic import dir_lock, ensure_dir
+from learnkv.decode import encode_prompts, resolve_budget, resolve_policy
 from learnkv.fields import check_fields, setting
+from learnkv.policies import POLICIES, make_policy
 from learnkv.progress import redraw_seconds, token_counter
+from learnkv.prompts import SOURCES, load_prompts
+from learnkv.scorer.artifact import cached_kv_heads, read_artifact_manifest
+from learnkv.traces import onpolicy
 from learnkv.traces.record import FLOAT_LABELS, Decision, Recorder, horizon_fits
 from learnkv.traces.store import (MANIFEST, TraceError, finished_shards, read_manifest, remove_stale_temps, shard_name,
                                   write_manifest, write_shard)
@@ -68,10 +76,6 @@ class CollectConfig:
 
     def validate(self) -> None:
         """Coerce and range-check every field (`learnkv.fields`), then the rules between fields; no model needed."""
-        from learnkv.decode import resolve_budget
-        from learnkv.policies import POLICIES, make_policy
-        from learnkv.prompts import SOURCES
-
         check_fields(self)
         if self.max_new_tokens <= self.horizon + 1:
             raise ValueError(f"max_new_tokens ({self.max_new_tokens}) must exceed horizon + 1 ({self.horizon + 1})")
@@ -108,8 +112,6 @@ class CollectConfig:
             d.pop("budgets")
             d.pop("policy_params")
         if "scorer" in self.policy_params:
-            from learnkv.scorer.artifact import read_artifact_manifest
-
             d["scorer_weights"] = read_artifact_manifest(self.policy_params["scorer"]).get("weights_sha256")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -137,8 +139,6 @@ class CollectStats:
 
 def plan_prompts(cfg: CollectConfig, tokenizer) -> list:
     """The config's training then validation prompts, in a fixed order (sources interleaved)."""
-    from learnkv.prompts import load_prompts
-
     planned = []
     for split, n in (("train", cfg.prompts), ("validation", cfg.val_prompts)):
         if n == 0:
@@ -195,8 +195,6 @@ def rows_to_columns(prompt, decisions: list[Decision], teachers: tuple[str, ...]
 
 
 def _prompt_lengths(cfg: CollectConfig, tokenizer, prompts: list) -> list[int]:
-    from learnkv.decode import encode_prompts
-
     return [int(encode_prompts(tokenizer, p.text, chat=cfg.chat, reply_prefixes=[p.meta.get("response_prefix")])[1].sum())
             for p in prompts]
 
@@ -204,8 +202,6 @@ def _prompt_lengths(cfg: CollectConfig, tokenizer, prompts: list) -> list[int]:
 def _groups(cfg: CollectConfig, budgets: list[int | None]) -> list[list[int]]:
     """Rows that can decode in one batch: all of them, unless the acting policy resolves differently for their
     budgets (a budget-dependent default, e.g. LazyEviction's window); then rows of equal resolution."""
-    from learnkv.decode import resolve_policy
-
     if not cfg.on_policy:
         return [list(range(len(budgets)))]
     groups: dict[str, list[int]] = {}
@@ -218,12 +214,6 @@ def _groups(cfg: CollectConfig, budgets: list[int | None]) -> list[list[int]]:
 def record_batch(model, tokenizer, cfg: CollectConfig, prompts: list, on_step=None):
     """Decode ``prompts`` together and record them. Returns (per prompt: its decisions, tokens generated per prompt,
     decisions dropped because a generation ended before their horizon). ``on_step`` as in `learnkv.decode.generate`."""
-    from learnkv.decode import generate
-    from learnkv.policies import make_policy
-    from learnkv.traces import onpolicy
-
-    from learnkv.decode import resolve_budget
-
     steps = [decision_steps(cfg, p.id) for p in prompts]
     decisions: list[list[Decision]] = [[] for _ in prompts]
     new_tokens = [0] * len(prompts)
@@ -244,8 +234,8 @@ def record_batch(model, tokenizer, cfg: CollectConfig, prompts: list, on_step=No
             rec = Recorder(n_layers=model.config.num_hidden_layers, teachers=tuple(cfg.teachers),
                            decision_steps=tuple(steps[i] for i in group), horizon=cfg.horizon,
                            label_budget=cfg.label_budget, record_values=cfg.record_values)
-            result = generate(model, tokenizer, texts, policy=rec, max_new_tokens=cfg.max_new_tokens, chat=cfg.chat,
-                              reply_prefixes=prefixes, on_step=on_step)
+            result = learnkv.decode.generate(model, tokenizer, texts, policy=rec, max_new_tokens=cfg.max_new_tokens,
+                                             chat=cfg.chat, reply_prefixes=prefixes, on_step=on_step)
             got = [rec.decisions(b, n) for b, n in enumerate(result.new_tokens)]
         for j, i in enumerate(group):
             decisions[i], new_tokens[i] = got[j], result.new_tokens[j]
@@ -290,14 +280,14 @@ def _collect_shards(out: Path, cfg: CollectConfig, shard: tuple[int, int], diges
 
     i, n = shard
     if model is None:
-        model, tokenizer = load_model(cfg.model)
+        model, tokenizer = learnkv.model.load_model(cfg.model)
     prompts = plan_prompts(cfg, tokenizer) if prompts is None else list(prompts)
     shards = [prompts[k: k + cfg.prompts_per_shard] for k in range(0, len(prompts), cfg.prompts_per_shard)]
     header = {
         "model": cfg.model,
         "tokenizer": getattr(tokenizer, "name_or_path", cfg.model),
         "n_layers": model.config.num_hidden_layers,
-        "n_kv_heads": model.config.num_key_value_heads,
+        "n_kv_heads": cached_kv_heads(model.config),
         "horizon": cfg.horizon,
         "label_budget": cfg.label_budget,
         "teachers": list(cfg.teachers),

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from learnkv import attention
 from learnkv.cache import BudgetCache
+from learnkv.decode import generate
 from learnkv.memory import TRIM_EVERY, release_free_heap
 from learnkv.model import cache_kwargs
 from learnkv.policies.base import LayerView, Policy
@@ -174,8 +176,6 @@ class BranchItem:
 def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[list[dict[str, Tensor]]]:
     """Per item and layer, the labels (name -> ``[H, n]``, in resident-slot order) of the snapshot's tokens, from a
     non-evicting continuation of the snapshot along ``item.tokens``, all items in one left-padded batch."""
-    from learnkv import attention
-
     if model.config._attn_implementation != attention.NAME:
         attention.register()
         model.set_attn_implementation(attention.NAME)
@@ -225,8 +225,6 @@ def record(model, tokenizer, texts: list[str], acting: Policy, budgets: list[int
     branch them. Returns (per row: its `Decision` list in (step, layer) order, the `GenerationResult`).
     ``record_values``: also record each resident token's value vector (`Decision.values`); ``reply_prefixes`` as
     in `learnkv.decode.encode_prompts`; ``on_step`` as in `learnkv.decode.generate` (the acting decode's steps)."""
-    from learnkv.decode import generate
-
     rec = OnPolicyRecorder(acting=acting, n_layers=model.config.num_hidden_layers, teachers=tuple(teachers),
                            decision_steps=tuple(decision_steps), label_budget=label_budget)
     result = generate(model, tokenizer, texts, policy=rec, budget=budgets, max_new_tokens=max_new_tokens, chat=chat,

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from learnkv.decode import generate
 from learnkv.features import N_FEATURES, FeatureTracker, feature_index
 from learnkv.policies.base import LayerView, Policy
 from learnkv.traces.store import load_traces
@@ -80,8 +81,6 @@ def observe_recurrence(model, tokenizer, inputs: list[torch.Tensor], max_new_tok
                        progress: bool = False) -> list[dict]:
     """Decode each prompt (``[1, L]`` token ids) greedily with the full cache under `RecurrenceObserver`; one
     `tokens` dict per prompt (plus ``generated``, its output length)."""
-    from learnkv.decode import generate
-
     runs = []
     for ids in inputs:
         obs = RecurrenceObserver(n_layers=model.config.num_hidden_layers)
@@ -132,6 +131,7 @@ def format_mri(dist: dict[str, np.ndarray], bins=MRI_BINS) -> str:
 def plot_mri(dist: dict[str, np.ndarray], path: str | Path, generated: list[int] | None = None,
              bins=MRI_BINS) -> Path:
     """Bar chart of the MRI distribution (share of tokens per bin), generated and prompt tokens side by side."""
+    # matplotlib (~0.9 s, Agg backend set first) only when a plot is written
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,6 +194,7 @@ def format_table(layers, share, count, gaps=GAPS) -> str:
 
 def plot(layers, share, path: str | Path, gaps=GAPS, title: str | None = None) -> Path:
     """Heat map (layer x gap) and one line per layer of the share of tokens regaining high attention."""
+    # matplotlib (~0.9 s, Agg backend set first) only when a plot is written
     import matplotlib
 
     matplotlib.use("Agg")

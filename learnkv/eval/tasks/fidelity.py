@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from learnkv.capture import step_attention
+from learnkv.decode import generate
 from learnkv.eval import metrics as M
 from learnkv.eval.tasks.base import RunConfig, Sample, Task, capture_logits, left_pad, replays
-from learnkv.policies.oracle import step_attention
-from learnkv.prompts import load_prompts
+from learnkv.prompts import SOURCES, load_prompts
 
 HELD_OUT = ("test", "validation")  # splits a fidelity run may use: never the training prompts
 
@@ -47,7 +48,7 @@ class FullRun:
     attention : list of Tensor
         Per layer ``[H, N - 1, L]`` float16: the group-mean attention of each decode step's query (positions
         ``P .. P + N - 2``) over the keys of prompt + continuation (``L = P + N - 1``), indexed by key position
-        (`learnkv.policies.oracle.step_attention`): what attention recall is measured against and what the oracle
+        (`learnkv.capture.step_attention`): what attention recall is measured against and what the oracle
         looks ahead at.
     prompt_len : int
         P.
@@ -164,7 +165,6 @@ class Fidelity(Task):
 
     def __post_init__(self):
         super().__post_init__()
-        from learnkv.prompts import SOURCES
 
         if self.source not in SOURCES:
             raise ValueError(f"unknown prompt source {self.source!r}; known: {', '.join(sorted(SOURCES))}")
@@ -194,7 +194,7 @@ class Fidelity(Task):
         for b, sample in enumerate(samples):
             n = result.new_tokens[b]
             tokens = result.tokens[b : b + 1, :n]
-            attention = step_attention(model, sample.input_ids.to(device), tokens)
+            attention = step_attention(model, sample.input_ids.to(device), tokens, generate)
             refs.append(FullRun(tokens, logits[b, :n].clone(), attention, sample.input_ids.shape[1]))
         return refs
 

@@ -70,7 +70,7 @@ def math_prompt(question: str) -> str:
 
 def _math_verify():
     try:
-        import math_verify
+        import math_verify  # pulls in sympy (~1 s): only grading a math answer needs it
     except ImportError:
         raise ValueError("math tasks grade answers with the PyPI package math-verify: pip install 'math-verify>=0.8'"
                          ) from None
@@ -149,7 +149,7 @@ def load_records(dataset: Dataset, name: str, data_file: str | None = None) -> l
     Raises ValueError with one line naming the dataset and the ``data_file`` option when the hub cannot be reached
     (offline), and naming the file when it cannot be read or lacks the fields.
     """
-    import datasets
+    import datasets  # datasets (~1.4 s) only when a hub benchmark is loaded
 
     if data_file is not None:
         path = Path(data_file)

@@ -37,6 +37,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
+# imports inside functions: vLLM internals used only by the start-up checks, imported when the engine runs them
+
 from learnkv.serving.config import merge_config
 from learnkv.serving.runtime import runtime_for
 from learnkv.serving.vllm import compat, hooks, layouts

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from learnkv.serving.config import merge_config
 
+# imports inside functions: vLLM is optional and this entry point runs in every vLLM process, so vLLM and the
+# modules built on it are imported only once a scorer is configured
+
 BACKENDS = {  # device type -> (the registry entry overridden, the learnkv backend class)
     "cpu": ("CPU_ATTN", "learnkv.serving.vllm.cpu_backend.LearnKVCPUAttentionBackend"),
     "cuda": ("CUSTOM", "learnkv.serving.vllm.cuda_backend.LearnKVAttentionBackend"),
