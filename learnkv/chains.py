@@ -167,6 +167,16 @@ def _linked_problem(rng: random.Random, name: str, item: str, j: int, prev: int,
     return rng.choice(options)
 
 
+#: the kinds of problem, as `problem_kind` names them
+KINDS = ("fact", "linked", "alone")
+
+
+def problem_kind(depends: int | None, fact: int | None) -> str:
+    """A problem's kind from its ``depends`` and ``facts`` entries (`ChainProblem`): ``"linked"`` (it uses an earlier
+    answer, maybe a fact too), ``"fact"`` (a fact only) or ``"alone"`` (neither)."""
+    return "linked" if depends is not None else "fact" if fact is not None else "alone"
+
+
 def worked(k: int, text: str, work: str, answer: int | str) -> str:
     """Problem ``k`` solved in the asked format: its line, the work (with any looked-up value written in) and the
     answer."""
