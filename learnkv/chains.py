@@ -258,11 +258,24 @@ def parse_answers(text: str, n_problems: int, first: int = 1) -> list[str | None
     answer is the number after the line's last ``=`` if there is one (``Answer 1: 4 * 5 = 20``), else its first
     number (``Answer 2: 15 (from Problem 1)``). The last problem's ``#### N`` overrides its answer line. Numbers are normalised as `learnkv.prompts.extract_answer` does.
     """
+    return _parse(text, n_problems, first)[0]
+
+
+def answer_spans(text: str, n_problems: int, first: int = 1) -> list[tuple[int, int] | None]:
+    """Where `parse_answers` found each problem's answer: the ``(start, end)`` characters of its number in
+    ``text`` (None where the problem has no answer)."""
+    return _parse(text, n_problems, first)[1]
+
+
+def _parse(text: str, n_problems: int, first: int) -> tuple[list[str | None], list[tuple[int, int] | None]]:
     from learnkv.prompts import _normalise_number
 
     out: list[str | None] = [None] * n_problems
+    spans: list[tuple[int, int] | None] = [None] * n_problems
     current = first
-    for line in text.splitlines():
+    at = 0  # where the line starts in the text
+    for segment in text.splitlines(keepends=True):
+        line, start, at = (segment.splitlines() or [""])[0], at, at + len(segment)
         header = _HEADER.match(line)
         if header:
             current = int(header.group(1))
@@ -276,22 +289,38 @@ def parse_answers(text: str, n_problems: int, first: int = 1) -> list[str | None
         if k > n_problems:
             continue
         current = k
-        found = _NUMBER.search(rest.rpartition("=")[2]) or _NUMBER.search(rest)
+        head, eq, tail = rest.rpartition("=")
+        found, offset = _NUMBER.search(tail), len(head) + len(eq)
+        if not found:
+            found, offset = _NUMBER.search(rest), 0
         if found:
             out[k - 1] = _normalise_number(found.group())
-    final = final_answer(text)
+            base = start + m.start(2) + offset
+            spans[k - 1] = (base + found.start(), base + found.end())
+    final = _final(text)
     if final is not None:
-        out[-1] = final
-    return out
+        out[-1], spans[-1] = final
+    return out, spans
 
 
 def final_answer(text: str) -> str | None:
     """The number on the line of the last ``####`` that has one (None if there is none)."""
+    final = _final(text)
+    return None if final is None else final[0]
+
+
+def _final(text: str) -> tuple[str, tuple[int, int]] | None:
+    """`final_answer` and the characters of its number in ``text``."""
     from learnkv.prompts import _normalise_number
 
-    for line in reversed(text.splitlines()):
-        _, sep, tail = line.rpartition("####")
+    ends = [0]
+    for segment in text.splitlines(keepends=True):
+        ends.append(ends[-1] + len(segment))
+    for i, segment in reversed(list(enumerate(text.splitlines(keepends=True)))):
+        line = (segment.splitlines() or [""])[0]
+        head, sep, tail = line.rpartition("####")
         found = _NUMBER.search(tail) if sep else None
         if found:
-            return _normalise_number(found.group())
+            base = ends[i] + len(head) + len(sep)
+            return _normalise_number(found.group()), (base + found.start(), base + found.end())
     return None
