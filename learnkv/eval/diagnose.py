@@ -132,18 +132,23 @@ def token_pieces(tokenizer, ids: Sequence[int]) -> list[str]:
 
 def token_spans(tokenizer, ids: Sequence[int]) -> list[tuple[int, int]]:
     """Per token of a continuation, the ``(start, end)`` characters it adds to its decoded text (``decode`` of the
-    whole row with special tokens skipped, as the chain task grades it): by decoding each prefix."""
-    spans, end = [], 0
-    for n in range(1, len(ids) + 1):
-        new = len(tokenizer.decode([int(t) for t in ids[:n]], skip_special_tokens=True))
-        spans.append((end, max(new, end)))
-        end = max(new, end)
-    return spans
+    whole row with special tokens skipped, as the chain task grades it): each token's own text where they add up to
+    the whole (ASCII text), else by decoding each prefix."""
+    ids = [int(t) for t in ids]
+    pieces = tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=True)
+    ends = []
+    if "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True):
+        for piece in pieces:
+            ends.append((ends[-1] if ends else 0) + len(piece))
+    else:
+        for n in range(1, len(ids) + 1):
+            ends.append(max(len(tokenizer.decode(ids[:n], skip_special_tokens=True)), ends[-1] if ends else 0))
+    return [(0 if i == 0 else ends[i - 1], end) for i, end in enumerate(ends)]
 
 
-def answer_steps(tokenizer, ids: Sequence[int], text: str, span: tuple[int, int]) -> list[int]:
-    """The output steps (token indices into ``ids``) that wrote the characters ``span`` of ``text``, their decode."""
-    return [i for i, (a, b) in enumerate(token_spans(tokenizer, ids)) if a < span[1] and b > span[0] and b > a]
+def answer_steps(spans: Sequence[tuple[int, int]], answer: tuple[int, int]) -> list[int]:
+    """The output steps (token indices) whose characters (`token_spans`) overlap the characters ``answer``."""
+    return [i for i, (a, b) in enumerate(spans) if a < answer[1] and b > answer[0] and b > a]
 
 
 def lines_of(pieces: Sequence[str]) -> list[int]:
@@ -204,7 +209,8 @@ def diagnose_prompt(model, tokenizer, task: Chain, sample: Sample, ref: ChainRun
     both = [k for k in range(given, len(gold)) if full["right"][k] and pol["right"][k]]
     ids = ref.tokens[0].tolist()
     spans = chains.answer_spans(ref.text, len(gold), first=given + 1)
-    steps = {k: [i for i in answer_steps(tokenizer, ids, ref.text, spans[k]) if i >= 1]
+    chars = token_spans(tokenizer, ids)
+    steps = {k: [i for i in answer_steps(chars, spans[k]) if i >= 1]
              for k in lost + both if spans[k] is not None}
     targets = [k for k in lost if steps.get(k)][: None if all_lost else 1]
     controls = [k for k in both if steps.get(k)]
