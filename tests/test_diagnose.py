@@ -11,8 +11,8 @@ from conftest import random_ids
 from learnkv import generate
 from learnkv.chains import FACT_LETTERS, chain_problem
 from learnkv.eval import make_task
-from learnkv.eval.diagnose import (answer_steps, diagnose, diagnose_prompt, evicted_attention, lines_of, table,
-                                   token_pieces, token_spans)
+from learnkv.eval.diagnose import (answer_steps, diagnose, diagnose_prompt, evicted_attention,
+                                   evicted_attention_batch, lines_of, table, token_pieces, token_spans)
 from learnkv.eval.tasks.base import RunConfig, Sample
 from learnkv.eval.tasks.chain import ChainRun, grade_chain
 from learnkv.model import tiny_model
@@ -70,6 +70,23 @@ def test_evicted_share_is_one_minus_the_fidelity_tasks_attention_recall(tiny):
     shares = [float(v.share_per_head().mean()) for v in views.values()]
     assert sum(shares) / len(shares) == pytest.approx(1 - metrics["attention_recall"], abs=2e-3)
     assert max(shares) > 0.05
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+def test_forced_runs_in_a_batch_evict_as_alone(tiny, policy):
+    """Prompts of different lengths, continuations and budgets as rows of one forced batch: each row's evicted
+    positions and shares are what it gets alone."""
+    task = make_task("chain", max_new_tokens=14, accuracy_only=True)
+    items = [Sample.from_ids(random_ids(n, seed=7 + n)[0]) for n in (22, 27)]
+    conts = [generate(tiny, input_ids=s.input_ids, max_new_tokens=n).tokens for s, n in zip(items, (14, 11))]
+    steps, budgets = [[2, 9, 13], [1, 10]], [18, 21]
+    batched = evicted_attention_batch(tiny, None, task, items, conts, steps, RunConfig(policy, {}, budgets))
+    for sample, cont, row, budget, views in zip(items, conts, steps, budgets, batched):
+        alone = evicted_attention(tiny, None, task, sample, cont, row, RunConfig(policy, {}, [budget]))
+        assert sorted(views) == row and any(v.evicted.any() for v in views.values())
+        for i in row:
+            assert views[i].evicted.equal(alone[i].evicted)
+            assert views[i].share_per_head() == pytest.approx(alone[i].share_per_head(), abs=1e-6)
 
 
 def test_steps_before_the_first_decode_step_are_refused(tiny):

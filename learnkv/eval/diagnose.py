@@ -91,23 +91,47 @@ def evicted_attention(model, tokenizer, task: Chain, sample: Sample, continuatio
     full-cache forward over the prompt and the continuation up to the last step asked, keeping only the query rows
     from the first step asked on.
     """
-    steps = sorted({int(i) for i in steps})
-    if not steps:
-        return {}
-    if steps[0] < 1 or steps[-1] >= continuation.shape[1]:
-        raise ValueError(f"steps must be in [1, {continuation.shape[1] - 1}] (step 0 is chosen at the prefill, "
-                         f"before anything is evicted), got {steps[0]}..{steps[-1]}")
-    P = sample.input_ids.shape[1]
-    wanted = {i - 1 for i in steps}  # pass i - 1's kept set is what step i's query attends to (with itself)
-    kept: dict[int, Tensor] = {}
+    return evicted_attention_batch(model, tokenizer, task, [sample], [continuation], [steps], run)[0]
+
+
+def evicted_attention_batch(model, tokenizer, task: Chain, samples: Sequence[Sample], continuations: Sequence[Tensor],
+                            steps: Sequence[Sequence[int]], run: RunConfig) -> list[dict[int, StepAttention]]:
+    """`evicted_attention` of several prompts, their forced decodes as rows of one batch (each row decodes as it
+    would alone; ``run.budgets`` has one budget per row), then each prompt's full-cache attention alone."""
+    steps = [sorted({int(i) for i in row}) for row in steps]
+    for row, cont in zip(steps, continuations):
+        if row and (row[0] < 1 or row[-1] >= cont.shape[1]):
+            raise ValueError(f"steps must be in [1, {cont.shape[1] - 1}] (step 0 is chosen at the prefill, before "
+                             f"anything is evicted), got {row[0]}..{row[-1]}")
+    wanted: dict[int, list[int]] = {}  # pass i - 1's kept set is what step i's query attends to (with itself)
+    for b, row in enumerate(steps):
+        for i in row:
+            wanted.setdefault(i - 1, []).append(b)
+    kept: list[dict[int, Tensor]] = [{} for _ in samples]
     passes = iter(range(1 << 30))
 
     def observe(cache) -> None:
         j = next(passes)
         if j in wanted:
-            kept[j + 1] = _kept_positions(cache)[:, 0].cpu().clone()  # [layers, H_kv, T]
+            held = _kept_positions(cache).cpu()  # [layers, B, H_kv, T]
+            for b in wanted[j]:
+                kept[b][j + 1] = held[:, b].clone()
 
-    task.decode_batch(model, tokenizer, [sample], run, forced_tokens=continuation, observer=observe)
+    pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    forced = torch.full((len(samples), max(c.shape[1] for c in continuations)), pad_id or 0, dtype=torch.long)
+    for b, cont in enumerate(continuations):
+        forced[b, : cont.shape[1]] = cont[0]
+    task.decode_batch(model, tokenizer, list(samples), run, forced_tokens=forced, observer=observe)
+    return [_step_views(model, sample, cont, row, held)
+            for sample, cont, row, held in zip(samples, continuations, steps, kept)]
+
+
+def _step_views(model, sample: Sample, continuation: Tensor, steps: list[int],
+                kept: dict[int, Tensor]) -> dict[int, StepAttention]:
+    """One prompt's `StepAttention` at ``steps``, from the forced run's kept positions after each step's pass."""
+    if not steps:
+        return {}
+    P = sample.input_ids.shape[1]
     device = next(model.parameters()).device
     seq = torch.cat([sample.input_ids, continuation[:, : steps[-1]]], dim=1).to(device)
     first = P + steps[0] - 1
@@ -200,6 +224,16 @@ def diagnose_prompt(model, tokenizer, task: Chain, sample: Sample, ref: ChainRun
                     policy_tokens: Tensor, run: RunConfig, all_lost: bool = False, top: int = TOP) -> dict:
     """One prompt's diagnosis (the module docstring): grades both free runs, finds the lost problems and, for the
     first (or every) one, what the policy of ``run`` (one row) had evicted of the full cache's attention there."""
+    record, plan = _plan(tokenizer, task, sample, ref, policy_text, policy_tokens, run, all_lost)
+    if not plan["wanted"]:
+        return record
+    views = evicted_attention(model, tokenizer, task, sample, ref.tokens, plan["wanted"], run)
+    return _explain(tokenizer, task, sample, ref, record, plan, views, top)
+
+
+def _plan(tokenizer, task: Chain, sample: Sample, ref: ChainRun, policy_text: str, policy_tokens: Tensor,
+          run: RunConfig, all_lost: bool) -> tuple[dict, dict]:
+    """Both free runs graded, the lost problems, and the output steps that wrote the answers to look at."""
     gold, given, kinds = task.gold(sample), task.given(sample), task.kinds(sample)
     if kinds is None:
         raise ValueError(f"chain sample {sample.id} has no problem kinds (meta['depends'] and meta['facts'])")
@@ -224,11 +258,17 @@ def diagnose_prompt(model, tokenizer, task: Chain, sample: Sample, ref: ChainRun
         "lost_by_kind": {kind: sum(kinds[k] == kind for k in lost) for kind in chains.KINDS},
         "problems": [], "control_share": None, "control_problems": len(controls),
     }
-    wanted = [i for k in targets + controls for i in steps[k]]
-    if not wanted:
-        return record
-    views = evicted_attention(model, tokenizer, task, sample, ref.tokens, wanted, run)
-    pieces = token_pieces(tokenizer, sample.input_ids[0].tolist() + ids)
+    plan = {"steps": steps, "targets": targets, "controls": controls, "spans": spans, "parsed": pol["parsed"],
+            "kinds": kinds, "wanted": [i for k in targets + controls for i in steps[k]]}
+    return record, plan
+
+
+def _explain(tokenizer, task: Chain, sample: Sample, ref: ChainRun, record: dict, plan: dict,
+             views: dict[int, StepAttention], top: int) -> dict:
+    """The record's evicted shares and top evicted lines, from the forced run's `StepAttention` at the planned
+    steps."""
+    steps, kinds, spans, gold, meta = plan["steps"], plan["kinds"], plan["spans"], task.gold(sample), sample.meta
+    pieces = token_pieces(tokenizer, sample.input_ids[0].tolist() + ref.tokens[0].tolist())
     line = lines_of(pieces)
     P = sample.input_ids.shape[1]
 
@@ -236,10 +276,9 @@ def diagnose_prompt(model, tokenizer, task: Chain, sample: Sample, ref: ChainRun
         per_layer = torch.stack([views[i].share_per_head().mean(-1) for i in steps[k]]).mean(0)
         return float(per_layer.mean()), per_layer.tolist()
 
-    if controls:
-        record["control_share"] = sum(share(k)[0] for k in controls) / len(controls)
-    meta = sample.meta
-    for k in targets:
+    if plan["controls"]:
+        record["control_share"] = sum(share(k)[0] for k in plan["controls"]) / len(plan["controls"])
+    for k in plan["targets"]:
         mean, per_layer = share(k)
         K = views[steps[k][-1]].attention.shape[-1]
         mass = torch.zeros(K, dtype=torch.float64)
@@ -249,7 +288,7 @@ def diagnose_prompt(model, tokenizer, task: Chain, sample: Sample, ref: ChainRun
         lines = top_lines(mass, pieces, line, P, needs(k + 1, meta["depends"][k], meta["facts"][k]), top)
         a, b = spans[k]
         record["problems"].append({
-            "problem": k + 1, "kind": kinds[k], "gold": gold[k], "policy_answer": pol["parsed"][k],
+            "problem": k + 1, "kind": kinds[k], "gold": gold[k], "policy_answer": plan["parsed"][k],
             "uses": {"problem": meta["depends"][k],
                      "fact": None if meta["facts"][k] is None else chains.FACT_LETTERS[meta["facts"][k]]},
             "answer_text": ref.text[a:b], "steps": steps[k], "positions": [P + i - 1 for i in steps[k]],
@@ -267,8 +306,9 @@ def _batches(items: list, size: int):
 
 def diagnose(model, tokenizer, spec, all_lost: bool = False, top: int = TOP) -> dict:
     """`diagnose_prompt` on every prompt of a checked grid (`learnkv.eval.run.build_spec` of ``full`` and one
-    evicting policy, one budget, the chain task): the free runs in batches of ``spec.batch_size`` prompts, each
-    prompt's forced run alone. Returns ``{"config", "prompts": [per prompt], "summary"}``."""
+    evicting policy, one budget, the chain task), ``spec.batch_size`` prompts at a time: their full-cache and policy
+    free runs as batches, the forced runs of the prompts with a problem to look at as one batch, then each prompt's
+    full-cache attention alone. Returns ``{"config", "prompts": [per prompt], "summary"}``."""
     task, run, budget = spec.tasks[0], spec.runs[-1], spec.budgets[0]
     prompts = task.load(tokenizer, spec.limit or task.default_limit, spec.seed)
     prefill = (spec.prefill.name, spec.prefill.params) if spec.prefill else None
@@ -278,10 +318,18 @@ def diagnose(model, tokenizer, spec, all_lost: bool = False, top: int = TOP) -> 
         budgets = [resolve_budget(budget, task.final_length(s, r)) for s, r in zip(batch, refs)]
         result = task.decode_batch(model, tokenizer, batch, RunConfig(run.name, run.params, budgets, prefill,
                                                                       spec.slack))
-        for b, (sample, ref) in enumerate(zip(batch, refs)):
-            row = RunConfig(run.name, run.params, [budgets[b]], prefill, spec.slack)
-            records.append(diagnose_prompt(model, tokenizer, task, sample, ref, result.texts[b],
-                                           result.tokens[b, : result.new_tokens[b]], row, all_lost, top))
+        planned = [_plan(tokenizer, task, sample, ref, result.texts[b], result.tokens[b, : result.new_tokens[b]],
+                         RunConfig(run.name, run.params, [budgets[b]], prefill, spec.slack), all_lost)
+                   for b, (sample, ref) in enumerate(zip(batch, refs))]
+        look = [b for b, (_, plan) in enumerate(planned) if plan["wanted"]]
+        views = evicted_attention_batch(
+            model, tokenizer, task, [batch[b] for b in look], [refs[b].tokens for b in look],
+            [planned[b][1]["wanted"] for b in look],
+            RunConfig(run.name, run.params, [budgets[b] for b in look], prefill, spec.slack)) if look else []
+        views = dict(zip(look, views))
+        for b, (record, plan) in enumerate(planned):
+            records.append(_explain(tokenizer, task, batch[b], refs[b], record, plan, views[b], top) if b in views
+                           else record)
     config = {"policy": run.label, "policy_params": run.params, "budget": budget,
               "prefill_policy": spec.prefill.label if spec.prefill else None, "seed": spec.seed,
               "max_new_tokens": task.max_new_tokens, "n_prompts": len(records), "all_lost": all_lost}
@@ -365,4 +413,4 @@ def _interval(stat: dict) -> str:
     return f"{stat['mean']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
-__all__ = ["StepAttention", "evicted_attention", "diagnose_prompt", "diagnose", "summarise", "table"]
+__all__ = ["StepAttention", "evicted_attention", "evicted_attention_batch", "diagnose_prompt", "diagnose", "summarise", "table"]
