@@ -8,7 +8,7 @@
     python -m learnkv recurrence traces/
     python -m learnkv recurrence --source chain --prompts 2 --max-new-tokens 1536 --out docs/chain/
     python -m learnkv compare docs/results/long-chain-smollm2/finished runs/eval-long-chain-horizon --baseline learned
-    python -m learnkv diagnose-chain --model qwen2.5-coder-0.5b-instruct --policy rkv --budget 0.5 --prefill-policy snapkv
+    python -m learnkv diagnose-chain --policy rkv --budget 0.5 --prefill-policy snapkv --limit 8 --batch-size 8
 
 `generate` prints the continuation(s), then one JSON line: policy, budget, max_kept_tokens, peak_kv_bytes,
 tokens_per_s and the rest of `GenerationResult.summary()`.

@@ -92,14 +92,16 @@ def test_forced_runs_in_a_batch_evict_as_alone(tiny, policy):
 def test_steps_before_the_first_decode_step_are_refused(tiny):
     task, sample = _forced_setup()
     with pytest.raises(ValueError, match="steps must be"):
-        evicted_attention(tiny, None, task, sample, torch.zeros(1, 4, dtype=torch.long), [0], RunConfig("full", {}, [None]))
+        evicted_attention(tiny, None, task, sample, torch.zeros(1, 4, dtype=torch.long), [0],
+                          RunConfig("full", {}, [None]))
 
 
 def test_lines_follow_the_newlines():
     assert lines_of(["a", "b\n", "c", "\nd", "e\n\n", "f"]) == [0, 0, 1, 2, 2, 4]
 
 
-@pytest.mark.parametrize("text", ["Work: 7 * 6 = 42\nAnswer 5: 42\n", "Caf\u00e9 \u2603 costs 3\nAnswer 5: 417 \u00e9\n"])
+@pytest.mark.parametrize("text", ["Work: 7 * 6 = 42\nAnswer 5: 42\n",
+                                  "Caf\u00e9 \u2603 costs 3\nAnswer 5: 417 \u00e9\n"])
 def test_an_answers_characters_map_to_the_tokens_that_wrote_them(smollm2_tokenizer, text):
     """Token spans add up to the decoded text, by each token's own text (ASCII) or by prefixes (a character split
     over tokens); the tokens over an answer's characters decode to it."""

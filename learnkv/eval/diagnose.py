@@ -40,6 +40,7 @@ from torch import Tensor
 from learnkv import chains
 from learnkv.decode import resolve_budget
 from learnkv.eval.metrics import agreement_length, attention_recall
+from learnkv.eval.run import _batches
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks.base import RunConfig, Sample
 from learnkv.eval.tasks.chain import Chain, ChainRun, grade_chain, kind_accuracy
@@ -299,11 +300,6 @@ def _explain(tokenizer, task: Chain, sample: Sample, ref: ChainRun, record: dict
     return record
 
 
-def _batches(items: list, size: int):
-    for i in range(0, len(items), size):
-        yield items[i: i + size]
-
-
 def diagnose(model, tokenizer, spec, all_lost: bool = False, top: int = TOP) -> dict:
     """`diagnose_prompt` on every prompt of a checked grid (`learnkv.eval.run.build_spec` of ``full`` and one
     evicting policy, one budget, the chain task), ``spec.batch_size`` prompts at a time: their full-cache and policy
@@ -344,21 +340,22 @@ def summarise(records: list[dict], seed: int = 0) -> dict:
            "lost_by_kind": {k: sum(r["lost_by_kind"][k] for r in records) for k in chains.KINDS}}
     for who in ("full", "policy"):
         for metric in [f"{k}_accuracy" for k in chains.KINDS]:
-            values = [r[who][metric] for r in records]
-            have = [v for v in values if v is not None]
-            out[f"{who}_{metric}"] = {"mean": sum(have) / len(have) if have else None, "ci95": bootstrap_ci(values, seed=seed),
-                                      "n": len(have)}
+            out[f"{who}_{metric}"] = _stat([r[who][metric] for r in records], seed)
     firsts = [r["problems"][0] if r["problems"] else None for r in records]
     out["first_lost_kind"] = {k: sum(f is not None and f["kind"] == k for f in firsts) for k in chains.KINDS}
     lost = [None if f is None else f["evicted_share"] for f in firsts]
     control = [r["control_share"] for r in records]
     for name, values in (("first_lost_evicted_share", lost), ("control_share", control),
                          ("first_lost_needed_share", [None if f is None else f["needed_share"] for f in firsts])):
-        have = [v for v in values if v is not None]
-        out[name] = {"mean": sum(have) / len(have) if have else None, "ci95": bootstrap_ci(values, seed=seed),
-                     "n": len(have)}
+        out[name] = _stat(values, seed)
     out["lost_minus_control"] = paired_difference(lost, control, seed=seed)
     return out
+
+
+def _stat(values: list, seed: int) -> dict:
+    """Mean over the prompts that have a value, its 95% bootstrap interval and how many prompts that is."""
+    have = [v for v in values if v is not None]
+    return {"mean": sum(have) / len(have) if have else None, "ci95": bootstrap_ci(values, seed=seed), "n": len(have)}
 
 
 def _num(value, fmt: str = ".3f") -> str:
@@ -376,7 +373,8 @@ def table(result: dict) -> str:
     for r in result["prompts"]:
         first = r["problems"][0] if r["problems"] else None
         lk = r["lost_by_kind"]
-        out.append(f"| {r['id']} | {r['budget_tokens']} | {r['full_correct']} → {r['policy_correct']} of {r['graded']} "
+        out.append(f"| {r['id']} | {r['budget_tokens']} | {r['full_correct']} → {r['policy_correct']} of "
+                   f"{r['graded']} "
                    f"| {lk['fact']}/{lk['linked']}/{lk['alone']} | {first['problem'] if first else '—'} "
                    f"| {first['kind'] if first else '—'} | {_num(first and first['evicted_share'])} "
                    f"| {_num(first and first['needed_share'])} | {_num(r['control_share'])} | {r['diverged_at']} |")
@@ -413,4 +411,5 @@ def _interval(stat: dict) -> str:
     return f"{stat['mean']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
-__all__ = ["StepAttention", "evicted_attention", "evicted_attention_batch", "diagnose_prompt", "diagnose", "summarise", "table"]
+__all__ = ["StepAttention", "evicted_attention", "evicted_attention_batch", "diagnose_prompt", "diagnose", "summarise",
+           "table"]
