@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     dia = sub.add_parser("diagnose-chain", help="where a policy loses on the chain task: the problems the full cache "
                                                  "got right and the policy wrong, and the full cache's attention at "
                                                  "those answers that fell on tokens the policy had evicted")
-    dia.add_argument("--policy", required=True, metavar="ITEM", help="an evicting policy, NAME[:key=value]...")
+    dia.add_argument("--policy", required=True, metavar="ITEM[,ITEM...]",
+                     help="evicting policies, each NAME[:key=value]... (the full cache's runs are shared by all)")
     dia.add_argument("--budget", required=True, help="one budget: tokens (e.g. 512) or a fraction of the final length")
     dia.add_argument("--model", default=None, help="bundled alias, local folder or hub id (default: SmolLM2-135M)")
     dia.add_argument("--limit", type=int, default=4, help="held-out chain prompts (test split)")
@@ -323,9 +324,10 @@ def cmd_diagnose_chain(args) -> None:
     from learnkv.policies.params import parse_policy
 
     # ---------------------------------------------- everything that needs no model is checked before it loads
-    name, _ = parse_policy(args.policy)
-    if name in POLICIES and not POLICIES[name].evicts:
-        raise ValueError(f"--policy {args.policy}: it never evicts, so it loses nothing to diagnose")
+    for item in split_list(args.policy, "policy"):
+        name, _ = parse_policy(item)
+        if name in POLICIES and not POLICIES[name].evicts:
+            raise ValueError(f"--policy {item}: it never evicts, so it loses nothing to diagnose")
     if len(split_list(args.budget, "budget")) != 1:
         raise ValueError(f"--budget takes one budget, got {args.budget!r}")
     if args.top < 1:
@@ -335,14 +337,16 @@ def cmd_diagnose_chain(args) -> None:
                       seed=args.seed, prefill_policy=args.prefill_policy, batch_size=args.batch_size,
                       slack=args.slack, accuracy_only=True, **options)
     out = Path(args.out or f"runs/diagnose-chain/{re.sub(r'[^A-Za-z0-9_.=-]', '_', args.policy)}-{args.budget}.json")
+    model_name = args.model or DEFAULT_MODEL
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model or DEFAULT_MODEL)
-    result = diagnose(model, tokenizer, spec, all_lost=args.all_lost, top=args.top)
-    result["config"]["model"] = args.model or DEFAULT_MODEL
-    print(table(result), end="")
+    model, tokenizer = load_model(model_name)
+    results = diagnose(model, tokenizer, spec, all_lost=args.all_lost, top=args.top)
+    for result in results:
+        result["config"]["model"] = model_name
+        print(table(result))
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps(result, indent=1) + "\n")
+    write_text_atomic(out, json.dumps({"results": results}, indent=1) + "\n")
     print(f"json: {out}")
 
 

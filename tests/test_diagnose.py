@@ -183,14 +183,17 @@ def test_only_the_first_lost_problem_unless_asked(small):
 
 
 def test_diagnose_runs_the_free_decodes_and_writes_a_table(small):
-    """End to end on one prompt (random weights: the full cache gets nothing right, so nothing is lost): the record,
-    the summary and the table are there and the result is JSON."""
+    """End to end on one prompt and two policies (random weights: the full cache gets nothing right, so nothing is
+    lost): the records, the summary and the table are there and the result is JSON."""
     from learnkv.eval import build_spec
 
     model, tok = small
-    spec = build_spec("full,streaming", "0.5", "chain", limit=1, max_new_tokens=12, accuracy_only=True)
-    result = diagnose(model, tok, spec)
+    spec = build_spec("full,streaming,h2o", "0.5", "chain", limit=1, max_new_tokens=12, accuracy_only=True)
+    results = diagnose(model, tok, spec)
+    assert [r["config"]["policy"] for r in results] == ["streaming", "h2o"]
+    result = results[0]
     r = result["prompts"][0]
+    assert results[1]["prompts"][0]["full_tokens"] == 12 and results[1]["prompts"][0]["id"] == r["id"]
     assert r["full_tokens"] == 12 and r["budget_tokens"] == -(-(r["prompt_tokens"] + 12) // 2)
     assert r["problems"] == [] and result["summary"]["with_lost"] == 0 and result["summary"]["n_prompts"] == 1
     assert result["summary"]["full_fact_accuracy"]["n"] == 1

@@ -42,7 +42,7 @@ from learnkv.decode import resolve_budget
 from learnkv.eval.metrics import agreement_length, attention_recall
 from learnkv.eval.run import _batches
 from learnkv.eval.stats import bootstrap_ci, paired_difference
-from learnkv.eval.tasks.base import RunConfig, Sample
+from learnkv.eval.tasks.base import RunConfig, Sample, evicts
 from learnkv.eval.tasks.chain import Chain, ChainRun, grade_chain, kind_accuracy
 from learnkv.eval.tasks.fidelity import _kept_positions
 from learnkv.policies.oracle import full_attention
@@ -300,36 +300,40 @@ def _explain(tokenizer, task: Chain, sample: Sample, ref: ChainRun, record: dict
     return record
 
 
-def diagnose(model, tokenizer, spec, all_lost: bool = False, top: int = TOP) -> dict:
-    """`diagnose_prompt` on every prompt of a checked grid (`learnkv.eval.run.build_spec` of ``full`` and one
-    evicting policy, one budget, the chain task), ``spec.batch_size`` prompts at a time: their full-cache and policy
-    free runs as batches, the forced runs of the prompts with a problem to look at as one batch, then each prompt's
-    full-cache attention alone. Returns ``{"config", "prompts": [per prompt], "summary"}``."""
-    task, run, budget = spec.tasks[0], spec.runs[-1], spec.budgets[0]
+def diagnose(model, tokenizer, spec, all_lost: bool = False, top: int = TOP) -> list[dict]:
+    """`diagnose_prompt` on every prompt of a checked grid (`learnkv.eval.run.build_spec` of ``full`` and evicting
+    policies, one budget, the chain task) for each evicting policy, ``spec.batch_size`` prompts at a time: the
+    full-cache free runs once per batch, shared by every policy, then per policy its free runs as a batch, the forced
+    runs of the prompts with a problem to look at as one batch, and each such prompt's full-cache attention alone.
+    Returns one ``{"config", "prompts": [per prompt], "summary"}`` per evicting policy, in the grid's order."""
+    task, budget = spec.tasks[0], spec.budgets[0]
+    runs = [run for run in spec.runs if evicts(run.name)]
     prompts = task.load(tokenizer, spec.limit or task.default_limit, spec.seed)
     prefill = (spec.prefill.name, spec.prefill.params) if spec.prefill else None
-    records = []
+    records: dict[str, list[dict]] = {run.label: [] for run in runs}
     for batch in _batches(prompts, spec.batch_size):
         refs = task.reference_batch(model, tokenizer, batch)
         budgets = [resolve_budget(budget, task.final_length(s, r)) for s, r in zip(batch, refs)]
-        result = task.decode_batch(model, tokenizer, batch, RunConfig(run.name, run.params, budgets, prefill,
-                                                                      spec.slack))
-        planned = [_plan(tokenizer, task, sample, ref, result.texts[b], result.tokens[b, : result.new_tokens[b]],
-                         RunConfig(run.name, run.params, [budgets[b]], prefill, spec.slack), all_lost)
-                   for b, (sample, ref) in enumerate(zip(batch, refs))]
-        look = [b for b, (_, plan) in enumerate(planned) if plan["wanted"]]
-        views = evicted_attention_batch(
-            model, tokenizer, task, [batch[b] for b in look], [refs[b].tokens for b in look],
-            [planned[b][1]["wanted"] for b in look],
-            RunConfig(run.name, run.params, [budgets[b] for b in look], prefill, spec.slack)) if look else []
-        views = dict(zip(look, views))
-        for b, (record, plan) in enumerate(planned):
-            records.append(_explain(tokenizer, task, batch[b], refs[b], record, plan, views[b], top) if b in views
-                           else record)
-    config = {"policy": run.label, "policy_params": run.params, "budget": budget,
-              "prefill_policy": spec.prefill.label if spec.prefill else None, "seed": spec.seed,
-              "max_new_tokens": task.max_new_tokens, "n_prompts": len(records), "all_lost": all_lost}
-    return {"config": config, "prompts": records, "summary": summarise(records, spec.seed)}
+        for run in runs:
+            config = lambda rows: RunConfig(run.name, run.params, rows, prefill, spec.slack)  # noqa: E731
+            result = task.decode_batch(model, tokenizer, batch, config(budgets))
+            planned = [_plan(tokenizer, task, sample, ref, result.texts[b], result.tokens[b, : result.new_tokens[b]],
+                             config([budgets[b]]), all_lost) for b, (sample, ref) in enumerate(zip(batch, refs))]
+            look = [b for b, (_, plan) in enumerate(planned) if plan["wanted"]]
+            views = dict(zip(look, evicted_attention_batch(
+                model, tokenizer, task, [batch[b] for b in look], [refs[b].tokens for b in look],
+                [planned[b][1]["wanted"] for b in look], config([budgets[b] for b in look])) if look else []))
+            for b, (record, plan) in enumerate(planned):
+                records[run.label].append(_explain(tokenizer, task, batch[b], refs[b], record, plan, views[b], top)
+                                          if b in views else record)
+    out = []
+    for run in runs:
+        rows = records[run.label]
+        config = {"policy": run.label, "policy_params": run.params, "budget": budget,
+                  "prefill_policy": spec.prefill.label if spec.prefill else None, "seed": spec.seed,
+                  "max_new_tokens": task.max_new_tokens, "n_prompts": len(rows), "all_lost": all_lost}
+        out.append({"config": config, "prompts": rows, "summary": summarise(rows, spec.seed)})
+    return out
 
 
 def summarise(records: list[dict], seed: int = 0) -> dict:
