@@ -386,11 +386,12 @@ def table(result: dict) -> str:
         for p in r["problems"]:
             uses = ", ".join(f"{k} {v}" for k, v in p["uses"].items() if v is not None) or "nothing earlier"
             out += ["", f"{r['id']} Problem {p['problem']} ({p['kind']}; uses {uses}): gold {p['gold']}, policy "
-                        f"{p['policy_answer']}; evicted share {p['evicted_share']:.3f}, top lines:"]
+                        f"{p['policy_answer']}; evicted share {p['evicted_share']:.4f}, needed "
+                        f"{p['needed_share']:.4f}, top lines:"]
             for line in p["top_lines"]:
-                tokens = ", ".join(f"{t['text']!r} {t['share']:.3f}" for t in line["tokens"][:3])
+                tokens = ", ".join(f"{t['text']!r} {t['share']:.4f}" for t in line["tokens"][:3])
                 tag = f" [{line['tag']}]" if line["tag"] else ""
-                out.append(f"  {line['share']:.3f} {line['where']} {line['positions'][0]}-{line['positions'][1]}"
+                out.append(f"  {line['share']:.4f} {line['where']} {line['positions'][0]}-{line['positions'][1]}"
                            f"{tag}: {line['text'][:90]!r} ({tokens})")
     s = result["summary"]
     out += ["", f"prompts with a lost problem: {s['with_lost']} of {s['n_prompts']}; lost problems by kind: "
