@@ -25,8 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learnkv import generate, load_model  # noqa: E402
+from learnkv.chains import problem_kind  # noqa: E402
 from learnkv.decode import encode_prompts  # noqa: E402
-from learnkv.eval.tasks.chain import grade_chain  # noqa: E402
+from learnkv.eval.tasks.chain import count_by_kind, grade_chain  # noqa: E402
 from learnkv.prompts import load_prompts  # noqa: E402
 
 
@@ -63,14 +64,10 @@ def chain_tokens(tokenizer, text: str, n_problems: int) -> int | None:
 
 def kind_counts(meta: dict, parsed: list[str | None]) -> dict[str, list[int]]:
     """(correct, graded) per kind of problem: ``linked`` (uses an earlier answer, maybe a fact too), ``fact``
-    (a fact only), ``alone`` (neither)."""
-    out = {"alone": [0, 0], "fact": [0, 0], "linked": [0, 0]}
-    for k in range(meta["given"], len(meta["answers"])):
-        kind = "linked" if meta["depends"][k] is not None else "fact" if meta["facts"][k] is not None else "alone"
-        got = parsed[k]
-        out[kind][0] += got is not None and float(got) == float(meta["answers"][k])
-        out[kind][1] += 1
-    return out
+    (a fact only), ``alone`` (neither) (`learnkv.eval.tasks.chain.count_by_kind`)."""
+    kinds = [problem_kind(d, f) for d, f in zip(meta["depends"], meta["facts"])]
+    by_kind = count_by_kind(parsed, list(meta["answers"]), kinds, meta["given"])
+    return {kind: list(by_kind[kind]) for kind in ("alone", "fact", "linked")}
 
 
 def main() -> None:

@@ -8,6 +8,7 @@
     python -m learnkv recurrence traces/
     python -m learnkv recurrence --source chain --prompts 2 --max-new-tokens 1536 --out docs/chain/
     python -m learnkv compare docs/results/long-chain-smollm2/finished runs/eval-long-chain-horizon --baseline learned
+    python -m learnkv diagnose-chain --policy rkv --budget 0.5 --prefill-policy snapkv --limit 8 --batch-size 8
 
 `generate` prints the continuation(s), then one JSON line: policy, budget, max_kept_tokens, peak_kv_bytes,
 tokens_per_s and the rest of `GenerationResult.summary()`.
@@ -92,6 +93,27 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--seed", type=int, default=0, help="with --source: data seed")
     rec.add_argument("--out", default=".", help="with --source: folder for recurrence.png and mri.png")
     rec.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads")
+
+    dia = sub.add_parser("diagnose-chain", help="where a policy loses on the chain task: the problems the full cache "
+                                                 "got right and the policy wrong, and the full cache's attention at "
+                                                 "those answers that fell on tokens the policy had evicted")
+    dia.add_argument("--policy", required=True, metavar="ITEM[,ITEM...]",
+                     help="evicting policies, each NAME[:key=value]... (the full cache's runs are shared by all)")
+    dia.add_argument("--budget", required=True, help="one budget: tokens (e.g. 512) or a fraction of the final length")
+    dia.add_argument("--model", default=None, help="bundled alias, local folder or hub id (default: SmolLM2-135M)")
+    dia.add_argument("--limit", type=int, default=4, help="held-out chain prompts (test split)")
+    dia.add_argument("--prefill-policy", default=None, metavar="ITEM",
+                     help="compresses a prompt over the budget at the prefill (e.g. snapkv)")
+    dia.add_argument("--scorer", default=None, help="exported scorer for --policy learned")
+    dia.add_argument("--max-new-tokens", type=int, default=None, help="cap per decode (default: the chain task's)")
+    dia.add_argument("--batch-size", type=int, default=1, help="prompts whose free runs decode together")
+    dia.add_argument("--slack", type=int, default=0, help="dead slots before a compaction (same kept tokens)")
+    dia.add_argument("--all-lost", action="store_true", help="every lost problem of a prompt, not only the first")
+    dia.add_argument("--top", type=int, default=5, help="evicted lines (and tokens per line) listed per problem")
+    dia.add_argument("--out", default=None, metavar="PATH",
+                     help="JSON file (default: runs/diagnose-chain/<policy>-<budget>.json)")
+    dia.add_argument("--seed", type=int, default=0, help="data seed")
+    dia.add_argument("--threads", type=int, default=None)
 
     cmp = sub.add_parser("compare", help="paired intervals of every policy to a baseline across finished evaluations "
                                          "of the same prompts (no decode)")
@@ -291,6 +313,47 @@ def cmd_compare(args) -> None:
         write_text_atomic(Path(args.json), json.dumps(pairs, indent=1) + "\n")
 
 
+def cmd_diagnose_chain(args) -> None:
+    import re
+    from pathlib import Path
+
+    import torch
+
+    from learnkv.atomic import write_text_atomic
+    from learnkv.eval import build_spec
+    from learnkv.eval.diagnose import diagnose, table
+    from learnkv.eval.run import split_list
+    from learnkv.model import DEFAULT_MODEL, load_model
+    from learnkv.policies import POLICIES
+    from learnkv.policies.params import parse_policy
+
+    # ---------------------------------------------- everything that needs no model is checked before it loads
+    for item in split_list(args.policy, "policy"):
+        name, _ = parse_policy(item)
+        if name in POLICIES and not POLICIES[name].evicts:
+            raise ValueError(f"--policy {item}: it never evicts, so it loses nothing to diagnose")
+    if len(split_list(args.budget, "budget")) != 1:
+        raise ValueError(f"--budget takes one budget, got {args.budget!r}")
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    options = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+    spec = build_spec(f"full,{args.policy}", args.budget, "chain", scorer=args.scorer, limit=args.limit,
+                      seed=args.seed, prefill_policy=args.prefill_policy, batch_size=args.batch_size,
+                      slack=args.slack, accuracy_only=True, **options)
+    out = Path(args.out or f"runs/diagnose-chain/{re.sub(r'[^A-Za-z0-9_.=-]', '_', args.policy)}-{args.budget}.json")
+    model_name = args.model or DEFAULT_MODEL
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(model_name)
+    results = diagnose(model, tokenizer, spec, all_lost=args.all_lost, top=args.top)
+    for result in results:
+        result["config"]["model"] = model_name
+        print(table(result))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json.dumps({"results": results}, indent=1) + "\n")
+    print(f"json: {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -315,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd_recurrence(args)
         elif args.command == "compare":
             cmd_compare(args)
+        elif args.command == "diagnose-chain":
+            cmd_diagnose_chain(args)
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -169,6 +169,16 @@ def _linked_problem(rng: random.Random, name: str, item: str, j: int, prev: int,
     return rng.choice(options)
 
 
+#: the kinds of problem, as `problem_kind` names them
+KINDS = ("fact", "linked", "alone")
+
+
+def problem_kind(depends: int | None, fact: int | None) -> str:
+    """A problem's kind from its ``depends`` and ``facts`` entries (`ChainProblem`): ``"linked"`` (it uses an earlier
+    answer, maybe a fact too), ``"fact"`` (a fact only) or ``"alone"`` (neither)."""
+    return "linked" if depends is not None else "fact" if fact is not None else "alone"
+
+
 def worked(k: int, text: str, work: str, answer: int | str) -> str:
     """Problem ``k`` solved in the asked format: its line, the work (with any looked-up value written in) and the
     answer."""
@@ -250,9 +260,22 @@ def parse_answers(text: str, n_problems: int, first: int = 1) -> list[str | None
     answer is the number after the line's last ``=`` if there is one (``Answer 1: 4 * 5 = 20``), else its first
     number (``Answer 2: 15 (from Problem 1)``). The last problem's ``#### N`` overrides its answer line. Numbers are normalised as `learnkv.prompts.extract_answer` does.
     """
+    return _parse(text, n_problems, first)[0]
+
+
+def answer_spans(text: str, n_problems: int, first: int = 1) -> list[tuple[int, int] | None]:
+    """Where `parse_answers` found each problem's answer: the ``(start, end)`` characters of its number in
+    ``text`` (None where the problem has no answer)."""
+    return _parse(text, n_problems, first)[1]
+
+
+def _parse(text: str, n_problems: int, first: int) -> tuple[list[str | None], list[tuple[int, int] | None]]:
     out: list[str | None] = [None] * n_problems
+    spans: list[tuple[int, int] | None] = [None] * n_problems
     current = first
-    for line in text.splitlines():
+    at = 0  # where the line starts in the text
+    for segment in text.splitlines(keepends=True):
+        line, start, at = (segment.splitlines() or [""])[0], at, at + len(segment)
         header = _HEADER.match(line)
         if header:
             current = int(header.group(1))
@@ -266,20 +289,36 @@ def parse_answers(text: str, n_problems: int, first: int = 1) -> list[str | None
         if k > n_problems:
             continue
         current = k
-        found = _NUMBER.search(rest.rpartition("=")[2]) or _NUMBER.search(rest)
+        head, eq, tail = rest.rpartition("=")
+        found, offset = _NUMBER.search(tail), len(head) + len(eq)
+        if not found:
+            found, offset = _NUMBER.search(rest), 0
         if found:
             out[k - 1] = normalise_number(found.group())
-    final = final_answer(text)
+            base = start + m.start(2) + offset
+            spans[k - 1] = (base + found.start(), base + found.end())
+    final = _final(text)
     if final is not None:
-        out[-1] = final
-    return out
+        out[-1], spans[-1] = final
+    return out, spans
 
 
 def final_answer(text: str) -> str | None:
     """The number on the line of the last ``####`` that has one (None if there is none)."""
-    for line in reversed(text.splitlines()):
-        _, sep, tail = line.rpartition("####")
+    final = _final(text)
+    return None if final is None else final[0]
+
+
+def _final(text: str) -> tuple[str, tuple[int, int]] | None:
+    """`final_answer` and the characters of its number in ``text``."""
+    ends = [0]
+    for segment in text.splitlines(keepends=True):
+        ends.append(ends[-1] + len(segment))
+    for i, segment in reversed(list(enumerate(text.splitlines(keepends=True)))):
+        line = (segment.splitlines() or [""])[0]
+        head, sep, tail = line.rpartition("####")
         found = _NUMBER.search(tail) if sep else None
         if found:
-            return normalise_number(found.group())
+            base = ends[i] + len(head) + len(sep)
+            return normalise_number(found.group()), (base + found.start(), base + found.end())
     return None

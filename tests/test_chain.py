@@ -10,7 +10,7 @@ from conftest import random_ids
 from learnkv.chains import FACT_SHARE, LINKED_SHARE, N_PROBLEMS, chain_problem, final_answer, parse_answers
 from learnkv.eval import Sample, build_spec, evaluate, make_task
 from learnkv.decode import encode_prompts
-from learnkv.eval.tasks.chain import grade_chain
+from learnkv.eval.tasks.chain import count_by_kind, grade_chain, kind_accuracy
 from learnkv.prompts import load_prompts, split_of
 
 FIDELITY = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length")
@@ -117,6 +117,22 @@ def test_grading_skips_the_given_problems():
     assert parse_answers("Work: 2 + 2 = 4\nAnswer: 4", 3, first=2) == [None, "4", None]
 
 
+def test_grading_counts_right_answers_by_kind():
+    """Counts by kind are over the graded problems only; a kind the prompt lacks has no accuracy (None), not 0."""
+    text = " ...\nAnswer 2: 5\nProblem 3: ...\nAnswer 3: 9\nProblem 4: ...\nAnswer 4: 1\nProblem 5:\nAnswer 5: 8\n"
+    gold, kinds = ["1", "5", "9", "2", "8"], ["fact", "fact", "linked", "fact", "alone"]
+    g = grade_chain(text, gold, given=1, kinds=kinds)
+    assert g["right"] == [None, True, True, False, True]
+    assert g["by_kind"] == {"fact": (1, 2), "linked": (1, 1), "alone": (1, 1)}
+    assert kind_accuracy(g["by_kind"]) == {"fact_accuracy": 0.5, "linked_accuracy": 1.0, "alone_accuracy": 1.0}
+    no_linked = grade_chain(text, gold, given=1, kinds=["fact", "fact", "alone", "fact", "alone"])["by_kind"]
+    assert no_linked["linked"] == (0, 0) and kind_accuracy(no_linked)["linked_accuracy"] is None
+    assert grade_chain(text, gold, given=1)["by_kind"] is None and set(kind_accuracy(None).values()) == {None}
+    assert count_by_kind(g["parsed"], gold, kinds, given=4) == {"fact": (0, 0), "linked": (0, 0), "alone": (1, 1)}
+    with pytest.raises(ValueError, match="problem kinds"):
+        grade_chain(text, gold, kinds=kinds[:2])
+
+
 def test_an_earlier_answer_cited_in_the_work_is_not_an_answer():
     text = ("Problem 2: ...\nWork: 3 + 4 = 7\nAnswer 2: 7\nProblem 3: ...\nWork: Answer 2: 8, so 8 * 2 = 16\n"
             "Answer 3: 16\nAnswer 45: 1\nAnswer 4: 5\nWork: Answer 1: 9. 9 + 1 = 10\nAnswer: 10\n")
@@ -170,6 +186,9 @@ def samples(n=2, lengths=(30, 30), n_problems=3, seed=20):
     for i in range(n):
         s = Sample.from_ids(random_ids(lengths[i % len(lengths)], seed=seed + i)[0], id=f"ids/{i}")
         s.meta["answers"] = [str(k % 7) for k in range(1, n_problems + 1)]
+        # kinds by problem: fact, alone, then linked on the even prompts and alone on the odd ones (none linked)
+        s.meta["depends"] = [1 if k >= 3 and i % 2 == 0 else None for k in range(1, n_problems + 1)]
+        s.meta["facts"] = [0 if k == 1 else None for k in range(1, n_problems + 1)]
         out.append(s)
     return out
 
@@ -269,13 +288,45 @@ def test_accuracy_only_grades_the_same_free_runs_without_the_forced_half(tiny, p
     finally:
         Chain.decode_batch = decode_batch
     assert not any(forced) and len(forced) == 2 * 3  # batches [2, 1] x (reference, full, policy) free runs
-    graded = ("problem_accuracy", "final_accuracy", "answer_agreement", "generated_tokens")
+    graded = ("problem_accuracy", "final_accuracy", "answer_agreement", "fact_accuracy", "linked_accuracy",
+              "alone_accuracy", "generated_tokens")
     for a, b in zip(both, alone):
         assert a["policy"] == b["policy"] and a["metrics"]["budget_tokens"] == b["metrics"]["budget_tokens"]
         assert set(b["per_prompt"]) == set(graded)
         for metric in graded:
             assert b["per_prompt"][metric] == pytest.approx(a["per_prompt"][metric], abs=1e-9), metric
     assert min(alone[1]["per_prompt"]["answer_agreement"]) < 1.0  # the budget changed answers
+
+
+@pytest.mark.parametrize("accuracy_only", [True, False])
+def test_accuracy_by_kind_in_both_modes(tiny, accuracy_only):
+    """fact/linked/alone accuracy per prompt: right answers of that kind over its graded problems (they add up to
+    problem_accuracy), None on a prompt with none of the kind; the mean, its interval and the paired difference to
+    full are over the prompts that have the kind."""
+    tok = AnswerTokenizer()
+    items = samples(n=3, lengths=(18, 25, 21), n_problems=N_ANSWERED, seed=40)  # prompt 1 has no linked problem
+    spec = build_spec("full,h2o", "0.6", "chain", max_new_tokens=16, batch_size=2, accuracy_only=accuracy_only,
+                      compare="full")
+    records = evaluate(tiny, tok, spec, samples=items)
+    task = spec.tasks[0]
+    assert {"fact_accuracy", "linked_accuracy", "alone_accuracy"} <= set(task.metric_names())
+    for r in records:
+        pp = r["per_prompt"]
+        for i, sample in enumerate(items):
+            counts = {"fact": 1, "alone": 1 if i % 2 == 0 else 5, "linked": 4 if i % 2 == 0 else 0}
+            right = sum(counts[k] * (pp[f"{k}_accuracy"][i] or 0) for k in counts)
+            assert right == pytest.approx(pp["problem_accuracy"][i] * N_ANSWERED)
+            assert (pp["linked_accuracy"][i] is None) == (i == 1)
+        linked = [v for v in pp["linked_accuracy"] if v is not None]
+        assert r["metrics"]["linked_accuracy"] == pytest.approx(sum(linked) / 2)
+        assert r["metrics"]["linked_accuracy_ci95"] is not None
+    h2o = next(r for r in records if r["policy"] == "h2o")
+    assert max(abs(a - b) for a, b in zip(h2o["per_prompt"]["problem_accuracy"],
+                                          records[0]["per_prompt"]["problem_accuracy"])) > 0  # answers changed
+    from learnkv.eval.run import paired
+
+    pairs = {p["metric"]: p for p in paired(records, "full")}
+    assert pairs["linked_accuracy"]["n"] == 2 and pairs["fact_accuracy"]["n"] == 3
 
 
 def test_accuracy_only_refuses_the_oracle_before_any_decode():

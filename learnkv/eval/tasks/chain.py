@@ -13,6 +13,10 @@ policy and budget:
     generator's gold answers);
   - ``final_accuracy``: the last problem's answer (``#### N``, else its ``Answer k:`` line) is right;
   - ``answer_agreement``: share of problems whose answer equals the full cache's (both missing counts as equal);
+  - ``fact_accuracy``, ``linked_accuracy``, ``alone_accuracy``: ``problem_accuracy`` among the prompt's graded
+    problems of one kind (`learnkv.chains.problem_kind`: a fact only, an earlier answer, neither); None where the
+    prompt has none of that kind (a prompt has about three linked ones), so a mean over prompts is over the prompts
+    that have the kind, and a paired difference over those both runs have;
 
 * a decode teacher-forced along the full cache's continuation, which is `Fidelity`'s own run: ``kl``,
   ``top1_agreement``, ``ppl_ratio``, ``attention_recall``, ``agreement_length`` and ``generated_tokens`` (the full
@@ -25,7 +29,7 @@ run (the forced one for those two); its time covers both decodes, so ``tokens_pe
 decode's rate.
 
 ``accuracy_only`` drops the teacher-forced half: the full cache's reference is its free run alone (no logits, no
-attention kept), every policy is graded on its own free run, and the metrics are the three above and
+attention kept), every policy is graded on its own free run, and the metrics are the graded ones above and
 ``generated_tokens``. It halves the decodes and the memory of the reference, which is what a large model at
 thousands of tokens needs (a 152k-token vocabulary's logits alone are 9.7 GB per prompt at 16k tokens); ``oracle``,
 which replays the reference's attention, is refused in that mode.
@@ -47,7 +51,8 @@ from learnkv.eval.tasks.fidelity import Fidelity, FullRun
 from learnkv.prompts import load_prompts
 
 
-def grade_chain(text: str, gold: list[str], reference: list[str | None] | None = None, given: int = 0) -> dict:
+def grade_chain(text: str, gold: list[str], reference: list[str | None] | None = None, given: int = 0,
+                kinds: list[str] | None = None) -> dict:
     """Grade one completion of a chain prompt.
 
     Parameters
@@ -60,22 +65,53 @@ def grade_chain(text: str, gold: list[str], reference: list[str | None] | None =
         The full cache's parsed answers, for agreement.
     given : int
         Problems solved in the reply prefix: not graded.
+    kinds : list of str, optional
+        Each problem's kind (`learnkv.chains.problem_kind`), for the counts by kind.
 
     Returns
     -------
     dict
-        ``parsed`` (answer per problem, None where missing), ``graded`` (problems graded), ``answered``,
-        ``correct`` (counts over the graded ones), ``final_correct`` (bool), ``agreement`` (share of graded
-        problems agreeing with ``reference``, None without one).
+        ``parsed`` (answer per problem, None where missing), ``right`` (per problem: whether it is right, None for
+        the given ones), ``graded`` (problems graded), ``answered``, ``correct`` (counts over the graded ones),
+        ``final_correct`` (bool), ``agreement`` (share of graded problems agreeing with ``reference``, None without
+        one), ``by_kind`` (``{kind: (correct, graded)}`` over the graded problems, every kind of
+        `learnkv.chains.KINDS`; None without ``kinds``).
     """
     parsed = chains.parse_answers(text, len(gold), first=given + 1)
     pairs = list(zip(parsed, gold))[given:]
-    right = [p is not None and float(p) == float(g) for p, g in pairs]
+    right = _right(parsed, gold)[given:]
     agreement = None
     if reference is not None:
         agreement = sum(p == r for p, r in zip(parsed[given:], reference[given:])) / len(pairs)
-    return {"parsed": parsed, "graded": len(pairs), "answered": sum(p is not None for p, _ in pairs),
-            "correct": sum(right), "final_correct": right[-1], "agreement": agreement}
+    return {"parsed": parsed, "right": [None] * given + right, "graded": len(pairs),
+            "answered": sum(p is not None for p, _ in pairs), "correct": sum(right), "final_correct": right[-1],
+            "agreement": agreement, "by_kind": None if kinds is None else count_by_kind(parsed, gold, kinds, given)}
+
+
+def _right(parsed: list[str | None], gold: list[str]) -> list[bool]:
+    return [p is not None and float(p) == float(g) for p, g in zip(parsed, gold)]
+
+
+def count_by_kind(parsed: list[str | None], gold: list[str], kinds: list[str], given: int = 0) -> dict:
+    """``{kind: (correct, graded)}`` over the graded problems (after the ``given`` ones), for every kind of
+    `learnkv.chains.KINDS`, from the parsed answers and each problem's kind (`learnkv.chains.problem_kind`)."""
+    if not len(parsed) == len(gold) == len(kinds):
+        raise ValueError(f"{len(parsed)} answers, {len(gold)} gold answers and {len(kinds)} problem kinds: give one "
+                         "of each per problem")
+    right = _right(parsed, gold)[given:]
+    return {kind: (sum(ok for ok, k in zip(right, kinds[given:]) if k == kind),
+                   sum(k == kind for k in kinds[given:])) for kind in chains.KINDS}
+
+
+def kind_accuracy(by_kind: dict | None) -> dict[str, float | None]:
+    """``fact_accuracy``, ``linked_accuracy``, ``alone_accuracy``: the share right among a prompt's graded problems of
+    that kind (`grade_chain`'s ``by_kind``); None where the prompt has none of that kind, or its kinds are unknown."""
+    return {f"{kind}_accuracy": (by_kind[kind][0] / by_kind[kind][1] if by_kind and by_kind[kind][1] else None)
+            for kind in chains.KINDS}
+
+
+#: the per-kind accuracies (`kind_accuracy`), reported in both modes
+KIND_METRICS = tuple(f"{kind}_accuracy" for kind in chains.KINDS)
 
 
 @dataclass
@@ -105,7 +141,7 @@ class Chain(Fidelity):
     """
 
     name = "chain"
-    metrics = ("problem_accuracy", "final_accuracy", "answer_agreement") + Fidelity.metrics
+    metrics = ("problem_accuracy", "final_accuracy", "answer_agreement") + KIND_METRICS + Fidelity.metrics
     headline = ("problem_accuracy", "final_accuracy", "answer_agreement", "kl")  # kl: where teacher-forced too
     default_limit = 4
 
@@ -131,7 +167,7 @@ class Chain(Fidelity):
 
     def metric_names(self) -> tuple[str, ...]:
         if self.accuracy_only:
-            return ("problem_accuracy", "final_accuracy", "answer_agreement", "generated_tokens")
+            return ("problem_accuracy", "final_accuracy", "answer_agreement") + KIND_METRICS + ("generated_tokens",)
         return self.metrics
 
     def check_policy(self, policy: str) -> None:
@@ -172,15 +208,25 @@ class Chain(Fidelity):
     def grade(self, text: str, sample: Sample, ref: ChainRun, policy: str) -> dict[str, float | None]:
         """Accuracy and agreement of one free-running completion (None for a policy that replays the full run)."""
         if replays(policy):
-            return {"problem_accuracy": None, "final_accuracy": None, "answer_agreement": None}
-        g = grade_chain(text, self.gold(sample), ref.answers, given=self.given(sample))
+            return {"problem_accuracy": None, "final_accuracy": None, "answer_agreement": None,
+                    **kind_accuracy(None)}
+        g = grade_chain(text, self.gold(sample), ref.answers, given=self.given(sample), kinds=self.kinds(sample))
         return {"problem_accuracy": g["correct"] / g["graded"], "final_accuracy": float(g["final_correct"]),
-                "answer_agreement": g["agreement"]}
+                "answer_agreement": g["agreement"], **kind_accuracy(g["by_kind"])}
 
     @staticmethod
     def given(sample: Sample) -> int:
         """Problems the reply starts with, solved (not graded; 0 for samples built from token ids)."""
         return int(sample.meta.get("given", 0))
+
+    @staticmethod
+    def kinds(sample: Sample) -> list[str] | None:
+        """Each problem's kind (`learnkv.chains.problem_kind`) from the prompt's ``depends`` and ``facts`` (None for
+        samples without them: token ids)."""
+        depends, facts = sample.meta.get("depends"), sample.meta.get("facts")
+        if depends is None or facts is None:
+            return None
+        return [chains.problem_kind(d, f) for d, f in zip(depends, facts)]
 
     @staticmethod
     def gold(sample: Sample) -> list[str]:
