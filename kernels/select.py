@@ -144,8 +144,6 @@ def _row_values(keep, n_sink, n_recent, B: int, device):
     device-to-host sync (a plain ``torch.as_tensor(..., device="cuda")`` of a host value waits for the stream)."""
     values = (keep, n_sink, n_recent)
     if any(isinstance(v, torch.Tensor) for v in values):
-        from kernels.reference import per_row
-
         return (*(per_row(v, B, device).view(B).contiguous() for v in values), None)
     rows = []
     for name, v in zip(("keep", "n_sink", "n_recent"), values):

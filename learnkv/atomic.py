@@ -49,7 +49,7 @@ def dir_lock(path: str | Path, what: str, error: type[Exception] = ValueError, n
     which the kernel releases when its holder ends, killed or not, so no stale lock outlives a run; the file stays,
     saying which process held it last."""
     try:
-        import fcntl
+        import fcntl  # POSIX only (no flock on Windows, where runs go unlocked)
     except ImportError:  # no flock (Windows): unlocked
         yield
         return

@@ -31,7 +31,7 @@ def thread_count(text: str) -> int:
 def set_threads(n: int | None) -> None:
     """Use ``n`` torch CPU threads (None: torch's default)."""
     if n is not None:
-        import torch
+        import torch  # only here: the CLI answers --help and bad arguments before torch's import (~1 s)
 
         torch.set_num_threads(n)
 

@@ -216,19 +216,12 @@ def train_round(cfg: PipelineConfig, trace_dirs: list[str], progress: bool = Tru
         check_resumable(cfg, last, identity)
     out.mkdir(parents=True, exist_ok=True)
     with dir_lock(out, "out_dir"):  # one training run at a time writes a directory
-        return _fit(cfg, trace_dirs, out, ckpt_dir, last, manifest, identity, progress)
+        return _fit(cfg, trace_dirs, out, ckpt_dir, last, manifest, identity, progress, verbose)
 
 
 def _fit(cfg: PipelineConfig, trace_dirs: list[str], out: Path, ckpt_dir: Path, last: Path, manifest: dict,
-         identity: dict, progress: bool) -> tuple[Path, dict, str]:
+         identity: dict, progress: bool, verbose: bool) -> tuple[Path, dict, str]:
     """`train_round` once the run is checked and its directory locked: fit, validate, export."""
-    import lightning as L
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-
-    from learnkv.scorer.artifact import export_scorer
-    from learnkv.scorer.data import TraceDataModule, feature_stats
-    from learnkv.scorer.module import ScorerModule
-
     teachers = manifest["teachers"]
     save_config(cfg, out / "config.yaml")
 

@@ -43,7 +43,7 @@ from learnkv.prompts import SOURCES, load_prompts
 from learnkv.scorer.artifact import cached_kv_heads, read_artifact_manifest
 from learnkv.traces import onpolicy
 from learnkv.traces.record import FLOAT_LABELS, Decision, Recorder, horizon_fits
-from learnkv.traces.store import (MANIFEST, TraceError, finished_shards, read_manifest, remove_stale_temps, shard_name,
+from learnkv.traces.store import (MANIFEST, TraceError, finished_shards, read_manifest, remove_stale_temps,
                                   write_manifest, write_shard)
 
 DEFAULT_TEACHERS = ("h2o", "tova", "snapkv", "knorm", "streaming", "roco", "lazy", "paged", "rkv")
@@ -274,10 +274,6 @@ def _collect_shards(out: Path, cfg: CollectConfig, shard: tuple[int, int], diges
                     model, tokenizer, progress: bool, max_shards: int | None,
                     prompts: list | None) -> tuple[dict, CollectStats]:
     """`collect` once its input is checked and the directory is locked: decode and write this collector's shards."""
-    from tqdm.auto import tqdm
-
-    from learnkv.model import load_model
-
     i, n = shard
     if model is None:
         model, tokenizer = learnkv.model.load_model(cfg.model)
