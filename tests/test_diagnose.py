@@ -16,7 +16,7 @@ from learnkv.eval.diagnose import (answer_steps, diagnose, diagnose_prompt, evic
 from learnkv.eval.tasks.base import RunConfig, Sample
 from learnkv.eval.tasks.chain import ChainRun, grade_chain
 from learnkv.model import tiny_model
-from learnkv.policies.oracle import step_attention
+from learnkv.capture import step_attention
 
 
 def _forced_setup(n_new=20, prompt_len=30):
@@ -154,7 +154,7 @@ def test_a_lost_fact_answer_is_found_and_its_evicted_fact_line_carries_the_share
     assert len(fact_lines) == 1 and fact_lines[0]["where"] == "prompt"
     assert fact_lines[0]["text"].startswith(f"Fact {FACT_LETTERS[fact]}:")
     assert p["needed_share"] == pytest.approx(fact_lines[0]["share"])
-    attention = step_attention(model, sample.input_ids, ref.tokens)
+    attention = step_attention(model, sample.input_ids, ref.tokens, generate)
     first, last = fact_lines[0]["positions"]
     expected = sum(float(torch.stack([a[:, i - 1, first: last + 1].float().sum(-1) for a in attention]).mean())
                    for i in p["steps"]) / len(p["steps"])

@@ -10,7 +10,7 @@ position holds different text in each. The policy is therefore teacher-forced al
 fidelity task does): every position then holds the same token in both runs, and the policy's kept set at each step
 is the one it would have held on the full cache's path. At the step where the full cache writes a lost answer's
 digits (the query that chose each digit token, at position P + i - 1 for output token i), this module takes the full
-cache's attention over every earlier position (group mean per KV head, `learnkv.policies.oracle.full_attention`)
+cache's attention over every earlier position (group mean per KV head, `learnkv.capture.full_attention`)
 and the positions the forced policy held after the previous step plus the query itself, and reports:
 
 * ``evicted_share``: the share of that attention on positions the policy had evicted, per layer and KV head, then
@@ -38,14 +38,14 @@ import torch
 from torch import Tensor
 
 from learnkv import chains
-from learnkv.decode import resolve_budget
+from learnkv.decode import generate, resolve_budget
 from learnkv.eval.metrics import agreement_length, attention_recall
 from learnkv.eval.run import _batches
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks.base import RunConfig, Sample, evicts
 from learnkv.eval.tasks.chain import Chain, ChainRun, grade_chain, kind_accuracy
 from learnkv.eval.tasks.fidelity import _kept_positions
-from learnkv.policies.oracle import full_attention
+from learnkv.capture import full_attention
 
 #: lines and tokens listed per lost problem
 TOP = 5
@@ -136,7 +136,7 @@ def _step_views(model, sample: Sample, continuation: Tensor, steps: list[int],
     device = next(model.parameters()).device
     seq = torch.cat([sample.input_ids, continuation[:, : steps[-1]]], dim=1).to(device)
     first = P + steps[0] - 1
-    rows = full_attention(model, seq, torch.ones_like(seq), first_row=first, dtype=torch.float32)
+    rows = full_attention(model, seq, torch.ones_like(seq), generate, first_row=first, dtype=torch.float32)
     out = {}
     for i in steps:
         q = P + i - 1
