@@ -102,7 +102,7 @@ def test_pressure_run_on_real_engines(tmp_path):
     out = tmp_path / "pressure.json"
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
     proc = subprocess.run([sys.executable, "bench/serving.py", "--pressure", "--scorer", str(scorer), "--requests",
-                           "3", "--new-tokens", "96", "--budget", "64", "--rounds", "1", "--pool-share", "0.5",
+                           "3", "--new-tokens", "96", "--budget", "96", "--rounds", "1", "--pool-share", "0.5",
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = json.loads(out.read_text())["records"]
