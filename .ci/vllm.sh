@@ -22,4 +22,4 @@ python3 -m venv "$VENV"
 # shared or loaded CPUs: vLLM's default OpenMP core binding makes a busy core stall every step
 export VLLM_CPU_OMP_THREADS_BIND=nobind
 # pytest exits 5 when it collects no test, which `set -e` turns into a failure: this tier must run tests
-"$VENV/bin/python" -m pytest -q -m vllm tests/test_vllm.py
+"$VENV/bin/python" -m pytest -q -m vllm tests/test_vllm.py tests/test_bench_serving.py
