@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learnkv import generate, load_model  # noqa: E402
+from learnkv.cli import thread_count  # noqa: E402
 from learnkv.chains import problem_kind  # noqa: E402
 from learnkv.decode import encode_prompts  # noqa: E402
 from learnkv.eval.tasks.chain import count_by_kind, grade_chain  # noqa: E402
@@ -86,7 +87,7 @@ def main() -> None:
                    help="share of fact-only problems (learnkv.chains.FACT_SHARE by default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", default="test")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_count, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)

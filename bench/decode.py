@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learnkv import POLICIES, generate, load_model  # noqa: E402
+from learnkv.cli import thread_count  # noqa: E402
 from learnkv.eval.metrics import agreement_length  # noqa: E402
 
 PROMPT = (
@@ -58,7 +59,7 @@ def parse_args(argv=None):
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--policies", default=None, help="comma-separated (default: every policy; learned needs --scorer)")
     parser.add_argument("--scorer", default=None, help="exported scorer for the learned policy")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--batch-sizes", default=None, help="B[,B...]: the throughput table (e.g. 1,4,16)")
     parser.add_argument("--json", default=None, help="write the throughput records here")
     parser.add_argument("--repeats", type=int, default=1,

@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import reference as ref  # noqa: E402
+from learnkv.cli import thread_count  # noqa: E402
 
 
 def timer(device: str):
@@ -210,7 +211,7 @@ def decode_step_ms(model, policy: str, B: int, T: int, budget: int | None, steps
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (more get descheduled on a busy machine)")
+    parser.add_argument("--threads", type=thread_count, default=1, help="CPU threads (more get descheduled on a busy machine)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (overrides the defaults)")
     parser.add_argument("--contexts", default=None, help="comma-separated context lengths T (overrides the defaults)")
     parser.add_argument("--budget", type=float, default=0.25, help="decode-step table: budget as a share of T")

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learnkv import generate, load_model  # noqa: E402
+from learnkv.cli import thread_count  # noqa: E402
 from learnkv.decode import encode_prompts  # noqa: E402
 from learnkv.prompts import load_prompts  # noqa: E402
 
@@ -50,7 +51,7 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--fraction", type=float, default=0.5)
     p.add_argument("--slack", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=thread_count, default=1)
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -233,11 +233,11 @@ def test_full_attention_capture_sees_every_key_of_a_sliding_layer(models):
     """The prefill's early queries attend to tokens the window then drops: a policy that records the prefill's
     attention (the oracle's and the fidelity metrics' reference, `step_attention`) sees every key position of every
     layer, and a sliding layer's mass past the window is zero."""
-    from learnkv.policies.oracle import step_attention
+    from learnkv.capture import step_attention
 
     _, ours = models("gemma2")  # layer 0 slides (window 8)
     prompt, continuation = random_ids(PROMPT, vocab=VOCAB), random_ids(NEW, seed=2, vocab=VOCAB)
-    attention = step_attention(ours, prompt, continuation)
+    attention = step_attention(ours, prompt, continuation, generate)
     L = PROMPT + NEW - 1
     assert [tuple(a.shape) for a in attention] == [(2, NEW - 1, L)] * 2
     query = torch.arange(PROMPT, L)[:, None]

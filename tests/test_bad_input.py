@@ -734,7 +734,9 @@ def test_a_full_disk_during_evaluate_says_what_failed_and_what_was_kept(tmp_path
             raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull })')
         return real_save(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_at_the_second_reference)
+    import learnkv.eval.checkpoint
+
+    monkeypatch.setattr(learnkv.eval.checkpoint, "save_file", full_at_the_second_reference)
     out = tmp_path / "e"
     argv = evaluate_args(out, "--policy", "h2o", "--budget", "0.5")
     code, _, err = run(_script("evaluate"), argv, capsys)
@@ -744,7 +746,7 @@ def test_a_full_disk_during_evaluate_says_what_failed_and_what_was_kept(tmp_path
     assert err.strip().endswith(f"1 finished runs of 1 batches of prompts are kept in {out / 'partial.jsonl'}. Rerun "
                                 "the same command to resume once that is fixed.")
     assert not list(out.glob("*.tmp*")) and not (out / "results.json").exists()
-    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    monkeypatch.setattr(learnkv.eval.checkpoint, "save_file", real_save)
     code, _, err = run(_script("evaluate"), argv, capsys)
     assert code == 0 and "resuming from" in err
     assert json.loads((out / "results.json").read_text())["records"][0]["metrics"]["n_prompts"] == 2
