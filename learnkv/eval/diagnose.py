@@ -40,11 +40,11 @@ from torch import Tensor
 from learnkv import chains
 from learnkv.decode import generate, resolve_budget
 from learnkv.eval.metrics import agreement_length, attention_recall
-from learnkv.eval.run import _batches
+from learnkv.eval.run import batches
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks.base import RunConfig, Sample, evicts
 from learnkv.eval.tasks.chain import Chain, ChainRun, grade_chain, kind_accuracy
-from learnkv.eval.tasks.fidelity import _kept_positions
+from learnkv.eval.tasks.fidelity import kept_positions
 from learnkv.capture import full_attention
 
 #: lines and tokens listed per lost problem
@@ -114,7 +114,7 @@ def evicted_attention_batch(model, tokenizer, task: Chain, samples: Sequence[Sam
     def observe(cache) -> None:
         j = next(passes)
         if j in wanted:
-            held = _kept_positions(cache).cpu()  # [layers, B, H_kv, T]
+            held = kept_positions(cache).cpu()  # [layers, B, H_kv, T]
             for b in wanted[j]:
                 kept[b][j + 1] = held[:, b].clone()
 
@@ -311,7 +311,7 @@ def diagnose(model, tokenizer, spec, all_lost: bool = False, top: int = TOP) -> 
     prompts = task.load(tokenizer, spec.limit or task.default_limit, spec.seed)
     prefill = (spec.prefill.name, spec.prefill.params) if spec.prefill else None
     records: dict[str, list[dict]] = {run.label: [] for run in runs}
-    for batch in _batches(prompts, spec.batch_size):
+    for batch in batches(prompts, spec.batch_size):
         refs = task.reference_batch(model, tokenizer, batch)
         budgets = [resolve_budget(budget, task.final_length(s, r)) for s, r in zip(batch, refs)]
         for run in runs:

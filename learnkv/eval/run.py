@@ -291,7 +291,7 @@ def _decode(model, tokenizer, task: Task, spec: EvalSpec, run: PolicyRun, batch:
     return list(zip(metrics, row_costs, params))
 
 
-def _batches(items: list, size: int):
+def batches(items: list, size: int):
     for i in range(0, len(items), size):
         yield items[i : i + size]
 
@@ -363,7 +363,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         # batch at once when decoding; --finished-only also reports a budget that a batch has finished before the next
         done_prompts = {b: {} for b in spec.budgets}  # id -> sample: each prompt once, however often it is filed
         try:
-            for batch in _batches(prompts, spec.batch_size):
+            for batch in batches(prompts, spec.batch_size):
                 ids = [s.id for s in batch]
                 stored = finished.get((task.name, tuple(ids)), {})  # (label, budget) -> what a killed run finished
                 whole = [b for b in spec.budgets if all((run.label, b) in stored for run in spec.runs)]

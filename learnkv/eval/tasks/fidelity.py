@@ -64,7 +64,7 @@ class FullRun:
         return self.prompt_len + self.tokens.shape[1]
 
 
-def _kept_positions(cache) -> Tensor:
+def kept_positions(cache) -> Tensor:
     """Every layer's slot positions ``[L, B, H, T]`` (-1 pads a layer holding fewer slots than another)."""
     kept = [layer.positions for layer in cache.layers]
     T = max(k.shape[-1] for k in kept)
@@ -115,7 +115,7 @@ class _Tracker:
             if self.agree[b] is None and differs[j]:
                 self.agree[b] = i
             if i < self.refs[b].tokens.shape[1] - 1:  # what this pass kept, step i + 1 (position P + i) attends to
-                kept = _kept_positions(cache) if kept is None else kept
+                kept = kept_positions(cache) if kept is None else kept
                 self.recall[b].append(self._recall(kept[:, b], b, i))
 
     def _recall(self, kept: Tensor, b: int, i: int) -> float:
