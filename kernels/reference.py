@@ -39,7 +39,7 @@ def protected_slots(positions: Tensor, n_sink, n_recent) -> Tensor:
     return sink | recent
 
 
-def _rank_prefer_recent(priority: Tensor) -> Tensor:
+def rank_prefer_recent(priority: Tensor) -> Tensor:
     """Slot indices ``[B, H, T]`` from highest to lowest priority; ties go to the more recent (higher) slot.
 
     A deterministic tie-break matters: many policies give exactly equal scores (LazyEviction's saturated
@@ -125,7 +125,7 @@ def select_keep_reference(
         # a row keeps its first min(keep, T) slots in priority order, listed ascending; a row that keeps fewer
         # than the widest has its surplus entries set to -1, which sort first
         prio = scores.float().masked_fill(~valid, float("-inf")).masked_fill(protected, float("inf"))
-        order = _rank_prefer_recent(prio)
+        order = rank_prefer_recent(prio)
         if isinstance(keep, int):
             return order[..., : min(keep, T)].sort(dim=-1).values
         n_kept = keep_b.clamp(max=T)
@@ -147,7 +147,7 @@ def select_keep_reference(
     n_valid = zeros.scatter_add(-1, unit, (valid & in_full).float())[..., :NB]
     bprot = zeros.scatter_add(-1, unit, (protected & in_full).float())[..., :NB] > 0
     bprio = (total / n_valid.clamp(min=1)).masked_fill(n_valid == 0, float("-inf")).masked_fill(bprot, float("inf"))
-    order = _rank_prefer_recent(bprio)
+    order = rank_prefer_recent(bprio)
     exists = torch.arange(NB, device=device) < n_full[..., None]  # [B, H, NB]
     order = order.gather(-1, torch.argsort(~exists.gather(-1, order), dim=-1, stable=True))  # real blocks first
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(NB, device=device).expand_as(order).contiguous())

@@ -52,7 +52,7 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
-from kernels.reference import _rank_prefer_recent, per_row
+from kernels.reference import per_row, rank_prefer_recent
 from learnkv.fields import check_fields, setting
 from learnkv.pooling import rank_percentiles
 
@@ -227,7 +227,7 @@ def _check_protected(n_protected: Tensor, quota: Tensor, what: str) -> None:
 
 def _ranks(prio: Tensor) -> Tensor:
     """Each slot's place in its head's order (0 = kept first), with the reference kernel's tie-break."""
-    order = _rank_prefer_recent(prio)
+    order = rank_prefer_recent(prio)
     ranks = torch.empty_like(order)
     return ranks.scatter_(-1, order, torch.arange(prio.shape[-1], device=prio.device).expand_as(order).contiguous())
 

@@ -27,7 +27,7 @@ def rank_select(scores, positions, keep, n_sink, n_recent):
     prio = scores.float().masked_fill(positions < 0, float("-inf"))
     prio = prio.masked_fill(ref.protected_slots(positions, n_sink, n_recent), float("inf"))
     slots = torch.arange(T).expand(B, H, T)
-    rank = torch.empty_like(positions).scatter_(-1, ref._rank_prefer_recent(prio), slots.contiguous())
+    rank = torch.empty_like(positions).scatter_(-1, ref.rank_prefer_recent(prio), slots.contiguous())
     kept = rank < n_kept[..., None]
     K = int(n_kept.max()) if B * H else 0
     key = torch.where(kept, T + slots, slots).sort(dim=-1).values[..., T - K :]
