@@ -108,10 +108,16 @@ def same_model(bound: str, model: str) -> bool:
     return bound_name.startswith((".", "/", "~")) and Path(bound_name).name == Path(model_name).name
 
 
+def caches_latent(config) -> bool:
+    """Whether a model config is multi-head latent attention (DeepSeek-V2/V3): its cache holds one compressed latent
+    per token as the "keys" and the latent's rotary key part as the "values", not per-head keys and values."""
+    return bool(getattr(config, "kv_lora_rank", None))
+
+
 def cached_kv_heads(config) -> int:
     """KV heads a layer's cache holds per token: the config's KV heads (all query heads without GQA), or one for
     multi-head latent attention (DeepSeek-V2/V3 cache one latent per token, shared by every head)."""
-    if getattr(config, "kv_lora_rank", None):
+    if caches_latent(config):
         return 1
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 

@@ -40,7 +40,7 @@ from learnkv.fields import check_fields, setting
 from learnkv.policies import POLICIES, make_policy
 from learnkv.progress import redraw_seconds, token_counter
 from learnkv.prompts import SOURCES, load_prompts
-from learnkv.scorer.artifact import cached_kv_heads, read_artifact_manifest
+from learnkv.scorer.artifact import cached_kv_heads, caches_latent, read_artifact_manifest
 from learnkv.traces import onpolicy
 from learnkv.traces.record import FLOAT_LABELS, Decision, Recorder, horizon_fits
 from learnkv.traces.store import (MANIFEST, TraceError, finished_shards, read_manifest, remove_stale_temps,
@@ -277,6 +277,9 @@ def _collect_shards(out: Path, cfg: CollectConfig, shard: tuple[int, int], diges
     i, n = shard
     if model is None:
         model, tokenizer = learnkv.model.load_model(cfg.model)
+    if cfg.record_values and caches_latent(model.config):
+        raise TraceError(f"{type(model).__name__} caches a latent and its rotary key part (MLA), not value vectors: "
+                         "collect.record_values cannot record them (collect without it, and train without train.content)")
     prompts = plan_prompts(cfg, tokenizer) if prompts is None else list(prompts)
     shards = [prompts[k: k + cfg.prompts_per_shard] for k in range(0, len(prompts), cfg.prompts_per_shard)]
     header = {

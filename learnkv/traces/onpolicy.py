@@ -183,10 +183,14 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
     horizon = items[0].tokens.shape[0]
     at = [it.snapshots[0].index(it.row) for it in items]  # each item's row in its snapshots (the same per layer)
     valid = [[s.positions[i] >= 0 for s in it.snapshots] for i, it in zip(at, items)]  # [item][layer] [H, T]
-    n = [int(v[0][0].sum()) for v in valid]  # resident tokens per item (the same in every layer and head)
+    # resident tokens per layer and item (the same in every head; a sliding layer of a hybrid model holds fewer)
+    n_at = [[int(v[layer][0].sum()) for v in valid] for layer in range(n_layers)]
+    n = [max(col) for col in zip(*n_at)]  # per item: the slots every layer gets (left-padded with dead slots)
     n_max = max(n)
     observer = _BranchLabels(n_seed=n_max, label_budget=label_budget)
-    cache = BudgetCache(n_layers, observer, None, last_step=horizon)
+    # slack past every slot: a sliding layer's tokens that age out are marked dead in place, never compacted, so the
+    # seeded slots keep their indices (the observer's labels) and an aged-out token's labels stay 0
+    cache = BudgetCache(n_layers, observer, None, last_step=horizon, slack=n_max + horizon)
     device = next(model.parameters()).device
     cache.begin_step(torch.full((R, n_max), -1, dtype=torch.long, device=device), n)
     for layer in range(n_layers):
@@ -196,12 +200,13 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
         values = items[0].snapshots[layer].values.new_zeros(R, H, n_max, items[0].snapshots[layer].values.shape[-1])
         positions = torch.full((R, H, n_max), -1, dtype=torch.long, device=device)
         for i, it in enumerate(items):
-            snap, ok = it.snapshots[layer], valid[i][layer]
-            keys[i, :, n_max - n[i]:] = resident(snap.keys[at[i]], ok)
-            values[i, :, n_max - n[i]:] = resident(snap.values[at[i]], ok)
-            positions[i, :, n_max - n[i]:] = resident(snap.positions[at[i]], ok)
+            snap, ok, m = it.snapshots[layer], valid[i][layer], n_at[layer][i]
+            keys[i, :, n_max - m:] = resident(snap.keys[at[i]], ok)
+            values[i, :, n_max - m:] = resident(snap.values[at[i]], ok)
+            positions[i, :, n_max - m:] = resident(snap.positions[at[i]], ok)
         cache.layers[layer].update(keys, values)
         cache.layers[layer].positions.copy_(positions)  # per KV head (the append wrote one row of positions per row)
+        cache.layers[layer].live = list(n_at[layer])
     cache.end_step()
     tokens = torch.stack([it.tokens for it in items]).to(device)
     start = torch.tensor([it.start for it in items], device=device)
@@ -213,8 +218,8 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
         model(input_ids=tokens[:, s:s + 1], position_ids=pos, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1,
               learnkv_cache=cache)
         cache.end_step()
-    return [[{k: v[i, :, n_max - n[i]:].cpu() for k, v in observer.labels[layer].items()} for layer in range(n_layers)]
-            for i in range(R)]
+    return [[{k: v[i, :, n_max - n_at[layer][i]:].cpu() for k, v in observer.labels[layer].items()}
+             for layer in range(n_layers)] for i in range(R)]
 
 
 def record(model, tokenizer, texts: list[str], acting: Policy, budgets: list[int], decision_steps: list[frozenset],

@@ -109,6 +109,20 @@ def add_labels(acc: dict[str, Tensor], step: dict[str, Tensor], T: int) -> None:
     acc["reenter"] |= step["reenter"][..., :T]
 
 
+def add_labels_by_position(acc: dict[str, Tensor], step: dict[str, Tensor], now: Tensor, then: Tensor) -> None:
+    """Fold one step's labels into ``acc`` (in place) where the slots moved since the decision: the tokens at
+    ``then [R, H, T]`` (the decision's positions) are found among ``now [R, H, S]`` (the step's; -1 dead or
+    padding, live positions ascending). A token no longer held (dropped by a sliding window's age) gets 0."""
+    key = now.cummax(dim=-1).values  # non-decreasing: dead slots (-1) take their left neighbour's position
+    index = torch.searchsorted(key.contiguous(), then.contiguous()).clamp(max=now.shape[-1] - 1)
+    found = (now.gather(-1, index) == then) & (then >= 0)
+    at = {k: v.gather(-1, index) for k, v in step.items()}
+    acc["future_sum"] += at["future_sum"] * found
+    acc["future_out"] += at["future_out"] * found
+    torch.maximum(acc["future_max"], at["future_max"] * found, out=acc["future_max"])
+    acc["reenter"] |= at["reenter"] & found
+
+
 class Riders:
     """The feature tracker and the teachers riding on a cache: state under ``f.`` (tracker) and ``t.NAME.``."""
 
@@ -303,8 +317,12 @@ class Recorder(Policy):
         labels = step_labels(view.attn[:, :, :, -1, :], view.values,
                              label_keep(view.live_tokens(), self.label_budget))
         for p in mine:
-            # full cache: slots never move, the first T are the decision's tokens
-            add_labels(p.labels, {k: take_rows(v, p.rows) for k, v in labels.items()}, p.positions.shape[-1])
+            step = {k: take_rows(v, p.rows) for k, v in labels.items()}
+            now, T = take_rows(view.positions, p.rows), p.positions.shape[-1]
+            if now.shape[-1] >= T and torch.equal(now[..., :T], p.positions):
+                add_labels(p.labels, step, T)  # the full cache's slots never move: the first T are the decision's
+            else:  # a sliding layer dropped its oldest tokens since the decision (`BudgetCache._drop_by_age`)
+                add_labels_by_position(p.labels, step, now, p.positions)
             p.seen += 1
             if p.seen >= self.horizon:
                 self.rows.append(p)
