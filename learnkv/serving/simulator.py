@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from learnkv import attention
 from learnkv.model import cache_kwargs
+from learnkv.serving.vllm import compat
 
 NULL_BLOCK = 0
 
@@ -148,6 +149,9 @@ class PagedSimulator:
             attention.register()
             model.set_attn_implementation(attention.NAME)
         cfg = model.config
+        why = compat.architecture_refusal(cfg)  # the same rule as the vLLM plugin: one full-attention cache per layer
+        if why is not None:
+            raise ValueError(f"PagedSimulator cannot serve {type(model).__name__}: {why}")
         self.model, self.runtime = model, runtime
         self.block_size = runtime.block_size
         self.n_layers = cfg.num_hidden_layers

@@ -37,6 +37,70 @@ def check_version(version: str, device_type: str | None = None) -> None:
                            f"found it on {device_type}; supported: {_supported()}")
 
 
+def architecture_refusal(hf_config) -> str | None:
+    """Why learnkv's serving path cannot govern this model's KV cache exactly, or None.
+
+    The runtime scores, and in evict mode recomputes, attention over a request's resident blocks as plain causal
+    softmax attention over per-head keys and values, one full-attention cache per layer. A model whose attention
+    differs (MLA's latent cache, a sliding window in any layer, attention logit softcapping) would be scored on
+    tokens it cannot see, or decode a different attention: refused. ``hf_config``: a transformers config (its text
+    config for a multimodal model); only plain attributes are read.
+    """
+    why = []
+    if getattr(hf_config, "kv_lora_rank", None):  # the rule of `learnkv.scorer.artifact.caches_latent`
+        why.append("multi-head latent attention (the cache holds one latent per token, not per-head keys and values)")
+    layer_types = getattr(hf_config, "layer_types", None)
+    window = getattr(hf_config, "sliding_window", None)
+    if layer_types:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            why.append(f"{sum(t != 'full_attention' for t in layer_types)} of its {len(layer_types)} layers are "
+                       f"{', '.join(other)} (window {window}), not full attention")
+    elif window and getattr(hf_config, "use_sliding_window", True):
+        why.append(f"a sliding window of {window} tokens")
+    if getattr(hf_config, "attn_logit_softcapping", None):
+        why.append(f"attention logit softcapping ({hf_config.attn_logit_softcapping})")
+    return "; ".join(why) or None
+
+
+def refuse_model(model_config) -> None:
+    """Raise RuntimeError, one line naming the served model and why, if `architecture_refusal` refuses it.
+    ``model_config``: vLLM's ``ModelConfig`` (``model``, ``hf_config``, ``hf_text_config`` and ``use_mla`` read)."""
+    hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    why = architecture_refusal(hf)
+    if why is None and getattr(model_config, "use_mla", False):
+        why = "multi-head latent attention (the cache holds one latent per token, not per-head keys and values)"
+    if why is not None:
+        arch = ",".join(getattr(model_config.hf_config, "architectures", None) or []) or type(hf).__name__
+        raise RuntimeError(f"learnkv vLLM plugin cannot serve {model_config.model} ({arch}): {why}; the plugin "
+                           "governs plain full-attention layers only (unset LEARNKV_SCORER to serve it stock)")
+
+
+def impl_refusal(impl) -> str | None:
+    """What an attention backend instance computes beyond plain causal softmax attention, or None: the backstop
+    behind `refuse_model`, read from the attributes vLLM's CPU and Triton implementations set (a window as
+    ``(left, right)`` with -1 for none, a softcap of 0 for none, ``sinks`` and ``alibi_slopes`` None for none)."""
+    if getattr(impl, "sinks", None) is not None:
+        return "attention sinks (a learned sink logit per head)"
+    if getattr(impl, "alibi_slopes", None) is not None:
+        return "ALiBi position biases"
+    if getattr(impl, "logits_soft_cap", None):
+        return f"attention logit softcapping ({impl.logits_soft_cap})"
+    window = getattr(impl, "sliding_window", None)
+    if window is not None and any(w not in (-1, None) for w in (window if isinstance(window, tuple) else (window,))):
+        return f"a sliding window {window}"
+    return None
+
+
+def refuse_impl(impl) -> None:
+    """Raise RuntimeError in one line if `impl_refusal` refuses a learnkv attention backend instance (at model
+    load, when vLLM builds each layer's attention)."""
+    why = impl_refusal(impl)
+    if why is not None:
+        raise RuntimeError(f"learnkv vLLM plugin: an attention layer of this model uses {why}, which its attention over "
+                           "resident blocks does not compute; unset LEARNKV_SCORER to serve it stock")
+
+
 def refusals(vllm_config, mode: str, device_type: str | None = None) -> list[str]:
     """What the configured engine uses that the adapter cannot handle (empty = fine).
 

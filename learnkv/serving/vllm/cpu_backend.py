@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from learnkv.serving.vllm import hooks
+from learnkv.serving.vllm import compat, hooks
 
 
 class LearnKVCPUAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        compat.refuse_impl(self)  # sinks, softcap, a window or ALiBi: refused at model load
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,

@@ -1,10 +1,14 @@
-"""Collect -> train -> learned policy on an MLA model and on a hybrid sliding/full model (tiny, random weights).
+"""Past the decode loop on an MLA model and on hybrid sliding/full models (tiny, random weights): traces, training,
+the learned policy, and serving.
 
 The traces record the heads the cache holds (one latent head for MLA), a sliding layer's labels follow its tokens
-as its window drops the oldest, and the trained scorer decodes within budget, below and above the window.
+as its window drops the oldest, and the trained scorer decodes within budget, below and above the window. The
+serving path (the vLLM plugin and the paged simulator), which governs one full-attention cache per layer, refuses
+in one line every model of the architecture matrix whose attention is not that, and serves the others.
 """
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +24,9 @@ from learnkv.traces.onpolicy import record
 from learnkv.traces.record import FLOAT_LABELS, Recorder
 from learnkv.traces.store import TraceError, load_traces
 
-from architectures import FAMILIES, WINDOW
+from learnkv.serving.vllm import compat
+
+from architectures import BASE, FAMILIES, WINDOW
 
 TEXTS = ["Tom has 3 apples and buys 5 more. How many apples does he have now? Count them.",
          "A train travels 60 km per hour for 2 hours. How far does it go?",
@@ -43,8 +49,8 @@ def models(smollm2_tokenizer):
     return {f: build(f, smollm2_tokenizer) for f in ("deepseek-v3", "gemma3-text")}
 
 
-@pytest.mark.parametrize("family, policy, heads", [("deepseek-v3", "full", 1), ("gemma3-text", "full", 2),
-                                                   ("gemma3-text", "h2o", 2)])
+@pytest.mark.parametrize("family, policy, heads", [("deepseek-v3", "full", 1), ("deepseek-v3", "h2o", 1),
+                                                   ("gemma3-text", "full", 2), ("gemma3-text", "h2o", 2)])
 def test_collect_train_and_decode_with_the_learned_policy(models, smollm2_tokenizer, tmp_path, family, policy, heads):
     """Traces (full cache, or on-policy under h2o), a two-epoch fit, and the exported scorer decoding: the manifest
     and artifact carry the cached KV heads (one latent head for MLA, not the config's 4), and every layer stays
@@ -79,6 +85,19 @@ def test_mla_content_traces_are_refused_in_one_line(models, smollm2_tokenizer, t
     assert "\n" not in str(err.value)
 
 
+def test_a_model_the_cache_cannot_govern_is_refused_before_any_trace(smollm2_tokenizer, tmp_path):
+    """Falcon's attention bypasses transformers' interface: collection (full cache or on-policy, so train.py too)
+    stops in `generate`'s one line after the first prefill, and writes no shard or manifest."""
+    fam = FAMILIES["falcon"]
+    model = dataclasses.replace(fam, overrides={**fam.overrides, "vocab_size": len(smollm2_tokenizer)}).build()
+    for policy in ("full", "h2o"):
+        cfg = CollectConfig(prompts=2, val_prompts=1, max_new_tokens=24, horizon=6, chat=False, policy=policy)
+        with pytest.raises(ValueError, match=r"^FalconForCausalLM cannot decode under a learnkv budget: ") as err:
+            collect(tmp_path / policy, cfg, model=model, tokenizer=smollm2_tokenizer, prompts=PROMPTS, progress=False)
+        assert "\n" not in str(err.value)
+        assert not [p for p in (tmp_path / policy).iterdir() if not p.name.startswith(".lock")]
+
+
 def test_sliding_layer_labels_follow_the_tokens_the_window_drops(models, smollm2_tokenizer):
     """In a sliding layer the window drops the oldest tokens during a decision's horizon (the slots move). Three
     routes to the labels agree: the full-cache recorder with compaction (slots move: matched by position), with
@@ -108,3 +127,60 @@ def test_sliding_layer_labels_follow_the_tokens_the_window_drops(models, smollm2
             if d.layer != sliding:  # near-uniform attention of this tiny model ties the sliding layer's top-k
                 assert torch.equal(d.labels["reenter"], moved.labels["reenter"])
             assert torch.equal(moved.labels["reenter"], kept.labels["reenter"])
+
+
+#: the families of the architecture matrix whose attention is not one plain full-attention cache per layer
+NOT_SERVED = {"mistral-window": "a sliding window of 8 tokens", "phi3-window": "a sliding window of 8 tokens",
+              "qwen2-window": "1 of its 2 layers are sliding_attention", "gemma3-text": "1 of its 2 layers are sliding",
+              "gemma2": "sliding_attention .*; attention logit softcapping \\(5.0\\)",
+              "gpt-oss": "1 of its 2 layers are sliding", "deepseek-v2": "multi-head latent attention",
+              "deepseek-v3": "multi-head latent attention"}
+
+
+def family_config(name: str):
+    """The config of the matrix's tiny model of family ``name`` (no weights built)."""
+    import transformers
+
+    fam = FAMILIES[name]
+    kw = {k: v for k, v in {**BASE, **fam.overrides}.items() if not (v is None and k in BASE)}
+    return getattr(transformers, fam.config)(**kw)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_vllm_plugin_serves_full_attention_models_and_refuses_the_others_in_one_line(name):
+    """`compat.refuse_model` (run by the connector at engine start, before anything is allocated) on vLLM's
+    ``ModelConfig`` shape: every family of the matrix is either served or refused in one line naming the model."""
+    cfg = family_config(name)
+    model_config = SimpleNamespace(model=f"tiny/{name}", hf_config=cfg, hf_text_config=cfg, use_mla=False)
+    if name not in NOT_SERVED:
+        assert compat.architecture_refusal(cfg) is None
+        compat.refuse_model(model_config)
+        return
+    with pytest.raises(RuntimeError, match=rf"^learnkv vLLM plugin cannot serve tiny/{name} \(\w+\): .*"
+                                           rf"{NOT_SERVED[name]}") as err:
+        compat.refuse_model(model_config)
+    assert "\n" not in str(err.value)
+
+
+def test_vllm_attention_backend_refuses_terms_it_does_not_compute():
+    """The backstop at model load (`compat.refuse_impl`, in both learnkv backends' ``__init__``), on the attributes
+    vLLM's CPU and Triton implementations set: plain attention passes, each extra term is refused in one line."""
+    plain = dict(sinks=None, alibi_slopes=None, logits_soft_cap=0, sliding_window=(-1, -1))
+    compat.refuse_impl(SimpleNamespace(**plain))
+    compat.refuse_impl(SimpleNamespace(**{**plain, "logits_soft_cap": None, "sliding_window": None}))
+    for change, word in [({"sinks": torch.zeros(4)}, "attention sinks"), ({"alibi_slopes": [0.5]}, "ALiBi"),
+                         ({"logits_soft_cap": 50.0}, "attention logit softcapping \\(50.0\\)"),
+                         ({"sliding_window": (7, 0)}, "a sliding window \\(7, 0\\)")]:
+        with pytest.raises(RuntimeError, match=rf"^learnkv vLLM plugin: an attention layer of this model uses {word}"):
+            compat.refuse_impl(SimpleNamespace(**{**plain, **change}))
+
+
+def test_paged_simulator_refuses_what_the_plugin_refuses(models):
+    from learnkv.serving.runtime import ServingRuntime
+    from learnkv.serving.simulator import PagedSimulator
+
+    runtime = ServingRuntime.__new__(ServingRuntime)  # never reached: the model is refused first
+    for family, word in [("gemma3-text", "1 of its 2 layers are sliding"), ("deepseek-v3", "multi-head latent")]:
+        model = models[family]
+        with pytest.raises(ValueError, match=rf"^PagedSimulator cannot serve {type(model).__name__}: {word}"):
+            PagedSimulator(model, runtime, num_blocks=8)
