@@ -37,6 +37,10 @@ def check_version(version: str, device_type: str | None = None) -> None:
                            f"found it on {device_type}; supported: {_supported()}")
 
 
+#: the reason an MLA model is refused (from its config, or vLLM's `use_mla`)
+MLA = "multi-head latent attention (the cache holds one latent per token, not per-head keys and values)"
+
+
 def architecture_refusal(hf_config) -> str | None:
     """Why learnkv's serving path cannot govern this model's KV cache exactly, or None.
 
@@ -48,7 +52,7 @@ def architecture_refusal(hf_config) -> str | None:
     """
     why = []
     if getattr(hf_config, "kv_lora_rank", None):  # the rule of `learnkv.scorer.artifact.caches_latent`
-        why.append("multi-head latent attention (the cache holds one latent per token, not per-head keys and values)")
+        why.append(MLA)
     layer_types = getattr(hf_config, "layer_types", None)
     window = getattr(hf_config, "sliding_window", None)
     if layer_types:
@@ -69,7 +73,7 @@ def refuse_model(model_config) -> None:
     hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
     why = architecture_refusal(hf)
     if why is None and getattr(model_config, "use_mla", False):
-        why = "multi-head latent attention (the cache holds one latent per token, not per-head keys and values)"
+        why = MLA
     if why is not None:
         arch = ",".join(getattr(model_config.hf_config, "architectures", None) or []) or type(hf).__name__
         raise RuntimeError(f"learnkv vLLM plugin cannot serve {model_config.model} ({arch}): {why}; the plugin "
