@@ -318,11 +318,13 @@ class Recorder(Policy):
                              label_keep(view.live_tokens(), self.label_budget))
         for p in mine:
             step = {k: take_rows(v, p.rows) for k, v in labels.items()}
-            now, T = take_rows(view.positions, p.rows), p.positions.shape[-1]
-            if now.shape[-1] >= T and torch.equal(now[..., :T], p.positions):
-                add_labels(p.labels, step, T)  # the full cache's slots never move: the first T are the decision's
+            T = p.positions.shape[-1]
+            # one slot appended per step since the decision: nothing compacted, the first T slots are the decision's
+            # (the full cache's slots never move; no host sync to tell)
+            if view.positions.shape[-1] == T + p.seen + 1:
+                add_labels(p.labels, step, T)
             else:  # a sliding layer dropped its oldest tokens since the decision (`BudgetCache._drop_by_age`)
-                add_labels_by_position(p.labels, step, now, p.positions)
+                add_labels_by_position(p.labels, step, take_rows(view.positions, p.rows), p.positions)
             p.seen += 1
             if p.seen >= self.horizon:
                 self.rows.append(p)
