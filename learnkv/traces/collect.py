@@ -279,7 +279,7 @@ def _collect_shards(out: Path, cfg: CollectConfig, shard: tuple[int, int], diges
         model, tokenizer = learnkv.model.load_model(cfg.model)
     if cfg.record_values and caches_latent(model.config):
         raise TraceError(f"{type(model).__name__} caches a latent and its rotary key part (MLA), not value vectors: "
-                         "collect.record_values cannot record them (collect without it, and train without train.content)")
+                         "collect.record_values cannot record them (collect without it, train without train.content)")
     prompts = plan_prompts(cfg, tokenizer) if prompts is None else list(prompts)
     shards = [prompts[k: k + cfg.prompts_per_shard] for k in range(0, len(prompts), cfg.prompts_per_shard)]
     header = {

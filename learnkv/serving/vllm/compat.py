@@ -101,8 +101,8 @@ def refuse_impl(impl) -> None:
     load, when vLLM builds each layer's attention)."""
     why = impl_refusal(impl)
     if why is not None:
-        raise RuntimeError(f"learnkv vLLM plugin: an attention layer of this model uses {why}, which its attention over "
-                           "resident blocks does not compute; unset LEARNKV_SCORER to serve it stock")
+        raise RuntimeError(f"learnkv vLLM plugin: an attention layer of this model uses {why}, which its attention "
+                           "over resident blocks does not compute; unset LEARNKV_SCORER to serve it stock")
 
 
 def refusals(vllm_config, mode: str, device_type: str | None = None) -> list[str]:
