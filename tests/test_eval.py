@@ -18,8 +18,9 @@ from learnkv.decode import resolve_budget
 from learnkv.eval import TASKS, Sample, Task, build_spec, evaluate, make_task, markdown_table, write_results
 from learnkv.eval.report import summary_table
 from learnkv.eval import metrics as M
-from learnkv.eval.run import _groups, paired
+from learnkv.eval.run import paired, run_config
 from learnkv.eval.stats import bootstrap_ci, paired_difference
+from learnkv.settings import batch_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 FIDELITY = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length", "generated_tokens")
@@ -302,7 +303,8 @@ def test_batched_evaluation_with_a_prefill_policy_resolving_per_row(tiny, policy
     assert len(windows) > 1  # the case this test is for: one batch, rows of different prefill windows
     task, budgets = make_task("fidelity"), [resolve_budget(0.5, f) for f in finals]
     run, prefill = (build_spec(p, "0.5").runs[0] for p in (policy, "snapkv"))
-    assert _groups(run, prefill, task, budgets) == [[0, 1, 2]]  # and they decode together (SnapKV.for_batch)
+    # and they decode together (SnapKV.for_batch)
+    assert batch_groups(task.eviction(run_config(run, budgets, prefill)), budgets) == [[0, 1, 2]]
     for a, b in zip(one, batched):
         for metric, values in a["per_prompt"].items():
             assert b["per_prompt"][metric] == pytest.approx(values, abs=1e-4), metric

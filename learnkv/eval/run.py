@@ -26,17 +26,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from learnkv.cache import blind_prefill_error, prefill_policy_error
-from learnkv.decode import GenerationResult, check_positions, parse_number, resolve_budget, resolve_policy
+from learnkv.decode import GenerationResult, check_positions
 from learnkv.eval import checkpoint
 from learnkv.eval.checkpoint import scorer_identity
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
 from learnkv.eval.tasks.base import RunConfig, evicts
 from learnkv.policies import POLICIES, make_policy
-from learnkv.policies.base import shared_fields
 from learnkv.policies.params import parse_policy, parse_policy_list
 from learnkv.progress import redraw_seconds, token_counter
+from learnkv.settings import Eviction, batch_groups, parse_number, resolve_budget
 
 DEFAULT_POLICIES = ("full", "streaming", "h2o", "tova", "snapkv", "roco", "lazy", "paged")
 DEFAULT_BUDGETS = (0.25, 0.5)
@@ -98,6 +97,14 @@ class EvalSpec:
     def policies(self) -> list[str]:
         return [r.label for r in self.runs]
 
+    def config(self, run: PolicyRun, budgets: list[int | None]) -> RunConfig:
+        """A grid row's decode configuration for prompts at these budgets (tokens, one per prompt)."""
+        return run_config(run, budgets, self.prefill, self.slack)
+
+
+def run_config(run: PolicyRun, budgets: list[int | None], prefill: PolicyRun | None = None, slack: int = 0) -> RunConfig:
+    return RunConfig(run.name, run.params, budgets, (prefill.name, prefill.params) if prefill else None, slack)
+
 
 def split_list(text: str | Sequence, what: str) -> list:
     """``"a,b"`` -> ``["a", "b"]`` (duplicates dropped, order kept); a list passes through."""
@@ -122,14 +129,10 @@ def _policy_run(label: str, name: str, params: dict, scorer: str | None, seed: i
     """A checked grid row: a known policy, parameters of the right type and range, the scorer where needed."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r} in {label!r}; known policies: {', '.join(POLICIES)}")
-    params = dict(params)
-    if name == "learned" and "scorer" not in params:
-        if not scorer:
-            raise ValueError("policy 'learned' needs a scorer artifact: --scorer PATH (train one with `python train.py`)")
-        params["scorer"] = str(scorer)
+    params = Eviction(name, params, scorer=scorer).policy_params  # a learned policy takes --scorer
     if name == "random":
         params.setdefault("seed", seed)
-    make_policy(name, **params)  # unknown keys and bad values fail here, naming the valid keys
+    Eviction(name, params).check()  # unknown keys and bad values fail here, naming the valid keys; so does no scorer
     return PolicyRun(label, name, params)
 
 
@@ -138,8 +141,7 @@ def prefill_run(item: str, where: str, scorer: str | None = None, seed: int = 0)
     the policy cannot decide at the prefill (`learnkv.cache.prefill_policy_error`)."""
     name, params = parse_policy(item)
     run = _policy_run(item, name, params, scorer, seed)
-    if error := prefill_policy_error(make_policy(name, **run.params)):
-        raise ValueError(f"{where}: {error}")
+    Eviction(prefill=name, prefill_params=run.params).check(prefill_option=where)
     return run
 
 
@@ -177,11 +179,8 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
         for b in budgets:
             if isinstance(b, int):
                 for task in tasks:
-                    resolve_policy(run.name, b, task.granularity, task.block_size, run.params)
-                    if prefill and POLICIES[run.name].evicts:
-                        resolve_policy(prefill.name, b, task.granularity, task.block_size, prefill.params)
-    if scorer:  # checked even when unused: a typo should not pass silently
-        make_policy("learned", scorer=str(scorer)).resolve_defaults(1)
+                    task.eviction(run_config(run, [b], prefill)).check(b)
+    Eviction(scorer=scorer).check()  # a scorer is checked even when unused: a typo should not pass silently
     return EvalSpec(runs, budgets, tasks, limit, seed, prefill, int(batch_size), compare, int(slack), batch_budgets)
 
 
@@ -230,11 +229,7 @@ def _check(task: Task, spec: EvalSpec, run: PolicyRun, samples: list[Sample], bu
     for sample, tokens in zip(samples, budgets):
         where = f"{task.name} prompt {sample.id} ({sample.input_ids.shape[1]} prompt tokens), budget {b} = {tokens} tokens"
         try:
-            policy = resolve_policy(run.name, tokens, task.granularity, task.block_size, run.params)
-            if spec.prefill and policy.evicts:
-                resolve_policy(spec.prefill.name, tokens, task.granularity, task.block_size, spec.prefill.params)
-            elif error := blind_prefill_error(policy, sample.input_ids.shape[1], tokens or 0):
-                raise ValueError(error)
+            task.eviction(spec.config(run, [tokens])).resolve([tokens], [sample.input_ids.shape[1]])
         except ValueError as e:
             raise ValueError(f"{where}, policy {run.label!r}: {e}") from None
 
@@ -249,25 +244,10 @@ def check_grid(task: Task, prompts: Sequence[Sample], spec: EvalSpec) -> None:
             _check(task, spec, run, list(prompts), _budgets_for(run, b, finals), b)
 
 
-def _groups(run: PolicyRun, prefill: PolicyRun | None, task: Task, budgets: list[int | None]) -> list[list[int]]:
-    """Rows that can share one batched decode: rows whose decode policy, and prefill policy if any, resolve to the
-    same shared parameters for their budgets (`learnkv.policies.base.shared_fields`); all of them unless a
-    budget-dependent default that is not per row differs between rows (every registered policy's windows are per
-    row, SnapKV's through `SnapKV.for_batch`, so in practice one group)."""
-    if not evicts(run.name):
-        return [list(range(len(budgets)))]
-    policies = [p for p in (run, prefill) if p is not None]
-    keys: dict = {}
-    for i, b in enumerate(budgets):
-        key = [shared_fields(resolve_policy(p.name, b, task.granularity, task.block_size, p.params)) for p in policies]
-        keys.setdefault(repr(key), []).append(i)
-    return list(keys.values())
-
-
 def _decode(model, tokenizer, task: Task, spec: EvalSpec, run: PolicyRun, batch: list[Sample], refs: list,
             todo: list[tuple]) -> list[tuple[list, list, dict | None]]:
     """Decode ``batch`` under ``run`` at each ``(budget, tokens per prompt)`` of ``todo`` as rows of one batch
-    (prompt i at budget k is row k * len(batch) + i; split by `_groups` where rows cannot share a policy), and give
+    (prompt i at budget k is row k * len(batch) + i; split by `batch_groups` where rows cannot share a policy), and give
     each budget its ``(metrics, costs, params)`` per prompt. ``params`` are the policy as resolved for the budget's
     first prompt (`learnkv.generate` reports its first row's)."""
     rows = [(k, i) for k in range(len(todo)) for i in range(len(batch))]
@@ -276,9 +256,8 @@ def _decode(model, tokenizer, task: Task, spec: EvalSpec, run: PolicyRun, batch:
         _check(task, spec, run, batch, tokens, b)
     metrics = [[None] * len(batch) for _ in todo]
     row_costs = [[None] * len(batch) for _ in todo]
-    for group in _groups(run, spec.prefill, task, budgets):
-        cfg = RunConfig(run.name, run.params, [budgets[j] for j in group],
-                        (spec.prefill.name, spec.prefill.params) if spec.prefill else None, spec.slack)
+    for group in batch_groups(task.eviction(spec.config(run, budgets)), budgets):
+        cfg = spec.config(run, [budgets[j] for j in group])
         t0 = time.perf_counter()
         m, generated = task.run_batch(model, tokenizer, [batch[rows[j][1]] for j in group],
                                       [refs[rows[j][1]] for j in group], cfg)
@@ -286,8 +265,7 @@ def _decode(model, tokenizer, task: Task, spec: EvalSpec, run: PolicyRun, batch:
         for n, j in enumerate(group):
             k, i = rows[j]
             metrics[k][i], row_costs[k][i] = m[n], _cost_row(generated, n, share)
-    params = [resolve_policy(run.name, tokens[0], task.granularity, task.block_size, run.params).params()
-              for _, tokens in todo]
+    params = [task.eviction(spec.config(run, tokens[:1])).resolve(tokens[:1])[0][0].params() for _, tokens in todo]
     return list(zip(metrics, row_costs, params))
 
 

@@ -35,12 +35,13 @@ from tqdm.auto import tqdm
 import learnkv.decode  # generate and load_model are called through their modules: tests stand in for them there
 import learnkv.model
 from learnkv.atomic import dir_lock, ensure_dir
-from learnkv.decode import encode_prompts, resolve_budget, resolve_policy
+from learnkv.decode import encode_prompts
 from learnkv.fields import check_fields, setting
-from learnkv.policies import POLICIES, make_policy
+from learnkv.policies import POLICIES
 from learnkv.progress import redraw_seconds, token_counter
 from learnkv.prompts import SOURCES, load_prompts
 from learnkv.scorer.artifact import cached_kv_heads, read_artifact_manifest
+from learnkv.settings import Eviction, batch_groups, resolve_budget
 from learnkv.traces import onpolicy
 from learnkv.traces.record import FLOAT_LABELS, Decision, Recorder, horizon_fits
 from learnkv.traces.store import (MANIFEST, TraceError, finished_shards, read_manifest, remove_stale_temps,
@@ -91,9 +92,7 @@ class CollectConfig:
             if POLICIES[self.policy].needs_future:
                 raise ValueError(f"collection policy {self.policy!r} needs the future; collect under a policy that "
                                  "decides on what it has seen (or 'full' for full-cache traces)")
-            acting = make_policy(self.policy, **self.policy_params)  # unknown or bad parameters fail here
-            if self.policy == "learned":
-                acting.resolve_defaults(1)  # the scorer artifact exists and is readable
+            self.eviction.check()  # unknown or bad parameters fail here; a learned policy's scorer is readable
             if not self.budgets:
                 raise ValueError("on-policy collection needs at least one budget (collect.budgets)")
             for b in self.budgets:
@@ -104,6 +103,11 @@ class CollectConfig:
     @property
     def on_policy(self) -> bool:
         return self.policy != "full"
+
+    @property
+    def eviction(self) -> Eviction:
+        """The acting policy's eviction settings (each prompt's budget is its own, `prompt_budget`)."""
+        return Eviction(self.policy, self.policy_params)
 
     def digest(self) -> str:
         """What the traces depend on: every setting but `SPEED_ONLY` ones, and a learned acting policy's weights."""
@@ -199,18 +203,6 @@ def _prompt_lengths(cfg: CollectConfig, tokenizer, prompts: list) -> list[int]:
             for p in prompts]
 
 
-def _groups(cfg: CollectConfig, budgets: list[int | None]) -> list[list[int]]:
-    """Rows that can decode in one batch: all of them, unless the acting policy resolves differently for their
-    budgets (a budget-dependent default, e.g. LazyEviction's window); then rows of equal resolution."""
-    if not cfg.on_policy:
-        return [list(range(len(budgets)))]
-    groups: dict[str, list[int]] = {}
-    for i, b in enumerate(budgets):
-        p = resolve_policy(cfg.policy, b, params=cfg.policy_params)
-        groups.setdefault(repr({k: v for k, v in p.params().items() if k not in p.per_row_fields}), []).append(i)
-    return list(groups.values())
-
-
 def record_batch(model, tokenizer, cfg: CollectConfig, prompts: list, on_step=None):
     """Decode ``prompts`` together and record them. Returns (per prompt: its decisions, tokens generated per prompt,
     decisions dropped because a generation ended before their horizon). ``on_step`` as in `learnkv.decode.generate`."""
@@ -221,11 +213,11 @@ def record_batch(model, tokenizer, cfg: CollectConfig, prompts: list, on_step=No
     if cfg.on_policy:
         lengths = _prompt_lengths(cfg, tokenizer, prompts)
         budgets = [resolve_budget(prompt_budget(cfg, p.id), n + cfg.max_new_tokens) for p, n in zip(prompts, lengths)]
-    for group in _groups(cfg, budgets):
+    for group in batch_groups(cfg.eviction, budgets):  # rows of one resolution (a budget-dependent default)
         texts = [prompts[i].text for i in group]
         prefixes = [prompts[i].meta.get("response_prefix") for i in group]  # a chain prompt's solved first problems
         if cfg.on_policy:
-            got, result = onpolicy.record(model, tokenizer, texts, make_policy(cfg.policy, **cfg.policy_params),
+            got, result = onpolicy.record(model, tokenizer, texts, cfg.eviction.make(),
                                           [budgets[i] for i in group], [steps[i] for i in group], cfg.teachers,
                                           cfg.horizon, cfg.label_budget, cfg.max_new_tokens, chat=cfg.chat,
                                           reply_prefixes=prefixes,
