@@ -271,21 +271,7 @@ def _collect_shards(out: Path, cfg: CollectConfig, shard: tuple[int, int], diges
         model, tokenizer = learnkv.model.load_model(cfg.model)
     prompts = plan_prompts(cfg, tokenizer) if prompts is None else list(prompts)
     shards = [prompts[k: k + cfg.prompts_per_shard] for k in range(0, len(prompts), cfg.prompts_per_shard)]
-    header = {
-        "model": cfg.model,
-        "tokenizer": getattr(tokenizer, "name_or_path", cfg.model),
-        "n_layers": model.config.num_hidden_layers,
-        "n_kv_heads": cached_kv_heads(model.config),
-        "horizon": cfg.horizon,
-        "label_budget": cfg.label_budget,
-        "teachers": list(cfg.teachers),
-        "policy": cfg.policy,
-        "labels": "branch" if cfg.on_policy else "full cache",
-        "seed": cfg.seed,
-        "split": {"by": "sha256 of seed:prompt_id", "splits": sorted({p.split for p in prompts})},
-        "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
-        "config_digest": digest,
-    }
+    header = _header(cfg, model, tokenizer, prompts, digest)
     mine = [j for j in range(len(shards)) if j % n == i]
     stats = CollectStats(problems=[f"{name}: {why}, will be recollected" for name, why in problems.items()])
     stats.removed_temps = remove_stale_temps(out, mine)
@@ -303,17 +289,7 @@ def _collect_shards(out: Path, cfg: CollectConfig, shard: tuple[int, int], diges
     t0 = time.perf_counter()
     try:
         for j in todo:
-            columns: dict[str, list] = {}
-            for k in range(0, len(shards[j]), cfg.batch_size):
-                batch = shards[j][k: k + cfg.batch_size]
-                decisions, new_tokens, dropped = record_batch(model, tokenizer, cfg, batch, on_step=on_step)
-                stats.decode_tokens += sum(new_tokens)
-                stats.dropped_decisions += dropped
-                for prompt, rows in zip(batch, decisions):
-                    for key, v in rows_to_columns(prompt, rows, tuple(cfg.teachers), cfg.policy).items():
-                        columns.setdefault(key, []).extend(v)
-                bar.update(len(batch))
-                on_step(0, redraw=True)
+            columns = _shard_columns(model, tokenizer, cfg, shards[j], stats, bar, on_step)
             entry = write_shard(out, j, columns, [p.id for p in shards[j]], digest)
             write_manifest(out, header, len(shards))
             stats.rows += entry["rows"]
@@ -330,6 +306,43 @@ def _collect_shards(out: Path, cfg: CollectConfig, shard: tuple[int, int], diges
     stats.seconds = time.perf_counter() - t0
     manifest = write_manifest(out, header, len(shards))
     return manifest, stats
+
+
+def _header(cfg: CollectConfig, model, tokenizer, prompts: list, digest: str) -> dict:
+    """What the manifest says of every shard: the model, the labels, the collection config and its digest."""
+    return {
+        "model": cfg.model,
+        "tokenizer": getattr(tokenizer, "name_or_path", cfg.model),
+        "n_layers": model.config.num_hidden_layers,
+        "n_kv_heads": cached_kv_heads(model.config),
+        "horizon": cfg.horizon,
+        "label_budget": cfg.label_budget,
+        "teachers": list(cfg.teachers),
+        "policy": cfg.policy,
+        "labels": "branch" if cfg.on_policy else "full cache",
+        "seed": cfg.seed,
+        "split": {"by": "sha256 of seed:prompt_id", "splits": sorted({p.split for p in prompts})},
+        "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
+        "config_digest": digest,
+    }
+
+
+def _shard_columns(model, tokenizer, cfg: CollectConfig, prompts: list, stats: CollectStats, bar,
+                   on_step) -> dict[str, list]:
+    """One shard's records as columns, its prompts decoded ``cfg.batch_size`` at a time (counted in ``stats`` and
+    on ``bar``)."""
+    columns: dict[str, list] = {}
+    for k in range(0, len(prompts), cfg.batch_size):
+        batch = prompts[k: k + cfg.batch_size]
+        decisions, new_tokens, dropped = record_batch(model, tokenizer, cfg, batch, on_step=on_step)
+        stats.decode_tokens += sum(new_tokens)
+        stats.dropped_decisions += dropped
+        for prompt, rows in zip(batch, decisions):
+            for key, v in rows_to_columns(prompt, rows, tuple(cfg.teachers), cfg.policy).items():
+                columns.setdefault(key, []).extend(v)
+        bar.update(len(batch))
+        on_step(0, redraw=True)
+    return columns
 
 
 def config_differences(recorded: dict | None, cfg: CollectConfig) -> list[str]:
