@@ -8,9 +8,9 @@ model loads (the command line, ``evaluate.py``'s grid, ``train.py``'s config, tr
 `Eviction.resolve` the one place a policy is resolved for each row's budget, which `learnkv.generate` and the
 evaluation runner call again with the prompts' lengths before they decode.
 
-    >>> Eviction("h2o", {"n_recent": 8}, budget=64).check()
-    >>> Eviction("lazy", budget=16).resolve([16], prompt_lengths=[40])
-    ValueError: policy 'lazy' observes nothing at the prefill, ...
+    Eviction("h2o", {"n_recent": 8}, budget=64).check()             # before a model loads
+    Eviction("lazy", budget=16).resolve([16], prompt_lengths=[40])  # ValueError: 'lazy' observes nothing at the prefill
+    generate(model, tokenizer, prompts, **eviction.generate_kwargs())
 """
 
 from __future__ import annotations
@@ -145,8 +145,10 @@ class Eviction:
               prefill_option: str | None = None) -> None:
         """Raise ValueError if these settings cannot decode: the policy and the prefill policy build, the prefill
         policy can decide at the prefill (its error starts with ``prefill_option``, the option that named it,
-        where given), a learned policy's scorer (and any scorer given) is readable, and, at a budget in tokens,
-        what `resolve` checks. No model is needed."""
+        where given), a learned policy's scorer (and any scorer given) is readable, and, at a budget in tokens
+        (``budget_tokens``, else ``budget`` where it is a token count), what `resolve` checks. No model is needed."""
+        if budget_tokens is None and isinstance(self.budget, int) and not isinstance(self.budget, bool):
+            budget_tokens = self.budget
         policy = self.make()
         prefill = self.make_prefill()
         if prefill is not None and (error := prefill_policy_error(prefill)):

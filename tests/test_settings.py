@@ -23,6 +23,9 @@ def test_check_refuses_what_cannot_decode_with_the_messages_of_every_entry_point
     ]:
         with pytest.raises(ValueError, match=message):
             eviction.check(budget)
+    with pytest.raises(ValueError, match="do not fit in a budget of 4 tokens"):  # a token budget of its own
+        Eviction("h2o", {"n_recent": 10}, budget=4).check()
+    Eviction("h2o", {"n_recent": 10}, budget=0.5).check()  # a fraction's tokens depend on the prompt: checked later
     with pytest.raises(ValueError, match="^--prefill-policy: policy 'lazy' cannot be a prefill policy"):
         Eviction("h2o", prefill="lazy").check(prefill_option="--prefill-policy")
 
