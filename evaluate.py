@@ -52,7 +52,7 @@ def _numbers(cast):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from learnkv.decode import GRANULARITIES
+    from learnkv.settings import GRANULARITIES
     from learnkv.eval.run import DEFAULT_BUDGETS, DEFAULT_POLICIES
 
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

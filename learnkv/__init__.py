@@ -12,7 +12,8 @@ import importlib
 _PUBLIC = {
     "generate": "learnkv.decode",
     "GenerationResult": "learnkv.decode",
-    "resolve_budget": "learnkv.decode",
+    "resolve_budget": "learnkv.settings",
+    "Eviction": "learnkv.settings",
     "load_model": "learnkv.model",
     "tiny_model": "learnkv.model",
     "DEFAULT_MODEL": "learnkv.model",

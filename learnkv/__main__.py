@@ -190,11 +190,10 @@ def cmd_collect(args) -> int:
 def cmd_generate(args) -> None:
     import torch
 
-    from learnkv.decode import generate, parse_number, resolve_budget, resolve_policy
+    from learnkv.decode import generate
     from learnkv.model import DEFAULT_MODEL, load_model
-    from learnkv.policies import make_policy
-    from learnkv.cache import prefill_policy_error
     from learnkv.policies.params import parse_params, parse_policy
+    from learnkv.settings import Eviction, parse_number, resolve_budget
 
     set_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -202,19 +201,17 @@ def cmd_generate(args) -> None:
     params = parse_params(args.param)
     if args.scorer is not None:
         params["scorer"] = args.scorer
-    policy = make_policy(args.policy, **params)
-    prefill = None
-    if args.prefill_policy:
-        name, prefill_params = parse_policy(args.prefill_policy)
-        prefill = make_policy(name, **prefill_params)
-        if error := prefill_policy_error(prefill):
-            raise ValueError(f"--prefill-policy: {error}")
+    prefill, prefill_params = parse_policy(args.prefill_policy) if args.prefill_policy else (None, {})
+    eviction = Eviction(args.policy, params, args.budget, args.granularity, args.block_size, args.slack, prefill,
+                        prefill_params)
+    policy = eviction.make()
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.slack < 0:
         raise ValueError(f"--slack must be >= 0 dead slots, got {args.slack}")
     if args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+    largest = None
     if policy.evicts:
         if args.budget is None:
             raise ValueError(f"policy {policy.name!r} needs --budget (tokens, e.g. 64, or a fraction, e.g. 0.25)")
@@ -222,9 +219,7 @@ def cmd_generate(args) -> None:
         # a token count is checked against the policy's windows (and its scorer) now; a fraction's count depends on
         # the prompt's length, so only what does not depend on the budget is checked now: at the largest budget
         largest = tokens if isinstance(parse_number(args.budget), int) else 1 << 30
-        resolve_policy(policy, largest, args.granularity, args.block_size)
-        if prefill is not None:
-            resolve_policy(prefill, largest, args.granularity, args.block_size)
+    eviction.check(largest, prefill_option="--prefill-policy")
     if args.scorer is not None:  # the model it was trained for, by name (its shape is checked once it loads)
         from learnkv.scorer.artifact import check_binding, read_artifact_manifest
 
@@ -234,8 +229,7 @@ def cmd_generate(args) -> None:
         model,
         tokenizer,
         args.prompt,
-        policy=policy,
-        budget=args.budget,
+        **eviction.generate_kwargs(),
         max_new_tokens=args.max_new_tokens,
         do_sample=args.sample,
         temperature=args.temperature,
@@ -244,10 +238,6 @@ def cmd_generate(args) -> None:
         seed=args.seed,
         chat=not args.no_chat,
         special_tokens=args.special_tokens,
-        granularity=args.granularity,
-        slack=args.slack,
-        block_size=args.block_size,
-        prefill_policy=prefill,
         progress=sys.stderr.isatty(),
     )
     for text in result.texts:

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import yaml
 
-from learnkv.decode import resolve_budget
 from learnkv.eval.run import prefill_run
 from learnkv.features import FEATURES
 from learnkv.fields import check_fields, setting
 from learnkv.policies import POLICIES
+from learnkv.settings import resolve_budget
 from learnkv.traces.collect import CollectConfig
 
 

@@ -9,7 +9,6 @@ derive positions from the physical cache length, which is wrong after eviction).
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -20,11 +19,12 @@ from torch import Tensor
 
 from learnkv import attention
 from learnkv.model import cache_kwargs
-from learnkv.cache import BudgetCache, blind_prefill_error
+from learnkv.cache import BudgetCache
 from learnkv.capture import step_attention
 from learnkv.memory import TRIM_EVERY, release_free_heap
 from learnkv.policies import Policy, make_policy
-from learnkv.policies.base import resolve_rows
+from learnkv.settings import (GRANULARITIES, Eviction, parse_number, resolve_budget,  # noqa: F401 - re-exported
+                              resolve_policy, resolve_policy_rows)
 
 
 @dataclass
@@ -159,65 +159,6 @@ def peak_attended(kept_rows: list, row: int, prompt_len: int, n_new: int) -> int
     n_layers = len(kept_rows[0])
     decode = (sum(layer[row] for layer in kept_rows[s - 1]) + n_layers for s in range(1, min(n_new, len(kept_rows))))
     return max([n_layers * prompt_len, *decode])
-
-
-#: how eviction decisions are shared: per layer and KV head, or whole blocks shared by every layer and head
-GRANULARITIES = ("token", "block")
-
-
-def resolve_budget(budget: int | float | str | None, full_length: int) -> int | None:
-    """A budget in tokens from a token count (int >= 1) or a fraction of the full length (float in (0, 1])."""
-    if budget is None:
-        return None
-    if isinstance(budget, str):
-        try:
-            budget = parse_number(budget)
-        except ValueError:
-            raise ValueError(f"budget must be a token count or a fraction in (0, 1], got {budget!r}") from None
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"budget must be a token count or a fraction in (0, 1], got {budget!r}")
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0 or math.isnan(budget):
-            raise ValueError(
-                f"budget fraction must be in (0, 1], got {budget} (give a token count as an integer, e.g. 64)"
-            )
-        return max(1, math.ceil(budget * full_length))
-    if budget <= 0:
-        raise ValueError(f"budget must be >= 1 token, got {budget}")
-    return int(budget)
-
-
-def parse_number(text: str) -> int | float:
-    """``"64"``, ``"-5"`` -> int (a token count, in range or not), ``"0.25"`` -> float; ValueError otherwise."""
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
-
-
-def resolve_policy(policy: str | Policy, budget_tokens: int | None, granularity: str = "token",
-                   block_size: int = 16, params: dict | None = None) -> Policy:
-    """The policy as `generate` runs it: built with ``params``, set to whole blocks of ``block_size`` in ``"block"``
-    granularity, and resolved for a budget in tokens. Raises ValueError when its windows do not fit the budget, so
-    callers that run many decodes (`learnkv.eval`) can check every combination before the first one."""
-    return resolve_policy_rows(policy, [budget_tokens], granularity, block_size, params)[0]
-
-
-def resolve_policy_rows(policy: str | Policy, budgets: Sequence[int | None], granularity: str = "token",
-                        block_size: int = 16, params: dict | None = None) -> list[Policy]:
-    """`resolve_policy` for each row's budget of a batch: one policy per row, which may differ only in what the
-    cache applies per row (`learnkv.policies.base.resolve_rows`); raises ValueError otherwise."""
-    policy_obj = make_policy(policy, **(params or {}))
-    if not policy_obj.evicts:
-        return [policy_obj] * len(budgets)
-    if granularity == "block" and "block_size" in (params or {}):
-        raise ValueError(f"policy {policy_obj.name!r}: block_size has no effect in block granularity, where the block "
-                         "size is the granularity's own (--block-size): drop the parameter")
-    if any(b is None for b in budgets):
-        raise ValueError(f"policy {policy_obj.name!r} needs a budget (tokens, or a fraction of the full length)")
-    if granularity == "block":
-        policy_obj = dataclasses.replace(policy_obj, block_size=block_size)
-    return resolve_rows(policy_obj, budgets)
 
 
 def _special_texts(tokenizer) -> list[str]:
@@ -473,14 +414,8 @@ def generate(
         budgets = [resolve_budget(b, n + max_new_tokens) for b, n in zip(per_row, prompt_lengths)]
         if any(b is None for b in budgets):
             raise ValueError(f"policy {policy_obj.name!r} needs a budget (tokens, or a fraction of the full length)")
-    rows = resolve_policy_rows(policy_obj, budgets or [None] * B, granularity, block_size)
-    prefill_rows = None
-    if prefill_policy is not None and policy_obj.evicts:
-        prefill_rows = resolve_policy_rows(prefill_policy, budgets, granularity, block_size, prefill_params)
-    elif policy_obj.evicts:
-        for n, b, row in zip(prompt_lengths, budgets, rows):
-            if error := blind_prefill_error(row, n, b):
-                raise ValueError(error)
+    rows, prefill_rows = Eviction(policy_obj, granularity=granularity, block_size=block_size, prefill=prefill_policy,
+                                  prefill_params=prefill_params or {}).resolve(budgets or [None] * B, prompt_lengths)
     rows[0].check_model(model)  # a policy bound to one model (learned) refuses another
     if policy_obj.needs_future:
         if forced_tokens is None:  # the future is the full-cache continuation of this very call

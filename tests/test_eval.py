@@ -18,8 +18,9 @@ from learnkv.decode import resolve_budget
 from learnkv.eval import TASKS, Sample, Task, build_spec, evaluate, make_task, markdown_table, write_results
 from learnkv.eval.report import summary_table
 from learnkv.eval import metrics as M
-from learnkv.eval.run import _groups, paired
+from learnkv.eval.run import paired, run_config
 from learnkv.eval.stats import bootstrap_ci, paired_difference
+from learnkv.settings import batch_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 FIDELITY = ("kl", "top1_agreement", "ppl_ratio", "attention_recall", "agreement_length", "generated_tokens")
@@ -302,7 +303,8 @@ def test_batched_evaluation_with_a_prefill_policy_resolving_per_row(tiny, policy
     assert len(windows) > 1  # the case this test is for: one batch, rows of different prefill windows
     task, budgets = make_task("fidelity"), [resolve_budget(0.5, f) for f in finals]
     run, prefill = (build_spec(p, "0.5").runs[0] for p in (policy, "snapkv"))
-    assert _groups(run, prefill, task, budgets) == [[0, 1, 2]]  # and they decode together (SnapKV.for_batch)
+    # and they decode together (SnapKV.for_batch)
+    assert batch_groups(task.eviction(run_config(run, budgets, prefill)), budgets) == [[0, 1, 2]]
     for a, b in zip(one, batched):
         for metric, values in a["per_prompt"].items():
             assert b["per_prompt"][metric] == pytest.approx(values, abs=1e-4), metric
@@ -553,6 +555,48 @@ def test_a_killed_evaluation_resumes_at_its_last_finished_batch(tiny, tmp_path, 
     err = capsys.readouterr().err
     assert "is a run of another grid (runs, budgets differ)" in err
     assert [p.name for p in tmp_path.glob("earlier-*/*")] == [PARTIAL]
+
+
+def test_a_partial_file_written_before_the_resume_object_resumes(tiny, tmp_path, monkeypatch):
+    """tests/data/resume-format-1 is what learnkv at 45c09ad (evaluate's resume bookkeeping inline, before
+    `checkpoint.Resume`) left when killed: the grid below, killed in the second batch (ids/2) after its full and
+    h2o runs at budget 0.5. It resumes: the first batch and those two runs are read back as written, the batch's
+    stored reference too, and only the rest is decoded; the file is only appended to."""
+    import shutil
+
+    from learnkv.eval.checkpoint import PARTIAL
+
+    out = tmp_path / "out"
+    shutil.copytree(ROOT / "tests" / "data" / "resume-format-1", out)
+    before = (out / PARTIAL).read_text()
+    written = [json.loads(line) for line in before.splitlines()[1:]]
+    items = [Sample.from_ids(torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(40 + k)),
+                             id=f"ids/{k}") for k in range(3)]
+    spec = build_spec("full,h2o,lazy", "0.5,20", "fidelity", max_new_tokens=6, batch_size=2, prefill_policy="snapkv")
+    task, decoded, references = spec.tasks[0], [], []
+    real_run, real_reference = task.run_batch, task.reference_batch
+
+    def run_batch(model, tok, batch, refs, cfg):
+        decoded.extend((s.id, cfg.policy) for s in batch)
+        return real_run(model, tok, batch, refs, cfg)
+
+    def reference_batch(model, tok, batch):
+        references.extend(s.id for s in batch)
+        return real_reference(model, tok, batch)
+    monkeypatch.setattr(task, "run_batch", run_batch)
+    monkeypatch.setattr(task, "reference_batch", reference_batch)
+    records = evaluate(tiny, None, spec, samples=items, resume_dir=out)
+    assert sorted(decoded) == [("ids/2", "h2o"), ("ids/2", "lazy"), ("ids/2", "lazy")] and references == []
+    assert not list(out.glob("reference-*"))  # its batch is finished
+    after = (out / PARTIAL).read_text()
+    assert after.startswith(before) and len(after.splitlines()) == len(before.splitlines()) + 4
+    by = {(r["policy"], r["budget"]): r for r in records}
+    for entry in written:  # what the old code wrote is what the records hold, bit for bit
+        record = by[entry["policy"], entry["budget"]]
+        for i, pid in enumerate(entry["ids"]):
+            k = record["config"]["prompt_ids"].index(pid)
+            assert entry["metrics"][i] and all(record["per_prompt"][m][k] == v for m, v in entry["metrics"][i].items())
+    assert all(r["metrics"]["n_prompts"] == 3 for r in records)
 
 
 def test_finished_only_reports_each_budget_as_soon_as_a_batch_has_finished_it(tiny, tmp_path, monkeypatch,

@@ -8,7 +8,8 @@ what was finished and decodes only the rest (the full-cache reference of a batch
 recomputed); the values come back bit for bit (JSON keeps floats exact), so the results equal an uninterrupted
 run's except the timings. A partial run of another grid, or a damaged file, is moved
 into ``earlier-<time>/`` (never deleted), and the run starts over. ``evaluate.py`` removes the file once
-results.json is written.
+results.json is written. `Resume` is what `evaluate` holds of all this: what an earlier run finished, what this one
+stores, and the references of the batch in progress.
 
 The full-cache reference of a batch is kept too, while some of the batch's runs are left
 (``reference-<digest>.safetensors``, `save_references`): at length it is the costliest single decode of a batch
@@ -276,5 +277,62 @@ def drop_references(out_dir: str | Path, identity: dict) -> None:
     _reference_path(out_dir, identity).unlink(missing_ok=True)
 
 
-__all__ = ["PARTIAL", "append_run", "drop_references", "finish", "grid_identity", "kept_runs", "load_references",
-           "open_partial", "save_references"]
+def reference_identity(model_name: str | None, task, ids: list[str]) -> dict:
+    """What a batch's full-cache references depend on (their file's name is its digest): model, task and its
+    options, prompt ids."""
+    return {"model": model_name, "task": task.name, "options": task.options(), "ids": ids}
+
+
+class Resume:
+    """An evaluation's resume state in ``out_dir``: what an earlier run of its grid finished (read back, not
+    decoded again), what this run stores as it finishes it, and each batch's full-cache references while the
+    batch has runs left. ``out_dir`` None: nothing is read or stored. ``finished_only``: the partial file is only
+    read (`read_partial`: it raises if there is none of this grid), and nothing is stored."""
+
+    def __init__(self, out_dir: str | Path | None, identity: dict, finished_only: bool = False):
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        self.finished: dict = {}  # (task, prompt ids) -> {(policy label, budget): entry}
+        self.note = None  # resuming, or where another grid's partial file was moved
+        self.read_only = finished_only
+        if finished_only:
+            if out_dir is None:
+                raise ValueError("finished_only reads the finished runs of an evaluation into resume_dir: give it")
+            self.finished = read_partial(out_dir, identity)
+        elif out_dir is not None:
+            self.finished, self.note = open_partial(out_dir, identity)
+
+    @property
+    def stores(self) -> bool:
+        return self.out_dir is not None and not self.read_only
+
+    def stored(self, task: str, ids: list[str]) -> dict:
+        """``{(policy label, budget): entry}``: what an earlier run finished of this batch of prompts."""
+        return self.finished.get((task, tuple(ids)), {})
+
+    def references(self, identity: dict, compute) -> list:
+        """A batch's references: read back where stored, else computed and stored."""
+        refs = load_references(self.out_dir, identity) if self.stores else None
+        if refs is None:
+            refs = compute()
+            if self.stores:
+                save_references(self.out_dir, identity, refs)
+        return refs
+
+    def store(self, task: str, ids: list[str], label: str, budget, result: tuple) -> None:
+        """Keep one finished (policy, budget) of a batch: ``result`` is its ``(metrics, costs, params)``."""
+        if self.stores:
+            metrics, costs, params = result
+            append_run(self.out_dir, {"task": task, "ids": ids, "policy": label, "budget": budget,
+                                      "metrics": metrics, "costs": costs, "params": params})
+
+    def batch_finished(self, identity: dict) -> None:
+        """Every run of a batch is stored: its references are no longer needed."""
+        if self.stores:
+            drop_references(self.out_dir, identity)
+
+    def n_finished(self) -> int:
+        return sum(map(len, self.finished.values()))
+
+
+__all__ = ["PARTIAL", "Resume", "append_run", "drop_references", "finish", "grid_identity", "kept_runs", "load_references",
+           "open_partial", "reference_identity", "save_references"]

@@ -26,17 +26,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from learnkv.cache import blind_prefill_error, prefill_policy_error
-from learnkv.decode import GenerationResult, check_positions, parse_number, resolve_budget, resolve_policy
+from learnkv.decode import GenerationResult, check_positions
 from learnkv.eval import checkpoint
 from learnkv.eval.checkpoint import scorer_identity
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
 from learnkv.eval.tasks.base import RunConfig, evicts
 from learnkv.policies import POLICIES, make_policy
-from learnkv.policies.base import shared_fields
 from learnkv.policies.params import parse_policy, parse_policy_list
 from learnkv.progress import redraw_seconds, token_counter
+from learnkv.settings import Eviction, batch_groups, parse_number, resolve_budget
 
 DEFAULT_POLICIES = ("full", "streaming", "h2o", "tova", "snapkv", "roco", "lazy", "paged")
 DEFAULT_BUDGETS = (0.25, 0.5)
@@ -98,6 +97,14 @@ class EvalSpec:
     def policies(self) -> list[str]:
         return [r.label for r in self.runs]
 
+    def config(self, run: PolicyRun, budgets: list[int | None]) -> RunConfig:
+        """A grid row's decode configuration for prompts at these budgets (tokens, one per prompt)."""
+        return run_config(run, budgets, self.prefill, self.slack)
+
+
+def run_config(run: PolicyRun, budgets: list[int | None], prefill: PolicyRun | None = None, slack: int = 0) -> RunConfig:
+    return RunConfig(run.name, run.params, budgets, (prefill.name, prefill.params) if prefill else None, slack)
+
 
 def split_list(text: str | Sequence, what: str) -> list:
     """``"a,b"`` -> ``["a", "b"]`` (duplicates dropped, order kept); a list passes through."""
@@ -122,14 +129,10 @@ def _policy_run(label: str, name: str, params: dict, scorer: str | None, seed: i
     """A checked grid row: a known policy, parameters of the right type and range, the scorer where needed."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r} in {label!r}; known policies: {', '.join(POLICIES)}")
-    params = dict(params)
-    if name == "learned" and "scorer" not in params:
-        if not scorer:
-            raise ValueError("policy 'learned' needs a scorer artifact: --scorer PATH (train one with `python train.py`)")
-        params["scorer"] = str(scorer)
+    params = Eviction(name, params, scorer=scorer).policy_params  # a learned policy takes --scorer
     if name == "random":
         params.setdefault("seed", seed)
-    make_policy(name, **params)  # unknown keys and bad values fail here, naming the valid keys
+    Eviction(name, params).check()  # unknown keys and bad values fail here, naming the valid keys; so does no scorer
     return PolicyRun(label, name, params)
 
 
@@ -138,8 +141,7 @@ def prefill_run(item: str, where: str, scorer: str | None = None, seed: int = 0)
     the policy cannot decide at the prefill (`learnkv.cache.prefill_policy_error`)."""
     name, params = parse_policy(item)
     run = _policy_run(item, name, params, scorer, seed)
-    if error := prefill_policy_error(make_policy(name, **run.params)):
-        raise ValueError(f"{where}: {error}")
+    Eviction(prefill=name, prefill_params=run.params).check(prefill_option=where)
     return run
 
 
@@ -177,11 +179,8 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
         for b in budgets:
             if isinstance(b, int):
                 for task in tasks:
-                    resolve_policy(run.name, b, task.granularity, task.block_size, run.params)
-                    if prefill and POLICIES[run.name].evicts:
-                        resolve_policy(prefill.name, b, task.granularity, task.block_size, prefill.params)
-    if scorer:  # checked even when unused: a typo should not pass silently
-        make_policy("learned", scorer=str(scorer)).resolve_defaults(1)
+                    task.eviction(run_config(run, [b], prefill)).check(b)
+    Eviction(scorer=scorer).check()  # a scorer is checked even when unused: a typo should not pass silently
     return EvalSpec(runs, budgets, tasks, limit, seed, prefill, int(batch_size), compare, int(slack), batch_budgets)
 
 
@@ -230,11 +229,7 @@ def _check(task: Task, spec: EvalSpec, run: PolicyRun, samples: list[Sample], bu
     for sample, tokens in zip(samples, budgets):
         where = f"{task.name} prompt {sample.id} ({sample.input_ids.shape[1]} prompt tokens), budget {b} = {tokens} tokens"
         try:
-            policy = resolve_policy(run.name, tokens, task.granularity, task.block_size, run.params)
-            if spec.prefill and policy.evicts:
-                resolve_policy(spec.prefill.name, tokens, task.granularity, task.block_size, spec.prefill.params)
-            elif error := blind_prefill_error(policy, sample.input_ids.shape[1], tokens or 0):
-                raise ValueError(error)
+            task.eviction(spec.config(run, [tokens])).resolve([tokens], [sample.input_ids.shape[1]])
         except ValueError as e:
             raise ValueError(f"{where}, policy {run.label!r}: {e}") from None
 
@@ -249,25 +244,10 @@ def check_grid(task: Task, prompts: Sequence[Sample], spec: EvalSpec) -> None:
             _check(task, spec, run, list(prompts), _budgets_for(run, b, finals), b)
 
 
-def _groups(run: PolicyRun, prefill: PolicyRun | None, task: Task, budgets: list[int | None]) -> list[list[int]]:
-    """Rows that can share one batched decode: rows whose decode policy, and prefill policy if any, resolve to the
-    same shared parameters for their budgets (`learnkv.policies.base.shared_fields`); all of them unless a
-    budget-dependent default that is not per row differs between rows (every registered policy's windows are per
-    row, SnapKV's through `SnapKV.for_batch`, so in practice one group)."""
-    if not evicts(run.name):
-        return [list(range(len(budgets)))]
-    policies = [p for p in (run, prefill) if p is not None]
-    keys: dict = {}
-    for i, b in enumerate(budgets):
-        key = [shared_fields(resolve_policy(p.name, b, task.granularity, task.block_size, p.params)) for p in policies]
-        keys.setdefault(repr(key), []).append(i)
-    return list(keys.values())
-
-
 def _decode(model, tokenizer, task: Task, spec: EvalSpec, run: PolicyRun, batch: list[Sample], refs: list,
             todo: list[tuple]) -> list[tuple[list, list, dict | None]]:
     """Decode ``batch`` under ``run`` at each ``(budget, tokens per prompt)`` of ``todo`` as rows of one batch
-    (prompt i at budget k is row k * len(batch) + i; split by `_groups` where rows cannot share a policy), and give
+    (prompt i at budget k is row k * len(batch) + i; split by `batch_groups` where rows cannot share a policy), and give
     each budget its ``(metrics, costs, params)`` per prompt. ``params`` are the policy as resolved for the budget's
     first prompt (`learnkv.generate` reports its first row's)."""
     rows = [(k, i) for k in range(len(todo)) for i in range(len(batch))]
@@ -276,9 +256,8 @@ def _decode(model, tokenizer, task: Task, spec: EvalSpec, run: PolicyRun, batch:
         _check(task, spec, run, batch, tokens, b)
     metrics = [[None] * len(batch) for _ in todo]
     row_costs = [[None] * len(batch) for _ in todo]
-    for group in _groups(run, spec.prefill, task, budgets):
-        cfg = RunConfig(run.name, run.params, [budgets[j] for j in group],
-                        (spec.prefill.name, spec.prefill.params) if spec.prefill else None, spec.slack)
+    for group in batch_groups(task.eviction(spec.config(run, budgets)), budgets):
+        cfg = spec.config(run, [budgets[j] for j in group])
         t0 = time.perf_counter()
         m, generated = task.run_batch(model, tokenizer, [batch[rows[j][1]] for j in group],
                                       [refs[rows[j][1]] for j in group], cfg)
@@ -286,8 +265,7 @@ def _decode(model, tokenizer, task: Task, spec: EvalSpec, run: PolicyRun, batch:
         for n, j in enumerate(group):
             k, i = rows[j]
             metrics[k][i], row_costs[k][i] = m[n], _cost_row(generated, n, share)
-    params = [resolve_policy(run.name, tokens[0], task.granularity, task.block_size, run.params).params()
-              for _, tokens in todo]
+    params = [task.eviction(spec.config(run, tokens[:1])).resolve(tokens[:1])[0][0].params() for _, tokens in todo]
     return list(zip(metrics, row_costs, params))
 
 
@@ -326,123 +304,150 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         ``config["policy_params"]`` the resolved parameters and ``config["n_prompts"]``.
     """
     torch.manual_seed(spec.seed)
-    finished = {}
-    if finished_only:
-        if resume_dir is None:
-            raise ValueError("finished_only reads the finished runs of an evaluation into resume_dir: give it")
-        finished = checkpoint.read_partial(resume_dir, checkpoint.grid_identity(spec, model_name))
-    elif resume_dir is not None:
-        finished, note = checkpoint.open_partial(resume_dir, checkpoint.grid_identity(spec, model_name))
-        if note:
-            print(f"note: {note}", file=sys.stderr)
+    resume = checkpoint.Resume(resume_dir, checkpoint.grid_identity(spec, model_name), finished_only)
+    if resume.note:
+        print(f"note: {resume.note}", file=sys.stderr)
     records = []
     for task in spec.tasks:
-        limit = spec.limit if spec.limit is not None else task.default_limit
-        prompts = list(samples)[:limit] if samples is not None else task.load(tokenizer, limit, spec.seed)
-        if not prompts:
-            raise ValueError(f"task {task.name!r} found no prompts")
-        seen = Counter(s.id for s in prompts)
-        if twice := [pid for pid, n in seen.items() if n > 1]:  # a record's prompts are distinct, or its interval lies
-            raise ValueError(f"task {task.name!r}: prompt id {twice[0]!r} appears {seen[twice[0]]} times among its "
-                             f"prompts ({len(twice)} ids repeat); give each prompt once")
-        check_grid(task, prompts, spec)
-        check_positions(model, [s.input_ids.shape[1] for s in prompts], task.max_new_tokens,
-                        [f"{task.name} prompt {s.id}" for s in prompts])
-        keys = [(r, b) for b in spec.budgets for r in spec.runs]
-        per_prompt = {key: {} for key in keys}  # (run, budget) -> sample id -> metrics
-        costs = {key: {} for key in keys}
-        first_params = {}
-        n_runs = len(prompts) * (1 + len({(r.label, b) if evicts(r.name) else r.label for r, b in keys}))
-        redraw_s = redraw_seconds()
-        bar = tqdm(total=n_runs, desc=task.name, unit="run",
-                   disable=not sys.stderr.isatty() if progress is None else not progress,
-                   mininterval=redraw_s, file=sys.stderr)
-        task.on_step = token_counter(bar, every_s=redraw_s)  # live tokens and tok/s inside long decodes
-        per_batch = n_runs // len(prompts)  # runs per prompt: the reference and every distinct (policy, budget)
-        # per budget, the prompts of every batch evaluated (or read back) in full at that budget: all budgets of a
-        # batch at once when decoding; --finished-only also reports a budget that a batch has finished before the next
-        done_prompts = {b: {} for b in spec.budgets}  # id -> sample: each prompt once, however often it is filed
+        prompts = _prompts(model, tokenizer, task, spec, samples)
+        grid = _TaskGrid(model, tokenizer, task, spec, resume, model_name, len(prompts), progress)
         try:
             for batch in batches(prompts, spec.batch_size):
-                ids = [s.id for s in batch]
-                stored = finished.get((task.name, tuple(ids)), {})  # (label, budget) -> what a killed run finished
-                whole = [b for b in spec.budgets if all((run.label, b) in stored for run in spec.runs)]
-                if finished_only or len(whole) == len(spec.budgets):
-                    for b in whole:
-                        for run in spec.runs:
-                            _keep(per_prompt, costs, first_params, (run, b), ids, *_stored(stored[run.label, b]))
-                        done_prompts[b].update((s.id, s) for s in batch)
-                    if len(whole) == len(spec.budgets):
-                        bar.update(per_batch * len(batch))
-                    continue
-                ref_identity = {"model": model_name, "task": task.name, "options": task.options(), "ids": ids}
-                refs = checkpoint.load_references(resume_dir, ref_identity) if resume_dir is not None else None
-                if refs is None:
-                    refs = task.reference_batch(model, tokenizer, batch)
-                    if resume_dir is not None:
-                        checkpoint.save_references(resume_dir, ref_identity, refs)
-                bar.update(len(batch))
-                finals = [task.final_length(s, r) for s, r in zip(batch, refs)]
-                done = {}  # (label, budget tokens per row) -> (metrics, costs, params): full once, equal budgets once
-                # what decodes together: each (policy, budget) alone, or every budget of a policy (--batch-budgets)
-                units = ([[(run, b) for b in spec.budgets] for run in spec.runs] if spec.batch_budgets
-                         else [[run_b] for run_b in keys])
-                for unit in units:
-                    run = unit[0][0]
-                    plan = []  # (budget, its tokens per row, the decode's key, what a killed run stored)
-                    for _, b in unit:
-                        budgets = _budgets_for(run, b, finals)
-                        plan.append((b, budgets, (run.label, tuple(budgets)), stored.get((run.label, b))))
-                    have = {key: _stored(entry) for _, _, key, entry in plan if entry is not None}
-                    todo = {}  # key -> (budget, tokens per row): what neither a killed run nor this one decoded
-                    for b, budgets, key, entry in plan:
-                        if entry is None and key not in done and key not in have:
-                            todo.setdefault(key, (b, budgets))
-                    decoded = dict(zip(todo, _decode(model, tokenizer, task, spec, run, batch, refs,
-                                                     list(todo.values())))) if todo else {}
-                    for b, _, key, entry in plan:
-                        result = _stored(entry) if entry is not None else done.get(key) or have.get(key) or decoded[key]
-                        if key not in done:
-                            done[key] = result
-                            bar.update(len(batch))
-                        if entry is None and resume_dir is not None:
-                            checkpoint.append_run(resume_dir, {"task": task.name, "ids": ids, "policy": run.label,
-                                                               "budget": b, "metrics": result[0], "costs": result[1],
-                                                               "params": result[2]})
-                        _keep(per_prompt, costs, first_params, (run, b), ids, *result)
-                if resume_dir is not None:
-                    checkpoint.drop_references(resume_dir, ref_identity)
-                for b in spec.budgets:
-                    done_prompts[b].update((s.id, s) for s in batch)
+                if not grid.read_back(batch, finished_only):
+                    grid.run_batch(batch)
         finally:
             task.on_step = None
-            bar.close()
-        if not any(done_prompts.values()):
-            raise ValueError(f"{task.name}: no batch of {spec.batch_size} prompts is finished yet in {resume_dir} "
-                             f"at any budget (finished runs: {sum(map(len, finished.values()))})")
+            grid.bar.close()
+        records += grid.records(resume_dir)
+    return records
+
+
+def _prompts(model, tokenizer, task: Task, spec: EvalSpec, samples: Sequence[Sample] | None) -> list[Sample]:
+    """A task's prompts, checked against the grid and the model before the first decode."""
+    limit = spec.limit if spec.limit is not None else task.default_limit
+    prompts = list(samples)[:limit] if samples is not None else task.load(tokenizer, limit, spec.seed)
+    if not prompts:
+        raise ValueError(f"task {task.name!r} found no prompts")
+    seen = Counter(s.id for s in prompts)
+    if twice := [pid for pid, n in seen.items() if n > 1]:  # a record's prompts are distinct, or its interval lies
+        raise ValueError(f"task {task.name!r}: prompt id {twice[0]!r} appears {seen[twice[0]]} times among its "
+                         f"prompts ({len(twice)} ids repeat); give each prompt once")
+    check_grid(task, prompts, spec)
+    check_positions(model, [s.input_ids.shape[1] for s in prompts], task.max_new_tokens,
+                    [f"{task.name} prompt {s.id}" for s in prompts])
+    return prompts
+
+
+class _TaskGrid:
+    """One task's pass over its batches of prompts: each batch's (policy, budget) runs, read back from an earlier
+    run (`learnkv.eval.checkpoint.Resume`) or decoded, filed per prompt until the task's records are made."""
+
+    def __init__(self, model, tokenizer, task: Task, spec: EvalSpec, resume: checkpoint.Resume,
+                 model_name: str | None, n_prompts: int, progress: bool | None):
+        self.model, self.tokenizer, self.task, self.spec = model, tokenizer, task, spec
+        self.resume, self.model_name = resume, model_name
+        self.keys = [(r, b) for b in spec.budgets for r in spec.runs]
+        self.per_prompt = {key: {} for key in self.keys}  # (run, budget) -> sample id -> metrics
+        self.costs = {key: {} for key in self.keys}
+        self.first_params = {}
+        # per budget, the prompts of every batch evaluated (or read back) in full at that budget: all budgets of a
+        # batch at once when decoding; --finished-only also reports a budget that a batch has finished before the next
+        self.done_prompts = {b: {} for b in spec.budgets}  # id -> sample: each prompt once, however often it is filed
+        # the reference and every distinct (policy, budget)
+        self.runs_per_prompt = 1 + len({(r.label, b) if evicts(r.name) else r.label for r, b in self.keys})
+        redraw_s = redraw_seconds()
+        self.bar = tqdm(total=n_prompts * self.runs_per_prompt, desc=task.name, unit="run",
+                        disable=not sys.stderr.isatty() if progress is None else not progress,
+                        mininterval=redraw_s, file=sys.stderr)
+        task.on_step = token_counter(self.bar, every_s=redraw_s)  # live tokens and tok/s inside long decodes
+
+    def keep(self, run_b: tuple, ids: list[str], metrics: list, row_costs: list, params: dict | None) -> None:
+        """File one (policy, budget)'s per-prompt metrics and costs for a batch of prompts under their ids."""
+        self.per_prompt[run_b].update(zip(ids, metrics))
+        self.costs[run_b].update(zip(ids, row_costs))
+        if params is not None:
+            self.first_params.setdefault(run_b, params)
+
+    def done_at(self, b, batch: list[Sample]) -> None:
+        self.done_prompts[b].update((s.id, s) for s in batch)
+
+    def read_back(self, batch: list[Sample], finished_only: bool) -> bool:
+        """File what an earlier run finished of ``batch``: True if that is all there is to do for it (every budget
+        finished, or ``finished_only``), False if it is to be decoded."""
+        ids, spec = [s.id for s in batch], self.spec
+        stored = self.resume.stored(self.task.name, ids)
+        whole = [b for b in spec.budgets if all((run.label, b) in stored for run in spec.runs)]
+        if not finished_only and len(whole) < len(spec.budgets):
+            return False
+        for b in whole:
+            for run in spec.runs:
+                self.keep((run, b), ids, *_stored(stored[run.label, b]))
+            self.done_at(b, batch)
+        if len(whole) == len(spec.budgets):
+            self.bar.update(self.runs_per_prompt * len(batch))
+        return True
+
+    def run_batch(self, batch: list[Sample]) -> None:
+        """Every (policy, budget) of ``batch`` that an earlier run did not finish, decoded against the batch's
+        full-cache references (read back, or decoded once), stored as each finishes."""
+        task, spec, ids = self.task, self.spec, [s.id for s in batch]
+        ref_identity = checkpoint.reference_identity(self.model_name, task, ids)
+        refs = self.resume.references(ref_identity, lambda: task.reference_batch(self.model, self.tokenizer, batch))
+        self.bar.update(len(batch))
+        finals = [task.final_length(s, r) for s, r in zip(batch, refs)]
+        done = {}  # (label, budget tokens per row) -> (metrics, costs, params): full once, equal budgets once
+        # what decodes together: each (policy, budget) alone, or every budget of a policy (--batch-budgets)
+        units = ([[(run, b) for b in spec.budgets] for run in spec.runs] if spec.batch_budgets
+                 else [[run_b] for run_b in self.keys])
+        for unit in units:
+            self.run_unit(unit[0][0], [b for _, b in unit], batch, refs, finals, done)
+        self.resume.batch_finished(ref_identity)
         for b in spec.budgets:
-            if not done_prompts[b]:
+            self.done_at(b, batch)
+
+    def run_unit(self, run: PolicyRun, budgets: list, batch: list[Sample], refs: list, finals: list[int],
+                 done: dict) -> None:
+        """One policy at ``budgets``, decoded together: what neither an earlier run nor this one (``done``) has."""
+        ids = [s.id for s in batch]
+        stored = self.resume.stored(self.task.name, ids)
+        plan = []  # (budget, its tokens per row, the decode's key, what a killed run stored)
+        for b in budgets:
+            tokens = _budgets_for(run, b, finals)
+            plan.append((b, tokens, (run.label, tuple(tokens)), stored.get((run.label, b))))
+        have = {key: _stored(entry) for _, _, key, entry in plan if entry is not None}
+        todo = {}  # key -> (budget, tokens per row): what neither a killed run nor this one decoded
+        for b, tokens, key, entry in plan:
+            if entry is None and key not in done and key not in have:
+                todo.setdefault(key, (b, tokens))
+        decoded = dict(zip(todo, _decode(self.model, self.tokenizer, self.task, self.spec, run, batch, refs,
+                                         list(todo.values())))) if todo else {}
+        for b, _, key, entry in plan:
+            result = _stored(entry) if entry is not None else done.get(key) or have.get(key) or decoded[key]
+            if key not in done:
+                done[key] = result
+                self.bar.update(len(batch))
+            if entry is None:
+                self.resume.store(self.task.name, ids, run.label, b, result)
+            self.keep((run, b), ids, *result)
+
+    def records(self, resume_dir) -> list[dict]:
+        """One record per (policy, budget) with prompts finished at that budget."""
+        task, spec = self.task, self.spec
+        if not any(self.done_prompts.values()):
+            raise ValueError(f"{task.name}: no batch of {spec.batch_size} prompts is finished yet in {resume_dir} "
+                             f"at any budget (finished runs: {self.resume.n_finished()})")
+        for b in spec.budgets:
+            if not self.done_prompts[b]:
                 print(f"note: {task.name}: no batch of prompts is finished at budget {b} yet: no records for it",
                       file=sys.stderr)
-        for run, b in keys:
-            if done_prompts[b]:
-                records.append(_record(task, run, b, list(done_prompts[b].values()), per_prompt[run, b], costs[run, b],
-                                       first_params.get((run, b)), spec, model, model_name))
-    return records
+        return [_record(task, run, b, list(self.done_prompts[b].values()), self.per_prompt[run, b],
+                        self.costs[run, b], self.first_params.get((run, b)), spec, self.model, self.model_name)
+                for run, b in self.keys if self.done_prompts[b]]
 
 
 def _stored(entry: dict) -> tuple[list, list, dict | None]:
     """A run read back from partial.jsonl: its per-prompt metrics and costs and its resolved parameters."""
     return entry["metrics"], entry["costs"], entry["params"]
-
-
-def _keep(per_prompt: dict, costs: dict, first_params: dict, run_b: tuple, ids: list[str], metrics: list,
-          row_costs: list, params: dict | None) -> None:
-    """File one (policy, budget)'s per-prompt metrics and costs for a batch of prompts under their ids."""
-    per_prompt[run_b].update(zip(ids, metrics))
-    costs[run_b].update(zip(ids, row_costs))
-    if params is not None:
-        first_params.setdefault(run_b, params)
 
 
 def _record(task, run, b, prompts, per_prompt, costs, params, spec, model, model_name) -> dict:

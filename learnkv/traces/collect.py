@@ -35,12 +35,13 @@ from tqdm.auto import tqdm
 import learnkv.decode  # generate and load_model are called through their modules: tests stand in for them there
 import learnkv.model
 from learnkv.atomic import dir_lock, ensure_dir
-from learnkv.decode import encode_prompts, resolve_budget, resolve_policy
+from learnkv.decode import encode_prompts
 from learnkv.fields import check_fields, setting
-from learnkv.policies import POLICIES, make_policy
+from learnkv.policies import POLICIES
 from learnkv.progress import redraw_seconds, token_counter
 from learnkv.prompts import SOURCES, load_prompts
 from learnkv.scorer.artifact import cached_kv_heads, caches_latent, read_artifact_manifest
+from learnkv.settings import Eviction, batch_groups, resolve_budget
 from learnkv.traces import onpolicy
 from learnkv.traces.record import FLOAT_LABELS, Decision, Recorder, horizon_fits
 from learnkv.traces.store import (MANIFEST, TraceError, finished_shards, read_manifest, remove_stale_temps,
@@ -91,9 +92,7 @@ class CollectConfig:
             if POLICIES[self.policy].needs_future:
                 raise ValueError(f"collection policy {self.policy!r} needs the future; collect under a policy that "
                                  "decides on what it has seen (or 'full' for full-cache traces)")
-            acting = make_policy(self.policy, **self.policy_params)  # unknown or bad parameters fail here
-            if self.policy == "learned":
-                acting.resolve_defaults(1)  # the scorer artifact exists and is readable
+            self.eviction.check()  # unknown or bad parameters fail here; a learned policy's scorer is readable
             if not self.budgets:
                 raise ValueError("on-policy collection needs at least one budget (collect.budgets)")
             for b in self.budgets:
@@ -104,6 +103,11 @@ class CollectConfig:
     @property
     def on_policy(self) -> bool:
         return self.policy != "full"
+
+    @property
+    def eviction(self) -> Eviction:
+        """The acting policy's eviction settings (each prompt's budget is its own, `prompt_budget`)."""
+        return Eviction(self.policy, self.policy_params)
 
     def digest(self) -> str:
         """What the traces depend on: every setting but `SPEED_ONLY` ones, and a learned acting policy's weights."""
@@ -199,18 +203,6 @@ def _prompt_lengths(cfg: CollectConfig, tokenizer, prompts: list) -> list[int]:
             for p in prompts]
 
 
-def _groups(cfg: CollectConfig, budgets: list[int | None]) -> list[list[int]]:
-    """Rows that can decode in one batch: all of them, unless the acting policy resolves differently for their
-    budgets (a budget-dependent default, e.g. LazyEviction's window); then rows of equal resolution."""
-    if not cfg.on_policy:
-        return [list(range(len(budgets)))]
-    groups: dict[str, list[int]] = {}
-    for i, b in enumerate(budgets):
-        p = resolve_policy(cfg.policy, b, params=cfg.policy_params)
-        groups.setdefault(repr({k: v for k, v in p.params().items() if k not in p.per_row_fields}), []).append(i)
-    return list(groups.values())
-
-
 def record_batch(model, tokenizer, cfg: CollectConfig, prompts: list, on_step=None):
     """Decode ``prompts`` together and record them. Returns (per prompt: its decisions, tokens generated per prompt,
     decisions dropped because a generation ended before their horizon). ``on_step`` as in `learnkv.decode.generate`."""
@@ -221,11 +213,11 @@ def record_batch(model, tokenizer, cfg: CollectConfig, prompts: list, on_step=No
     if cfg.on_policy:
         lengths = _prompt_lengths(cfg, tokenizer, prompts)
         budgets = [resolve_budget(prompt_budget(cfg, p.id), n + cfg.max_new_tokens) for p, n in zip(prompts, lengths)]
-    for group in _groups(cfg, budgets):
+    for group in batch_groups(cfg.eviction, budgets):  # rows of one resolution (a budget-dependent default)
         texts = [prompts[i].text for i in group]
         prefixes = [prompts[i].meta.get("response_prefix") for i in group]  # a chain prompt's solved first problems
         if cfg.on_policy:
-            got, result = onpolicy.record(model, tokenizer, texts, make_policy(cfg.policy, **cfg.policy_params),
+            got, result = onpolicy.record(model, tokenizer, texts, cfg.eviction.make(),
                                           [budgets[i] for i in group], [steps[i] for i in group], cfg.teachers,
                                           cfg.horizon, cfg.label_budget, cfg.max_new_tokens, chat=cfg.chat,
                                           reply_prefixes=prefixes,
@@ -282,21 +274,7 @@ def _collect_shards(out: Path, cfg: CollectConfig, shard: tuple[int, int], diges
                          "collect.record_values cannot record them (collect without it, train without train.content)")
     prompts = plan_prompts(cfg, tokenizer) if prompts is None else list(prompts)
     shards = [prompts[k: k + cfg.prompts_per_shard] for k in range(0, len(prompts), cfg.prompts_per_shard)]
-    header = {
-        "model": cfg.model,
-        "tokenizer": getattr(tokenizer, "name_or_path", cfg.model),
-        "n_layers": model.config.num_hidden_layers,
-        "n_kv_heads": cached_kv_heads(model.config),
-        "horizon": cfg.horizon,
-        "label_budget": cfg.label_budget,
-        "teachers": list(cfg.teachers),
-        "policy": cfg.policy,
-        "labels": "branch" if cfg.on_policy else "full cache",
-        "seed": cfg.seed,
-        "split": {"by": "sha256 of seed:prompt_id", "splits": sorted({p.split for p in prompts})},
-        "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
-        "config_digest": digest,
-    }
+    header = _header(cfg, model, tokenizer, prompts, digest)
     mine = [j for j in range(len(shards)) if j % n == i]
     stats = CollectStats(problems=[f"{name}: {why}, will be recollected" for name, why in problems.items()])
     stats.removed_temps = remove_stale_temps(out, mine)
@@ -314,17 +292,7 @@ def _collect_shards(out: Path, cfg: CollectConfig, shard: tuple[int, int], diges
     t0 = time.perf_counter()
     try:
         for j in todo:
-            columns: dict[str, list] = {}
-            for k in range(0, len(shards[j]), cfg.batch_size):
-                batch = shards[j][k: k + cfg.batch_size]
-                decisions, new_tokens, dropped = record_batch(model, tokenizer, cfg, batch, on_step=on_step)
-                stats.decode_tokens += sum(new_tokens)
-                stats.dropped_decisions += dropped
-                for prompt, rows in zip(batch, decisions):
-                    for key, v in rows_to_columns(prompt, rows, tuple(cfg.teachers), cfg.policy).items():
-                        columns.setdefault(key, []).extend(v)
-                bar.update(len(batch))
-                on_step(0, redraw=True)
+            columns = _shard_columns(model, tokenizer, cfg, shards[j], stats, bar, on_step)
             entry = write_shard(out, j, columns, [p.id for p in shards[j]], digest)
             write_manifest(out, header, len(shards))
             stats.rows += entry["rows"]
@@ -341,6 +309,43 @@ def _collect_shards(out: Path, cfg: CollectConfig, shard: tuple[int, int], diges
     stats.seconds = time.perf_counter() - t0
     manifest = write_manifest(out, header, len(shards))
     return manifest, stats
+
+
+def _header(cfg: CollectConfig, model, tokenizer, prompts: list, digest: str) -> dict:
+    """What the manifest says of every shard: the model, the labels, the collection config and its digest."""
+    return {
+        "model": cfg.model,
+        "tokenizer": getattr(tokenizer, "name_or_path", cfg.model),
+        "n_layers": model.config.num_hidden_layers,
+        "n_kv_heads": cached_kv_heads(model.config),
+        "horizon": cfg.horizon,
+        "label_budget": cfg.label_budget,
+        "teachers": list(cfg.teachers),
+        "policy": cfg.policy,
+        "labels": "branch" if cfg.on_policy else "full cache",
+        "seed": cfg.seed,
+        "split": {"by": "sha256 of seed:prompt_id", "splits": sorted({p.split for p in prompts})},
+        "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
+        "config_digest": digest,
+    }
+
+
+def _shard_columns(model, tokenizer, cfg: CollectConfig, prompts: list, stats: CollectStats, bar,
+                   on_step) -> dict[str, list]:
+    """One shard's records as columns, its prompts decoded ``cfg.batch_size`` at a time (counted in ``stats`` and
+    on ``bar``)."""
+    columns: dict[str, list] = {}
+    for k in range(0, len(prompts), cfg.batch_size):
+        batch = prompts[k: k + cfg.batch_size]
+        decisions, new_tokens, dropped = record_batch(model, tokenizer, cfg, batch, on_step=on_step)
+        stats.decode_tokens += sum(new_tokens)
+        stats.dropped_decisions += dropped
+        for prompt, rows in zip(batch, decisions):
+            for key, v in rows_to_columns(prompt, rows, tuple(cfg.teachers), cfg.policy).items():
+                columns.setdefault(key, []).extend(v)
+        bar.update(len(batch))
+        on_step(0, redraw=True)
+    return columns
 
 
 def config_differences(recorded: dict | None, cfg: CollectConfig) -> list[str]:

@@ -18,8 +18,9 @@ from torch import Tensor
 
 import torch
 
-from learnkv.decode import GRANULARITIES, GenerationResult, encode_prompts, generate
+from learnkv.decode import GenerationResult, encode_prompts, generate
 from learnkv.policies import POLICIES
+from learnkv.settings import GRANULARITIES, Eviction
 
 
 @dataclass
@@ -141,11 +142,14 @@ class Task:
         """`learnkv.generate` on a left-padded batch of samples with this task's length and granularity."""
         pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         ids, mask = left_pad(samples, pad_id or 0)
-        budget = run.budgets if POLICIES[run.policy].evicts else None
-        prefill = dict(prefill_policy=run.prefill[0], prefill_params=run.prefill[1]) if run.prefill else {}
-        return generate(model, tokenizer, input_ids=ids, attention_mask=mask, policy=run.policy, budget=budget,
-                        max_new_tokens=self.max_new_tokens, policy_params=run.params, granularity=self.granularity,
-                        block_size=self.block_size, on_step=self.on_step, slack=run.slack, **prefill, **options)
+        return generate(model, tokenizer, input_ids=ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
+                        on_step=self.on_step, **self.eviction(run).generate_kwargs(), **options)
+
+    def eviction(self, run: RunConfig) -> Eviction:
+        """A configuration's eviction settings on this task (its granularity and block size)."""
+        prefill, prefill_params = run.prefill or (None, {})
+        return Eviction(run.policy, run.params, run.budgets if POLICIES[run.policy].evicts else None,
+                        self.granularity, self.block_size, run.slack, prefill, prefill_params)
 
     def final_length(self, sample: Sample, ref: Any) -> int:
         """The full length a budget fraction is a share of: the prompt plus what the full cache generated on it,
