@@ -4,6 +4,11 @@
 `BudgetCache` for the named policy, runs the model with the "learnkv" attention function and reports what
 the cache held. Positions are threaded explicitly (transformers 5.x ignores `cache_position` and would
 derive positions from the physical cache length, which is wrong after eviction).
+
+The loop itself is a few plain functions over one `DecodeState`, as gpt-fast and nanochat write theirs: `prefill`
+(the prompts into the cache, the first token chosen), `decode_step` (one token for the batch) and `decode_loop`;
+`forward` is the one forward pass with the cache, which on-policy collection's branches call too, and `call_model`
+the model call itself, which the serving simulator's own paged cache calls.
 """
 
 from __future__ import annotations
@@ -546,7 +551,7 @@ def generate(
     Parameters
     ----------
     model : PreTrainedModel
-        A causal LM; its attention implementation is switched to "learnkv".
+        A causal LM; it runs on the "learnkv" attention for the call (`learnkv.attention.installed`).
     tokenizer, prompts
         Prompt strings (left-padded into a batch), or pass ``input_ids`` ``[B, L]`` (+ ``attention_mask``). Every
         row decodes as it would alone: its own budget, its own eviction steps. ``chat`` and ``reply_prefixes`` are
