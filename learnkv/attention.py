@@ -199,3 +199,30 @@ def register() -> str:
 
     AttentionInterface.register(NAME, learnkv_attention)
     return NAME
+
+
+def install(model) -> str:
+    """Switch ``model`` to the learnkv attention function (registered first); returns the implementation it had, for
+    `installed` to put back. Raises ValueError, in one line, for a model whose attention cannot take it (no budget
+    could be enforced)."""
+    previous = model.config._attn_implementation
+    if previous != NAME:
+        register()
+        try:
+            model.set_attn_implementation(NAME)
+        except (ValueError, NotImplementedError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{type(model).__name__} cannot take learnkv's attention function, so no budget could be "
+                             f"enforced: {first}") from None
+    return previous
+
+
+@contextlib.contextmanager
+def installed(model):
+    """`install` for the block, then the model's own attention implementation back."""
+    previous = install(model)
+    try:
+        yield model
+    finally:
+        if previous not in (NAME, None):
+            model.set_attn_implementation(previous)

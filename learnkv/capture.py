@@ -1,8 +1,9 @@
 """Full-cache attention capture: what a full-cache run attends to, per layer, recorded by a non-evicting observer.
 
 The oracle looks ahead at it (`learnkv.policies.oracle`) and the fidelity task measures attention recall against it
-(`learnkv.eval.tasks.fidelity`). It needs one prefill of the decode loop, which callers hand in (`generate`): the
-decode loop itself calls `step_attention` for the oracle's rows.
+(`learnkv.eval.tasks.fidelity`). It needs one prefill of the decode loop, which callers hand in (`generate`, or
+`learnkv.decode.observe`, the prefill alone, which the decode loop hands in when it calls `step_attention` for the
+oracle's rows).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def full_attention(model, input_ids: Tensor, attention_mask: Tensor, generate, f
     ``first_row``: keep only the query rows from that position on (``[B, H, N - first_row, N]``), e.g. a
     continuation's rows after its prompt, and ``dtype`` to store them in; both applied layer by layer as the forward
     runs, so a long sequence never holds every layer's whole matrix (needs an unpadded batch). ``generate``:
-    `learnkv.decode.generate`, handed in by its caller (the decode loop calls this for the oracle's rows, so this
-    module sits below it)."""
+    `learnkv.decode.generate` or `learnkv.decode.observe` (keywords ``input_ids``, ``attention_mask``, ``policy``,
+    ``max_new_tokens``), handed in by its caller (the decode loop calls this for the oracle's rows, so this module
+    sits below it)."""
     if first_row and bool((attention_mask == 0).any()):
         raise ValueError("full_attention(first_row=...) needs an unpadded batch")
     capture = _AttentionCapture(first_row=first_row, dtype=dtype)

@@ -4,6 +4,11 @@
 `BudgetCache` for the named policy, runs the model with the "learnkv" attention function and reports what
 the cache held. Positions are threaded explicitly (transformers 5.x ignores `cache_position` and would
 derive positions from the physical cache length, which is wrong after eviction).
+
+The loop itself is a few plain functions over one `DecodeState`, as gpt-fast and nanochat write theirs: `prefill`
+(the prompts into the cache, the first token chosen), `decode_step` (one token for the batch) and `decode_loop`;
+`forward` is the one forward pass with the cache, which on-policy collection's branches call too, and `call_model`
+the model call itself, which the serving simulator's own paged cache calls.
 """
 
 from __future__ import annotations
@@ -282,6 +287,15 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+def stop_tokens(model, tokenizer, stop_at_eos: bool = True) -> tuple[Tensor, int]:
+    """(the token ids that end a row, empty when ``stop_at_eos`` is False; the id a row holds after its end): the
+    tokenizer's pad token, else the first EOS id, else 0."""
+    device = next(model.parameters()).device
+    eos = torch.tensor(_eos_ids(model, tokenizer) if stop_at_eos else [], device=device, dtype=torch.long)
+    pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    return eos, pad_id if pad_id is not None else (int(eos[0]) if len(eos) else 0)
+
+
 def _next_token(logits: Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float, gen) -> Tensor:
     """``logits [B, V]`` -> ``[B]``: greedy, or sampled with temperature / top-k / top-p."""
     if not do_sample:
@@ -297,6 +311,148 @@ def _next_token(logits: Tensor, do_sample: bool, temperature: float, top_k: int,
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     probs = logits.softmax(-1)
     return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+
+
+def sampler(do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+            forced: Tensor | None = None) -> Callable[[Tensor, int], Tensor]:
+    """The next-token choice ``(logits [B, V], step) -> [B]``: ``forced[:, step]`` (teacher forcing), else greedy, or
+    sampled with temperature / top-k / top-p from its own generator seeded with ``seed``."""
+    if forced is not None:
+        return lambda logits, step: forced[:, step]
+    gen = torch.Generator().manual_seed(seed)
+    return lambda logits, step: _next_token(logits, do_sample, temperature, top_k, top_p, gen)
+
+
+@dataclass
+class DecodeState:
+    """What the decode loop carries from one step to the next, for one batch (`prefill` fills the per-row fields)."""
+
+    cache: BudgetCache
+    choose: Callable[[Tensor, int], Tensor]  # (logits [B, V], step) -> the next tokens [B] (`sampler`)
+    eos: Tensor  # token ids that end a row (empty: rows run to the end)
+    pad_id: int  # what a row holds, and is fed, after its end
+    observer: Callable[[BudgetCache], None] | None = None  # called with the cache after every forward pass
+    next_pos: Tensor | None = None  # [B] the position of the next token fed
+    finished: Tensor | None = None  # [B] rows past their end
+    ends: Tensor | None = None  # [B] tokens up to and including a row's first EOS (0 until it has one)
+    tokens: list[Tensor] = field(default_factory=list)  # per step, the [B] tokens chosen
+
+    @property
+    def new_tokens(self) -> list[int]:
+        """Per row: tokens generated up to and including its first EOS (every step's, if it has none)."""
+        return torch.where(self.finished, self.ends, len(self.tokens)).tolist()
+
+
+def call_model(model, cache, ids: Tensor, positions: Tensor) -> Tensor:
+    """One forward pass of ``ids [B, q]`` at ``positions [B, q]`` (explicit: transformers 5.x would derive them from
+    the evicted cache's length) with ``cache`` as the model's cache and the learnkv attention's; the last position's
+    logits ``[B, V]``. What the decode loop and the serving simulator run."""
+    with attention.active_cache(cache):
+        out = model(input_ids=ids, position_ids=positions, **cache_kwargs(model, cache), use_cache=True,
+                    logits_to_keep=1, learnkv_cache=cache)
+    return out.logits[:, -1, :]
+
+
+def forward(model, cache: BudgetCache, ids: Tensor, positions: Tensor, valid: Sequence[int],
+            observer: Callable[[BudgetCache], None] | None = None) -> Tensor:
+    """`call_model` as one step of ``cache``: ``positions`` -1 marks padding, ``valid`` the tokens each row feeds;
+    the cache evicts after the pass (`BudgetCache.end_step`), then ``observer`` sees it."""
+    cache.begin_step(positions, valid)
+    logits = call_model(model, cache, ids, positions.clamp(min=0))
+    cache.end_step()
+    if observer is not None:
+        observer(cache)
+    return logits
+
+
+def _take(state: DecodeState, logits: Tensor) -> Tensor:
+    """Choose the next tokens from ``logits`` and do the bookkeeping: a row past its end gets the pad id; a row that
+    chose an EOS ends."""
+    tok = state.choose(logits, len(state.tokens))
+    tok = torch.where(state.finished, torch.full_like(tok, state.pad_id), tok)
+    state.tokens.append(tok)
+    if len(state.eos):
+        stops = torch.isin(tok, state.eos) & ~state.finished
+        state.ends = torch.where(stops, len(state.tokens), state.ends)
+        state.finished |= stops
+    return tok
+
+
+@torch.no_grad()
+def prefill(model, state: DecodeState, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Run the left-padded prompts ``[B, L]`` through the model into the cache (which may compress them to the
+    budget) and choose each row's first token ``[B]``. Refuses a model whose attention bypasses learnkv's."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    positions = positions.masked_fill(attention_mask == 0, -1)  # -1 marks padding slots in the cache
+    logits = forward(model, state.cache, input_ids, positions, attention_mask.sum(dim=-1).tolist(), state.observer)
+    if ungoverned := state.cache.ungoverned_layers():  # structural: every layer that caches must attend through learnkv
+        raise ValueError(ungoverned_error(model, ungoverned))
+    state.next_pos = positions.max(dim=-1).values + 1
+    state.finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    state.ends = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    return _take(state, logits)
+
+
+@torch.no_grad()
+def decode_step(model, state: DecodeState) -> Tensor:
+    """One token for the batch: feed the last chosen tokens at each row's next position, the cache evicts, choose the
+    next tokens ``[B]``."""
+    logits = forward(model, state.cache, state.tokens[-1][:, None], state.next_pos[:, None],
+                     [1] * len(state.next_pos), state.observer)
+    state.next_pos = state.next_pos + 1
+    return _take(state, logits)
+
+
+def decode_loop(model, state: DecodeState, max_new_tokens: int, on_step: Callable[[int], None] | None = None,
+                progress: str | None = None) -> None:
+    """After `prefill`: `decode_step` until every row has ``max_new_tokens`` tokens or has ended. ``on_step`` is told,
+    per step, how many rows generated a token at it; ``progress``: a progress bar's label."""
+    B, active = len(state.next_pos), len(state.next_pos)
+    steps = range(max_new_tokens)
+    if progress:
+        from tqdm.auto import tqdm  # only when a progress bar is asked for
+
+        steps = tqdm(steps, desc=progress, unit="tok", leave=False)
+    for i in steps:
+        if i:
+            if (i - 1) % TRIM_EVERY == 0:
+                release_free_heap()  # a long decode's memory stays at what is live (learnkv.memory)
+            active = B - int(state.finished.sum())
+            decode_step(model, state)
+        if on_step is not None:
+            on_step(active)
+        if bool(state.finished.all()):
+            break
+
+
+@torch.no_grad()
+def observe(model, *, input_ids: Tensor, attention_mask: Tensor, policy: Policy, max_new_tokens: int = 1) -> None:
+    """One prefill under a non-evicting ``policy`` that records what it sees (`learnkv.capture`'s callable, with
+    `generate`'s keywords)."""
+    rows = [make_policy(policy)] * input_ids.shape[0]
+    with attention.installed(model):
+        cache = BudgetCache(model.config.num_hidden_layers, rows, None, last_step=max_new_tokens - 1)
+        prefill(model, DecodeState(cache, sampler(), *stop_tokens(model, None)), input_ids, attention_mask)
+
+
+def _with_future(model, rows: list[Policy], input_ids: Tensor, attention_mask: Tensor, forced: Tensor | None,
+                 future, max_new_tokens: int, sampling: dict, stop_at_eos: bool) -> tuple[list[Policy], Tensor]:
+    """(the rows of a look-ahead policy given the future, the tokens they replay): without ``forced``, the full-cache
+    continuation of the same prompts and sampling; without ``future``, each row's full-cache attention over it."""
+    if forced is None:  # the future is the full-cache continuation of this very call
+        cache = BudgetCache(model.config.num_hidden_layers, [make_policy("full")] * len(rows), None,
+                            last_step=max_new_tokens - 1)
+        full = DecodeState(cache, sampler(**sampling), *stop_tokens(model, None, stop_at_eos))
+        prefill(model, full, input_ids, attention_mask)
+        decode_loop(model, full, max_new_tokens)
+        forced, lengths = torch.stack(full.tokens, dim=1).cpu(), full.new_tokens
+    else:  # the caller's forced rows: a row's own end is not known, the whole row is its continuation
+        lengths = [forced.shape[1]] * len(rows)
+    if future is None:
+        future = [step_attention(model, input_ids[b : b + 1, attention_mask[b].bool()], forced[b : b + 1, :n], observe)
+                  for b, n in enumerate(lengths)]
+    seer = rows[0].with_future(future)
+    return [dataclasses.replace(seer, **{k: getattr(r, k) for k in r.per_row_fields}) for r in rows], forced
 
 
 @torch.no_grad()
@@ -336,7 +492,7 @@ def generate(
     Parameters
     ----------
     model : PreTrainedModel
-        A causal LM; its attention implementation is switched to "learnkv".
+        A causal LM; it runs on the "learnkv" attention for the call (`learnkv.attention.installed`).
     tokenizer, prompts
         Prompt strings (left-padded into a batch), or pass ``input_ids`` ``[B, L]`` (+ ``attention_mask``). Every
         row decodes as it would alone: its own budget, its own eviction steps. ``chat`` and ``reply_prefixes`` are
@@ -378,6 +534,36 @@ def generate(
         policies that evict every step (h2o, tova, roco, learned), on GPU and on the CPU, where the compaction is
         memory-bound (bench/RESULTS.md); 0 by default.
     """
+    policy_obj = _checked_policy(policy, policy_params, max_new_tokens, block_size, seed, top_k, granularity)
+    input_ids, attention_mask = _batch(model, tokenizer, prompts, input_ids, attention_mask, max_new_tokens, chat=chat,
+                                       reply_prefixes=reply_prefixes, special_tokens=special_tokens)
+    prompt_lengths = attention_mask.sum(dim=-1).tolist()
+    check_positions(model, prompt_lengths, max_new_tokens if forced_tokens is None else
+                    min(max_new_tokens, forced_tokens.shape[1]))
+    budgets, rows, prefill_rows = _policy_rows(model, policy_obj, budget, prompt_lengths, max_new_tokens, granularity,
+                                               block_size, prefill_policy, prefill_params)
+    sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    with attention.installed(model):
+        if policy_obj.needs_future:
+            rows, forced_tokens = _with_future(model, rows, input_ids, attention_mask, forced_tokens, future,
+                                               max_new_tokens, sampling, stop_at_eos)
+        if forced_tokens is not None:
+            forced_tokens = forced_tokens.to(input_ids.device)
+            max_new_tokens = min(max_new_tokens, forced_tokens.shape[1])
+        cache = BudgetCache(model.config.num_hidden_layers, rows, budgets, last_step=max_new_tokens - 1,
+                            shared_block=block_size if granularity == "block" and policy_obj.evicts else None,
+                            slack=slack, prefill_policy=prefill_rows)
+        state = DecodeState(cache, sampler(**sampling, forced=forced_tokens), *stop_tokens(model, tokenizer, stop_at_eos),
+                            observer)
+        t0 = time.perf_counter()
+        prefill(model, state, input_ids, attention_mask)
+        t1 = time.perf_counter()
+        decode_loop(model, state, max_new_tokens, on_step, f"decode [{policy_obj.name}]" if progress else None)
+        t2 = time.perf_counter()
+    return _result(state, tokenizer, policy_obj, budgets, rows, prefill_rows, prompt_lengths, (t0, t1, t2))
+
+
+def _checked_policy(policy, policy_params, max_new_tokens, block_size, seed, top_k, granularity) -> Policy:
     for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("block_size", block_size, 1), ("seed", seed, 0),
                              ("top_k", top_k, 0)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -387,11 +573,15 @@ def generate(
         raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
     if granularity == "block" and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return policy_obj
+
+
+def _batch(model, tokenizer, prompts, input_ids, attention_mask, max_new_tokens, **encode) -> tuple[Tensor, Tensor]:
+    """The left-padded batch ``[B, L]`` and its mask on the model's device, from prompts or token ids."""
     if input_ids is None:
         if tokenizer is None or prompts is None:
             raise ValueError("give prompts and a tokenizer, or input_ids")
-        input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat=chat, reply_prefixes=reply_prefixes,
-                                                   special_tokens=special_tokens)
+        input_ids, attention_mask = encode_prompts(tokenizer, prompts, **encode)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.numel() == 0 or input_ids.shape[1] == 0:
@@ -400,13 +590,13 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
-    attention_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)
-    B = input_ids.shape[0]
+    return input_ids, (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)
 
-    prompt_lengths = attention_mask.sum(dim=-1).tolist()
-    check_positions(model, prompt_lengths, max_new_tokens if forced_tokens is None else
-                    min(max_new_tokens, forced_tokens.shape[1]))
-    budgets = None
+
+def _policy_rows(model, policy_obj: Policy, budget, prompt_lengths: list[int], max_new_tokens: int, granularity: str,
+                 block_size: int, prefill_policy, prefill_params) -> tuple[list[int] | None, list[Policy], list | None]:
+    """(per row: the budget in tokens, the decode policy resolved for it, the prefill policy resolved for it)."""
+    B, budgets = len(prompt_lengths), None
     if policy_obj.evicts:
         per_row = list(budget) if isinstance(budget, Sequence) and not isinstance(budget, str) else [budget] * B
         if len(per_row) != B:
@@ -417,95 +607,14 @@ def generate(
     rows, prefill_rows = Eviction(policy_obj, granularity=granularity, block_size=block_size, prefill=prefill_policy,
                                   prefill_params=prefill_params or {}).resolve(budgets or [None] * B, prompt_lengths)
     rows[0].check_model(model)  # a policy bound to one model (learned) refuses another
-    if policy_obj.needs_future:
-        if forced_tokens is None:  # the future is the full-cache continuation of this very call
-            full = generate(
-                model, input_ids=input_ids, attention_mask=attention_mask, policy="full",
-                max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
-            )
-            forced_tokens = full.tokens
-            lengths = full.new_tokens
-        else:  # the caller's forced rows: a row's own end is not known, the whole row is its continuation
-            lengths = [forced_tokens.shape[1]] * B
-        if future is None:
-            future = [step_attention(model, input_ids[b : b + 1, attention_mask[b].bool()],
-                                     forced_tokens[b : b + 1, :n], generate) for b, n in enumerate(lengths)]
-        seer = rows[0].with_future(future)
-        rows = [dataclasses.replace(seer, **{k: getattr(r, k) for k in r.per_row_fields}) for r in rows]
-    if forced_tokens is not None:
-        forced_tokens = forced_tokens.to(device)
-        max_new_tokens = min(max_new_tokens, forced_tokens.shape[1])
+    return budgets, rows, prefill_rows
 
-    if model.config._attn_implementation != attention.NAME:
-        attention.register()
-        try:
-            model.set_attn_implementation(attention.NAME)
-        except (ValueError, NotImplementedError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{type(model).__name__} cannot take learnkv's attention function, so no budget could be "
-                             f"enforced: {first}") from None
-    cache = BudgetCache(model.config.num_hidden_layers, rows, budgets, last_step=max_new_tokens - 1,
-                        shared_block=block_size if granularity == "block" and policy_obj.evicts else None,
-                        slack=slack, prefill_policy=prefill_rows)
-    eos = torch.tensor(_eos_ids(model, tokenizer) if stop_at_eos else [], device=device, dtype=torch.long)
-    pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-    pad_id = pad_id if pad_id is not None else (int(eos[0]) if len(eos) else 0)
-    gen = torch.Generator().manual_seed(seed)
 
-    positions = attention_mask.long().cumsum(-1) - 1
-    positions = positions.masked_fill(attention_mask == 0, -1)  # -1 marks padding slots in the cache
-    next_pos = positions.max(dim=-1).values + 1  # [B]
-
-    def forward(ids: Tensor, pos: Tensor, valid: list[int]) -> Tensor:
-        cache.begin_step(pos, valid)
-        with attention.active_cache(cache):
-            out = model(
-                input_ids=ids,
-                position_ids=pos.clamp(min=0),
-                **cache_kwargs(model, cache),
-                use_cache=True,
-                logits_to_keep=1,
-                learnkv_cache=cache,
-            )
-        cache.end_step()
-        if observer is not None:
-            observer(cache)
-        return out.logits[:, -1, :]
-
-    t0 = time.perf_counter()
-    logits = forward(input_ids, positions, prompt_lengths)
-    if ungoverned := cache.ungoverned_layers():  # structural: every layer that caches must attend through learnkv
-        raise ValueError(ungoverned_error(model, ungoverned))
-    t1 = time.perf_counter()
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
-    out_tokens = []
-    steps = range(max_new_tokens)
-    if progress:
-        from tqdm.auto import tqdm  # only when a progress bar is asked for
-
-        steps = tqdm(steps, desc=f"decode [{policy_obj.name}]", unit="tok", leave=False)
-    for i in steps:
-        tok = forced_tokens[:, i] if forced_tokens is not None else _next_token(logits, do_sample, temperature, top_k, top_p, gen)
-        tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
-        out_tokens.append(tok)
-        if on_step is not None:
-            on_step(B - int(finished.sum()))
-        if len(eos):
-            stops = torch.isin(tok, eos) & ~finished
-            lengths = torch.where(stops, i + 1, lengths)
-            finished |= stops
-        if i == max_new_tokens - 1 or bool(finished.all()):
-            break
-        if i % TRIM_EVERY == 0:
-            release_free_heap()  # a long decode's memory stays at what is live (learnkv.memory)
-        logits = forward(tok[:, None], next_pos[:, None], [1] * B)
-        next_pos = next_pos + 1
-    t2 = time.perf_counter()
-
-    tokens = torch.stack(out_tokens, dim=1).cpu()
-    new_tokens = lengths.clamp(max=tokens.shape[1]).tolist()
+def _result(state: DecodeState, tokenizer, policy_obj: Policy, budgets, rows, prefill_rows, prompt_lengths,
+            times: tuple[float, float, float]) -> GenerationResult:
+    cache, (t0, t1, t2) = state.cache, times
+    tokens = torch.stack(state.tokens, dim=1).cpu()
+    new_tokens = state.new_tokens
     per_token = cache.bytes_per_token()
     windows = cache.layer_windows()
     return GenerationResult(

@@ -212,3 +212,40 @@ def test_on_step_counts_the_tokens_each_row_generates(tiny):
         result = generate(tiny, input_ids=ids, max_new_tokens=20, on_step=seen.append)
     assert sum(seen) == sum(result.new_tokens) and seen[0] == 2 and seen[-1] == 1
     assert len(seen) == max(result.new_tokens)
+
+
+def test_the_loop_written_by_hand_is_generate(tiny):
+    """`prefill` then `decode_step` per token, over a cache built by hand, give `generate`'s tokens, kept counts and
+    row ends: padded rows, per-row budgets, sampling, and an EOS that ends the rows at different steps."""
+    from learnkv.cache import BudgetCache
+    from learnkv.decode import DecodeState, decode_step, prefill, resolve_policy_rows, sampler, stop_tokens
+
+    ids = torch.cat([random_ids(30, seed=5), torch.cat([torch.zeros(1, 9, dtype=torch.long), random_ids(21, seed=6)], 1)])
+    mask = (torch.arange(30)[None] >= torch.tensor([[0], [9]])).long()
+    new, budgets = 12, [16, 20]
+    with eos_token(tiny, 180):  # sampled at step 4 of row 1 and step 7 of row 0
+        ref = generate(tiny, input_ids=ids, attention_mask=mask, policy="h2o", budget=budgets, max_new_tokens=new,
+                       do_sample=True, seed=4, top_k=20)
+        rows = resolve_policy_rows("h2o", budgets)
+        cache = BudgetCache(tiny.config.num_hidden_layers, rows, budgets, last_step=new - 1)
+        state = DecodeState(cache, sampler(do_sample=True, seed=4, top_k=20), *stop_tokens(tiny, None))
+        prefill(tiny, state, ids, mask)
+        while len(state.tokens) < new and not bool(state.finished.all()):
+            decode_step(tiny, state)
+    assert torch.stack(state.tokens, 1).tolist() == ref.tokens.tolist()
+    assert state.new_tokens == ref.new_tokens and cache.kept_rows == ref.kept_rows
+    assert min(ref.new_tokens) < new, "no row hit the EOS: the test proves less than it says"
+    assert max(max(max(rows) for rows in step) for step in cache.kept_rows[1:]) <= max(budgets)
+
+
+def test_installed_attention_is_put_back():
+    from learnkv import attention
+
+    model = tiny_model(seed=0, attn_implementation="eager")
+    with attention.installed(model):
+        assert model.config._attn_implementation == attention.NAME
+        generate(model, input_ids=random_ids(8), policy="h2o", budget=6, max_new_tokens=3)
+        assert model.config._attn_implementation == attention.NAME  # generate inside leaves the block's choice
+    assert model.config._attn_implementation == "eager"
+    generate(model, input_ids=random_ids(8), policy="h2o", budget=6, max_new_tokens=3)
+    assert model.config._attn_implementation == "eager"  # generate puts the caller's attention back

@@ -23,7 +23,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 from learnkv import attention
-from learnkv.model import cache_kwargs
+from learnkv.decode import call_model
 from learnkv.serving.vllm import compat
 
 NULL_BLOCK = 0
@@ -145,9 +145,7 @@ class PagedSimulator:
     """
 
     def __init__(self, model, runtime, num_blocks: int):
-        if model.config._attn_implementation != attention.NAME:
-            attention.register()
-            model.set_attn_implementation(attention.NAME)
+        attention.install(model)
         cfg = model.config
         why = compat.architecture_refusal(cfg)  # the same rule as the vLLM plugin: one full-attention cache per layer
         if why is not None:
@@ -219,10 +217,9 @@ class PagedSimulator:
         cache.step_positions = pos
         self.runtime.begin_step(req.req_id, q)
         with torch.no_grad():
-            out = self.model(input_ids=ids[None], position_ids=pos, **cache_kwargs(self.model, cache), use_cache=True,
-                             logits_to_keep=1, learnkv_cache=cache)
+            logits = call_model(self.model, cache, ids[None], pos)
         req.n_tokens += q
-        req.tokens.append(int(out.logits[0, -1].argmax()))
+        req.tokens.append(int(logits[0].argmax()))
 
     def _publish(self, req: SimRequest) -> None:
         """Publish full blocks to the prefix cache, but never one written after the first eviction."""

@@ -23,9 +23,8 @@ from torch import Tensor
 
 from learnkv import attention
 from learnkv.cache import BudgetCache
-from learnkv.decode import generate
+from learnkv.decode import forward, generate
 from learnkv.memory import TRIM_EVERY, release_free_heap
-from learnkv.model import cache_kwargs
 from learnkv.policies.base import LayerView, Policy
 from learnkv.traces.record import (Decision, Riders, Snapshot, add_labels, horizon_fits, label_keep, new_labels,
                                    resident, row_steps, step_labels, take_rows, teacher_view)
@@ -176,9 +175,7 @@ class BranchItem:
 def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[list[dict[str, Tensor]]]:
     """Per item and layer, the labels (name -> ``[H, n]``, in resident-slot order) of the snapshot's tokens, from a
     non-evicting continuation of the snapshot along ``item.tokens``, all items in one left-padded batch."""
-    if model.config._attn_implementation != attention.NAME:
-        attention.register()
-        model.set_attn_implementation(attention.NAME)
+    attention.install(model)
     R, n_layers = len(items), len(items[0].snapshots)
     horizon = items[0].tokens.shape[0]
     at = [it.snapshots[0].index(it.row) for it in items]  # each item's row in its snapshots (the same per layer)
@@ -213,11 +210,7 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
     for s in range(horizon):
         if s % TRIM_EVERY == 0:
             release_free_heap()  # as the decode loop does (learnkv.memory)
-        pos = (start + s)[:, None]
-        cache.begin_step(pos, [1] * R)
-        model(input_ids=tokens[:, s:s + 1], position_ids=pos, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1,
-              learnkv_cache=cache)
-        cache.end_step()
+        forward(model, cache, tokens[:, s:s + 1], (start + s)[:, None], [1] * R)
     return [[{k: v[i, :, n_max - n_at[layer][i]:].cpu() for k, v in observer.labels[layer].items()}
              for layer in range(n_layers)] for i in range(R)]
 
