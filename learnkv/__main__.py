@@ -229,7 +229,7 @@ def cmd_generate(args) -> None:
         model,
         tokenizer,
         args.prompt,
-        **eviction.generate_kwargs(),
+        eviction,
         max_new_tokens=args.max_new_tokens,
         do_sample=args.sample,
         temperature=args.temperature,

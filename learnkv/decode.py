@@ -456,92 +456,39 @@ def _with_future(model, rows: list[Policy], input_ids: Tensor, attention_mask: T
 
 
 @torch.no_grad()
-def generate(
-    model,
-    tokenizer=None,
-    prompts: str | Sequence[str] | None = None,
-    *,
-    input_ids: Tensor | None = None,
-    attention_mask: Tensor | None = None,
-    policy: str | Policy = "full",
-    budget: int | float | str | Sequence | None = None,
-    max_new_tokens: int = 64,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    chat: bool = True,
-    reply_prefixes: Sequence[str | None] | None = None,
-    special_tokens: bool = False,
-    stop_at_eos: bool = True,
-    policy_params: dict | None = None,
-    prefill_policy: str | Policy | None = None,
-    prefill_params: dict | None = None,
-    forced_tokens: Tensor | None = None,
-    future: Sequence[Sequence[Tensor]] | None = None,
-    granularity: str = "token",
-    block_size: int = 16,
-    observer: Callable[[BudgetCache], None] | None = None,
-    progress: bool = False,
-    on_step: Callable[[int], None] | None = None,
-    slack: int = 0,
-) -> GenerationResult:
-    """Decode with a KV cache that never holds more than ``budget`` tokens per layer and KV head.
+def generate(model, tokenizer=None, prompts: str | Sequence[str] | None = None, eviction: Eviction | None = None, *,
+             max_new_tokens: int = 64, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+             chat: bool = True, reply_prefixes: Sequence[str | None] | None = None, special_tokens: bool = False,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop_at_eos: bool = True, forced_tokens: Tensor | None = None, future: Sequence | None = None,
+             observer: Callable[[BudgetCache], None] | None = None, progress: bool = False,
+             on_step: Callable[[int], None] | None = None, **eviction_fields) -> GenerationResult:
+    """Decode with a KV cache that never holds more than the budget's tokens per layer and KV head: `prefill`, then
+    `decode_loop`, under the learnkv attention (`learnkv.attention.installed`).
 
-    Parameters
-    ----------
-    model : PreTrainedModel
-        A causal LM; it runs on the "learnkv" attention for the call (`learnkv.attention.installed`).
-    tokenizer, prompts
-        Prompt strings (left-padded into a batch), or pass ``input_ids`` ``[B, L]`` (+ ``attention_mask``). Every
-        row decodes as it would alone: its own budget, its own eviction steps. ``chat`` and ``reply_prefixes`` are
-        `encode_prompts`'s, and so is ``special_tokens``: the text of a special token typed in a prompt
-        (``<|im_end|>``) is plain text unless it is True.
-    policy : str or Policy
-        A registered policy name (`learnkv.policies.POLICIES`) or a policy object.
-    budget : int, float, or a sequence of them
-        Tokens per layer and KV head, or a fraction of each row's full length (its prompt + max_new_tokens); one
-        for every row, or one per row.
-    max_new_tokens : int
-        Tokens to generate per row (fewer if every row hits EOS and ``stop_at_eos``).
-    do_sample, temperature, top_k, top_p, seed
-        Greedy by default; sampling is seeded.
-    prefill_policy : str or Policy, optional
-        Compresses a prompt that is over the budget at the prefill (to the decode policy's keep target); the decode
-        policy then takes over with its own state from the first decode step (kvpress's PrefillDecodingPress).
-        Without one, the decode policy decides at the prefill too, which a policy that observes nothing there
-        (``lazy``) refuses. ``prefill_params`` are its parameters.
-    granularity : str
-        "token" (each layer and KV head decides for itself, the policy's own granularity) or "block": whole blocks
-        of ``block_size`` slots, one decision shared by every layer and KV head (what a paged serving engine can do;
-        scores pooled over layers and heads by the policy's rule, `learnkv.pooling.shared_token_scores`).
-    forced_tokens : Tensor, optional
-        ``[B, N]`` teacher forcing: these tokens are fed (and returned) instead of the model's choices, so a
-        budgeted run can follow a full-cache continuation.
-    future : sequence, optional
-        For a policy that looks ahead (the oracle), per row the full-cache run's attention of the continuation it
-        replays (`learnkv.capture.step_attention` of the row's unpadded prompt and ``forced_tokens`` row),
-        where the caller holds it already (the fidelity task's reference); computed here otherwise.
-    observer : callable, optional
-        Called with the cache after every forward pass (after eviction).
-    on_step : callable, optional
-        Called after every decode step with the number of rows that generated a token at it (rows past their EOS
-        do not): what a progress bar over many decodes counts.
-    slack : int
-        Slots each layer may leave dead before it compacts (`BudgetCache`): the same tokens are kept, the cache is
-        moved once per ``slack`` evictions instead of every step, for ``slack`` more slots of memory. Worth it for
-        policies that evict every step (h2o, tova, roco, learned), on GPU and on the CPU, where the compaction is
-        memory-bound (bench/RESULTS.md); 0 by default.
+    ``eviction`` (`learnkv.settings.Eviction`: policy, parameters, budget, granularity, slack, prefill policy) says
+    what is kept; the full cache by default. Its fields may be given as keywords instead (``policy="h2o",
+    budget=64``, with ``policy_params`` and ``prefill_policy`` for its ``params`` and ``prefill``). A budget is
+    tokens per layer and KV head or a fraction of each row's full length (its prompt + ``max_new_tokens``), one for
+    every row or one per row; every row decodes as it would alone, its own budget, its own eviction steps.
+
+    Prompts are strings (left-padded into a batch; ``chat``, ``reply_prefixes`` and ``special_tokens`` are
+    `encode_prompts`'s: a special token's text typed in a prompt is plain text unless ``special_tokens``), or pass
+    ``input_ids`` ``[B, L]`` (+ ``attention_mask``). Greedy by default; ``do_sample`` samples with ``temperature``,
+    ``top_k``, ``top_p``, seeded by ``seed``. ``forced_tokens`` ``[B, N]`` are fed (and returned) instead of the
+    model's choices (teacher forcing). ``future``: for a policy that looks ahead (the oracle), per row the full-cache
+    run's attention of the continuation it replays (`learnkv.capture.step_attention`), where the caller holds it;
+    computed here otherwise. ``observer`` sees the cache after every forward pass (after eviction); ``on_step``
+    gets, after every decode step, the number of rows that generated a token at it.
     """
-    policy_obj = _checked_policy(policy, policy_params, max_new_tokens, block_size, seed, top_k, granularity)
+    eviction = _eviction(eviction, eviction_fields)
+    policy_obj = _checked_policy(eviction, max_new_tokens, seed, top_k)
     input_ids, attention_mask = _batch(model, tokenizer, prompts, input_ids, attention_mask, max_new_tokens, chat=chat,
                                        reply_prefixes=reply_prefixes, special_tokens=special_tokens)
     prompt_lengths = attention_mask.sum(dim=-1).tolist()
     check_positions(model, prompt_lengths, max_new_tokens if forced_tokens is None else
                     min(max_new_tokens, forced_tokens.shape[1]))
-    budgets, rows, prefill_rows = _policy_rows(model, policy_obj, budget, prompt_lengths, max_new_tokens, granularity,
-                                               block_size, prefill_policy, prefill_params)
+    budgets, rows, prefill_rows = _policy_rows(model, policy_obj, eviction, prompt_lengths, max_new_tokens)
     sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     with attention.installed(model):
         if policy_obj.needs_future:
@@ -550,9 +497,9 @@ def generate(
         if forced_tokens is not None:
             forced_tokens = forced_tokens.to(input_ids.device)
             max_new_tokens = min(max_new_tokens, forced_tokens.shape[1])
+        shared = eviction.block_size if eviction.granularity == "block" and policy_obj.evicts else None
         cache = BudgetCache(model.config.num_hidden_layers, rows, budgets, last_step=max_new_tokens - 1,
-                            shared_block=block_size if granularity == "block" and policy_obj.evicts else None,
-                            slack=slack, prefill_policy=prefill_rows)
+                            shared_block=shared, slack=eviction.slack, prefill_policy=prefill_rows)
         state = DecodeState(cache, sampler(**sampling, forced=forced_tokens), *stop_tokens(model, tokenizer, stop_at_eos),
                             observer)
         t0 = time.perf_counter()
@@ -563,16 +510,40 @@ def generate(
     return _result(state, tokenizer, policy_obj, budgets, rows, prefill_rows, prompt_lengths, (t0, t1, t2))
 
 
-def _checked_policy(policy, policy_params, max_new_tokens, block_size, seed, top_k, granularity) -> Policy:
-    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("block_size", block_size, 1), ("seed", seed, 0),
-                             ("top_k", top_k, 0)):
+#: generate's keywords for `Eviction`'s fields (the two earlier names kept, so callers read as before)
+_EVICTION_KEYWORDS = {"policy": "policy", "budget": "budget", "policy_params": "params", "params": "params",
+                      "granularity": "granularity", "block_size": "block_size", "slack": "slack",
+                      "prefill_policy": "prefill", "prefill": "prefill", "prefill_params": "prefill_params",
+                      "scorer": "scorer"}
+
+
+def _eviction(eviction: Eviction | None, fields: dict) -> Eviction:
+    """``eviction``, or one built from generate's eviction keywords (never both)."""
+    if unknown := [k for k in fields if k not in _EVICTION_KEYWORDS]:
+        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
+    if eviction is not None:
+        if fields:
+            raise TypeError(f"generate() takes an Eviction or its fields as keywords, not both ({', '.join(fields)})")
+        if not isinstance(eviction, Eviction):
+            raise TypeError(f"generate()'s eviction is a learnkv.Eviction, got {type(eviction).__name__}")
+        return eviction
+    named = {_EVICTION_KEYWORDS[k]: v for k, v in fields.items()}
+    for key in ("params", "prefill_params"):
+        if key in named and named[key] is None:
+            named[key] = {}
+    return Eviction(**named)
+
+
+def _checked_policy(eviction: Eviction, max_new_tokens, seed, top_k) -> Policy:
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("block_size", eviction.block_size, 1),
+                             ("seed", seed, 0), ("top_k", top_k, 0)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an integer >= {low}, got {value!r}")
-    policy_obj = make_policy(policy, **(policy_params or {}))
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
-    if granularity == "block" and block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    policy_obj = eviction.make()
+    if eviction.granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be 'token' or 'block', got {eviction.granularity!r}")
+    if eviction.granularity == "block" and eviction.block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {eviction.block_size}")
     return policy_obj
 
 
@@ -593,19 +564,20 @@ def _batch(model, tokenizer, prompts, input_ids, attention_mask, max_new_tokens,
     return input_ids, (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)
 
 
-def _policy_rows(model, policy_obj: Policy, budget, prompt_lengths: list[int], max_new_tokens: int, granularity: str,
-                 block_size: int, prefill_policy, prefill_params) -> tuple[list[int] | None, list[Policy], list | None]:
+def _policy_rows(model, policy_obj: Policy, eviction: Eviction, prompt_lengths: list[int],
+                 max_new_tokens: int) -> tuple[list[int] | None, list[Policy], list | None]:
     """(per row: the budget in tokens, the decode policy resolved for it, the prefill policy resolved for it)."""
     B, budgets = len(prompt_lengths), None
     if policy_obj.evicts:
+        budget = eviction.budget
         per_row = list(budget) if isinstance(budget, Sequence) and not isinstance(budget, str) else [budget] * B
         if len(per_row) != B:
             raise ValueError(f"{len(per_row)} budgets for a batch of {B} prompts")
         budgets = [resolve_budget(b, n + max_new_tokens) for b, n in zip(per_row, prompt_lengths)]
         if any(b is None for b in budgets):
             raise ValueError(f"policy {policy_obj.name!r} needs a budget (tokens, or a fraction of the full length)")
-    rows, prefill_rows = Eviction(policy_obj, granularity=granularity, block_size=block_size, prefill=prefill_policy,
-                                  prefill_params=prefill_params or {}).resolve(budgets or [None] * B, prompt_lengths)
+    built = dataclasses.replace(eviction, policy=policy_obj, params={})  # the parameters are in the built policy
+    rows, prefill_rows = built.resolve(budgets or [None] * B, prompt_lengths)
     rows[0].check_model(model)  # a policy bound to one model (learned) refuses another
     return budgets, rows, prefill_rows
 

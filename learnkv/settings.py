@@ -10,7 +10,7 @@ evaluation runner call again with the prompts' lengths before they decode.
 
     Eviction("h2o", {"n_recent": 8}, budget=64).check()             # before a model loads
     Eviction("lazy", budget=16).resolve([16], prompt_lengths=[40])  # ValueError: 'lazy' observes nothing at the prefill
-    generate(model, tokenizer, prompts, **eviction.generate_kwargs())
+    generate(model, tokenizer, prompts, eviction)
 """
 
 from __future__ import annotations
@@ -177,12 +177,6 @@ class Eviction:
                 if error := blind_prefill_error(row, n, b):
                     raise ValueError(error)
         return rows, prefill_rows
-
-    def generate_kwargs(self) -> dict:
-        """These settings as `learnkv.generate`'s keyword arguments."""
-        prefill = dict(prefill_policy=self.prefill, prefill_params=self.prefill_policy_params) if self.prefill else {}
-        return dict(policy=self.policy, budget=self.budget, policy_params=self.policy_params,
-                    granularity=self.granularity, block_size=self.block_size, slack=self.slack, **prefill)
 
 
 def batch_groups(settings: Eviction, budgets: Sequence[int | None]) -> list[list[int]]:

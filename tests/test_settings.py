@@ -63,7 +63,7 @@ def test_generate_with_the_settings_decodes_as_with_loose_arguments(tiny):
         if eviction.prefill:
             loose.update(prefill_policy=eviction.prefill, prefill_params=eviction.prefill_params)
         a = generate(tiny, input_ids=ids, max_new_tokens=12, **loose)
-        b = generate(tiny, input_ids=ids, max_new_tokens=12, **eviction.generate_kwargs())
+        b = generate(tiny, None, None, eviction, input_ids=ids, max_new_tokens=12)
         assert torch.equal(a.tokens, b.tokens) and a.kept_rows == b.kept_rows and a.params == b.params
         assert (a.policy, a.prefill_policy, a.budgets) == (b.policy, b.prefill_policy, b.budgets)
 
@@ -87,3 +87,15 @@ def test_batch_groups_split_rows_where_a_shared_default_differs():
     assert batch_groups(Eviction("full"), [None] * 3) == [[0, 1, 2]]
     # a prefill policy's shared fields count too: R-KV's window splits h2o's rows
     assert batch_groups(Eviction("h2o", prefill="rkv"), budgets) == [[0, 2], [1, 3]]
+
+
+def test_generate_takes_an_eviction_or_its_fields_not_both(tiny):
+    """One settings object: generate refuses it beside loose eviction keywords, a misspelt keyword, or another
+    type in its place, each in one line."""
+    ids = random_ids(12, batch=1, seed=1)
+    with pytest.raises(TypeError, match="not both"):
+        generate(tiny, None, None, Eviction("h2o", budget=8), budget=8, input_ids=ids)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'budjet'"):
+        generate(tiny, input_ids=ids, budjet=8)
+    with pytest.raises(TypeError, match="is a learnkv.Eviction"):
+        generate(tiny, None, None, {"policy": "h2o"}, input_ids=ids)

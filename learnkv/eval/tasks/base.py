@@ -142,8 +142,8 @@ class Task:
         """`learnkv.generate` on a left-padded batch of samples with this task's length and granularity."""
         pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         ids, mask = left_pad(samples, pad_id or 0)
-        return generate(model, tokenizer, input_ids=ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
-                        on_step=self.on_step, **self.eviction(run).generate_kwargs(), **options)
+        return generate(model, tokenizer, None, self.eviction(run), input_ids=ids, attention_mask=mask,
+                        max_new_tokens=self.max_new_tokens, on_step=self.on_step, **options)
 
     def eviction(self, run: RunConfig) -> Eviction:
         """A configuration's eviction settings on this task (its granularity and block size)."""
