@@ -3,6 +3,7 @@
     bash bench/kvpress_venv.sh                                  # once: .venv-kvpress (kvpress 0.5.5, CPU torch)
     python bench/kvpress_parity.py --json runs/kvpress-parity.json
     python bench/kvpress_parity.py --rounds 1 --new-tokens 32   # a quick check that both sides run
+    python bench/kvpress_parity.py --profile knorm --new-tokens 256 # cProfile of learnkv's side alone (no kvpress)
 
 The setting (issue 43's held-out peer setting): the bundled SmolLM2-135M-Instruct in fp32, batch 1, the README
 prompt (74 tokens with the chat template), ``--new-tokens`` (1,024) greedy tokens with no stop at EOS, budget
@@ -67,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--pairs", default="knorm,h2o,full", help="labels of PAIRS to run (full runs both references)")
     p.add_argument("--venv", default=str(ROOT / ".venv-kvpress"), help="kvpress's venv (bench/kvpress_venv.sh)")
     p.add_argument("--json", default=None, help="write the per-round records here")
+    p.add_argument("--profile", default=None, metavar="POLICY",
+                   help="instead: cProfile one learnkv decode of POLICY in this setting, print the top functions")
+    p.add_argument("--top", type=int, default=30, help="--profile: functions printed")
     return p.parse_args(argv)
 
 
@@ -97,12 +101,32 @@ class Peer:
         self.proc.wait(timeout=60)
 
 
+def profile(model, ids, mask, args) -> None:
+    """Where a batch-1 decode of ``args.profile`` spends its time: cProfile, by own time and by cumulative time."""
+    import cProfile  # only this mode profiles
+    import pstats
+
+    run = dict(input_ids=ids, attention_mask=mask, policy=args.profile, max_new_tokens=args.new_tokens,
+               stop_at_eos=False, **({} if args.profile == "full" else {"budget": args.budget, "slack": args.slack}))
+    generate(model, **dict(run, max_new_tokens=4))
+    prof = cProfile.Profile()
+    prof.enable()
+    r = generate(model, **run)
+    prof.disable()
+    print(f"{args.profile}: {r.tokens_per_s:.1f} tok/s under cProfile, decode {r.decode_s:.1f} s, eviction share "
+          f"{r.eviction_share:.1%}")
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof).sort_stats(key).print_stats(args.top)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     model_dir = str(BUNDLED[args.model]())
     ids, mask = encode_prompts(tok, [PROMPT])
+    if args.profile:
+        return profile(model, ids, mask, args)
     plain = None  # transformers' own model (SDPA attention) for `generate` in this venv, loaded when asked for
     peer = Peer(args.venv, model_dir, args.threads)
     labels = args.pairs.split(",")
