@@ -52,7 +52,7 @@ from learnkv.model import BUNDLED  # noqa: E402
 
 # (label, learnkv policy or "hf-generate", peer run in the worker)
 PAIRS = [("knorm", "knorm", "knorm"), ("h2o", "h2o", "observed"), ("full", "full", "generate"),
-         ("full vs generate, same venv", "full", "hf-generate")]
+         ("full-hf", "full", "hf-generate")]
 PEER_NAMES = {"knorm": "kvpress DecodingPress(KnormPress)", "observed": "kvpress DecodingPress(ObservedAttentionPress)",
               "generate": "transformers generate (kvpress venv)", "hf-generate": "transformers generate (this venv)"}
 
@@ -65,7 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=thread_count, default=1)
-    p.add_argument("--pairs", default="knorm,h2o,full", help="labels of PAIRS to run (full runs both references)")
+    p.add_argument("--pairs", default="knorm,h2o,full,full-hf",
+                   help="which pairs: knorm, h2o, full (vs generate in the kvpress venv), full-hf (vs this venv's)")
     p.add_argument("--venv", default=str(ROOT / ".venv-kvpress"), help="kvpress's venv (bench/kvpress_venv.sh)")
     p.add_argument("--json", default=None, help="write the per-round records here")
     p.add_argument("--profile", default=None, metavar="POLICY",
@@ -130,7 +131,7 @@ def main(argv=None) -> None:
     plain = None  # transformers' own model (SDPA attention) for `generate` in this venv, loaded when asked for
     peer = Peer(args.venv, model_dir, args.threads)
     labels = args.pairs.split(",")
-    pairs = [p for p in PAIRS if p[0] in labels or (p[0].startswith("full") and "full" in labels)]
+    pairs = [p for p in PAIRS if p[0] in labels]
 
     def ours(policy: str, n: int) -> tuple[float, list[int]]:
         nonlocal plain
