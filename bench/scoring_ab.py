@@ -5,7 +5,8 @@
 "Before" is the replaced code, kept verbatim in tests/test_scoring_speed.py (which proves both give the same bits);
 "after" is `learnkv.policies.rkv.redundancy` and `learnkv.policies.snapkv.avg_pool`. Shapes: R-KV's redundancy at
 batch 4, 3 KV heads, 900 cached keys of 64 dims (bench/profile_eviction.py's R-KV at 1k tokens), no padding; SnapKV's
-pooling of batch 4 x 3 heads x 516 candidates, kernel 5 (its profile's budget ~580 less the 64-token window). Seven
+pooling of batch 1, 4 and 16 x 3 heads x 516 candidates, kernel 5 (its profile's budget ~580 less the 64-token
+window). Seven
 rounds, the side that goes first alternating; per round after / before, median [min, max]. One thread.
 """
 
@@ -39,10 +40,12 @@ def main() -> None:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     keys, valid = torch.randn(4, 3, 900, 64, generator=g), torch.ones(4, 3, 900, dtype=torch.bool)
-    x = torch.rand(4, 3, 516, generator=g)
     cases = [("rkv redundancy [4, 3, 900, 64]", lambda: redundancy_before(keys, valid, 0.5),
-              lambda: redundancy(keys, valid, 0.5), 2),
-             ("snapkv pooling [4, 3, 516], kernel 5", lambda: avg_pool_before(x, 5), lambda: avg_pool(x, 5), 200)]
+              lambda: redundancy(keys, valid, 0.5), 2)]
+    for B in (1, 4, 16):  # batch 1: fewer than 4 rows, `avg_pool` makes the pooling call itself
+        x = torch.rand(B, 3, 516, generator=g)
+        cases.append((f"snapkv pooling [{B}, 3, 516], kernel 5", lambda x=x: avg_pool_before(x, 5),
+                      lambda x=x: avg_pool(x, 5), 200))
     for name, old, new, n in cases:
         old(), new()  # warm-up
         rounds = []

@@ -91,11 +91,12 @@ def avg_pool(x: Tensor, k: int) -> Tensor:
 
     On CPU in fp32 as ``k`` shifted adds, with the same bits as the pooling call (its CPU loop sums each window
     left to right from +0.0, skipping the zero padding, and divides by ``k``; adding a padding zero to a sum that
-    is never -0.0 changes nothing): ~20x faster at n ~ 600, where the call's per-output loop dominated SnapKV's
-    scoring. Elsewhere (CUDA, half precision: other accumulation orders), the pooling call itself.
+    is never -0.0 changes nothing). The call costs ~50 us per row of ``B * H`` on one core (n ~ 500), the adds
+    ~0.15 ms whatever the rows: 1.8x faster at 12 rows, 4x at 48 (bench/scoring_ab.py), so below 4 rows, on CUDA and
+    in half precision (other accumulation orders) the pooling call itself.
     """
     B, H, n = x.shape
-    if x.device.type != "cpu" or x.dtype != torch.float32 or n == 0:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or n == 0 or B * H < 4:
         pooled = F.avg_pool1d(x.reshape(B * H, 1, n), kernel_size=k, stride=1, padding=k // 2)
         return pooled[..., :n].reshape(B, H, n)
     p = k // 2
