@@ -129,21 +129,28 @@ def redundancy(keys: Tensor, valid: Tensor, threshold: float) -> Tensor:
 
     keys ``[B, H, T, D]``, valid ``[B, H, T]`` bool, threshold in [0, 1]. Peak memory: one ``[B, T, T]`` fp32
     cosine matrix and two bool masks of that size, one KV head at a time.
+
+    Cost: the ``[B, T, T]`` matmul and five passes over its result (compare, flip, argmax, column sum, and the
+    padding masks only where a row has padding); the row's "has a near-duplicate" test reads the one entry the
+    argmax found instead of a sixth pass (``any``). The same bits as doing all of them (tests/test_rkv.py).
     """
     B, H, T, _ = keys.shape
     k = keys.float()
     k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
     first = valid.int().argmax(dim=-1)  # [B, H] the oldest cached slot (the source's fallback index 0)
     n_valid = valid.sum(dim=-1).clamp_min(1)
+    padded = not bool(valid.all())  # one synchronisation per call; without padding the masks change nothing
     out = torch.empty(B, H, T, device=keys.device)
     for h in range(H):
         v = valid[:, h]
         cos = k[:, h] @ k[:, h].transpose(-1, -2)  # [B, T, T]
         cos.diagonal(dim1=-2, dim2=-1).zero_()
-        cos.masked_fill_(~v[:, :, None], 0.0).masked_fill_(~v[:, None, :], 0.0)  # padding: 0, never near
+        if padded:
+            cos.masked_fill_(~v[:, :, None], 0.0).masked_fill_(~v[:, None, :], 0.0)  # padding: 0, never near
         near = (cos > threshold).flip(-1)  # newest slot first
-        last = T - 1 - near.view(torch.uint8).argmax(dim=-1)  # the newest near-duplicate of each row
-        last = torch.where(near.any(dim=-1), last, first[:, h, None])
+        found = near.view(torch.uint8).argmax(dim=-1, keepdim=True)  # the first True, or 0 if the row has none
+        last = T - 1 - found[..., 0]  # the newest near-duplicate of each row
+        last = torch.where(near.gather(-1, found)[..., 0], last, first[:, h, None])
         del near
         cos.scatter_(-1, last[..., None], 0.0)
         mean = cos.sum(dim=1) / n_valid[:, h, None]

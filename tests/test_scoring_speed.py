@@ -1,0 +1,100 @@
+"""The cheaper R-KV redundancy and SnapKV pooling (issue 43, item 2) give the same bits, hence the same kept tokens.
+
+Each fast path is compared with the code it replaced, kept here verbatim as the reference: on parametrised shapes
+(padding, near-duplicates, thresholds, kernel sizes, -0.0) the scores must be bit-identical, and a decode on the
+tiny model must keep the same slots at every step of every layer with either implementation.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import random_ids
+from learnkv import generate
+from learnkv.policies import rkv, snapkv
+
+
+def redundancy_before(keys, valid, threshold):
+    """`learnkv.policies.rkv.redundancy` before the change (commit 45c09ad), verbatim."""
+    B, H, T, _ = keys.shape
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    first = valid.int().argmax(dim=-1)
+    n_valid = valid.sum(dim=-1).clamp_min(1)
+    out = torch.empty(B, H, T, device=keys.device)
+    for h in range(H):
+        v = valid[:, h]
+        cos = k[:, h] @ k[:, h].transpose(-1, -2)
+        cos.diagonal(dim1=-2, dim2=-1).zero_()
+        cos.masked_fill_(~v[:, :, None], 0.0).masked_fill_(~v[:, None, :], 0.0)
+        near = (cos > threshold).flip(-1)
+        last = T - 1 - near.view(torch.uint8).argmax(dim=-1)
+        last = torch.where(near.any(dim=-1), last, first[:, h, None])
+        del near
+        cos.scatter_(-1, last[..., None], 0.0)
+        mean = cos.sum(dim=1) / n_valid[:, h, None]
+        out[:, h] = mean.masked_fill(~v, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    return out
+
+
+def avg_pool_before(x, k):
+    """SnapKV's pooling before the change: the pooling call."""
+    B, H, n = x.shape
+    return F.avg_pool1d(x.reshape(B * H, 1, n), kernel_size=k, stride=1, padding=k // 2)[..., :n].reshape(B, H, n)
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("B,H,T,D", [(1, 1, 1, 4), (1, 1, 2, 4), (2, 3, 9, 4), (3, 2, 130, 8), (1, 3, 257, 64)])
+@pytest.mark.parametrize("pad", [0, 1, 5])
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 0.9, 1.0])
+def test_redundancy_bits_unchanged(B, H, T, D, pad, threshold):
+    g = torch.Generator().manual_seed(B * 1000 + T * 10 + D)
+    keys = torch.randn(B, H, T, D, generator=g)  # D = 4: many pairs over any threshold below 1
+    keys[:, :, T // 2] = keys[:, :, 0] * 2  # an exact duplicate (cosine 1, or just above by rounding)
+    valid = torch.ones(B, H, T, dtype=torch.bool)
+    valid[0, :, : min(pad, T - 1)] = False  # left padding in the first row only (others unpadded)
+    assert same_bits(rkv.redundancy(keys, valid, threshold), redundancy_before(keys, valid, threshold))
+
+
+def test_redundancy_bits_unchanged_with_all_padding_rows():
+    keys = torch.randn(2, 2, 6, 4, generator=torch.Generator().manual_seed(1))
+    valid = torch.ones(2, 2, 6, dtype=torch.bool)
+    valid[1] = False  # a row with nothing cached
+    assert same_bits(rkv.redundancy(keys, valid, 0.5), redundancy_before(keys, valid, 0.5))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 7, 9])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 37, 600])
+def test_snapkv_pool_bits_unchanged(k, n):
+    g = torch.Generator().manual_seed(k * 1000 + n)
+    x = torch.rand(2, 3, n, generator=g) ** 4 / 50  # attention-like: small, many near zero
+    x[..., ::3] = -0.0  # the pooling call's sum starts at +0.0: a signed zero must not survive
+    x[1, 2] = 0.0
+    assert same_bits(snapkv.avg_pool(x, k), avg_pool_before(x, k))
+
+
+def kept_slots(model, policy, budget, monkeypatch=None, **params):
+    """Every layer's slot positions after every step of a batch-2 left-padded decode."""
+    ids = torch.cat([random_ids(60, seed=5), random_ids(60, seed=6)])
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # a left-padded row: the padding masks of R-KV's redundancy are exercised
+    seen = []
+    generate(model, input_ids=ids, attention_mask=mask, policy=policy, budget=budget, max_new_tokens=70,
+             stop_at_eos=False, policy_params=params,
+             observer=lambda cache: seen.append([layer.positions.clone() for layer in cache.layers]))
+    return seen
+
+
+@pytest.mark.parametrize("policy,params", [("rkv", {}), ("rkv", {"buffer": 8, "window": 4}),
+                                           ("snapkv", {}), ("snapkv", {"window": 5, "kernel_size": 7})])
+def test_decode_keeps_the_same_slots(tiny, monkeypatch, policy, params):
+    fast = kept_slots(tiny, policy, 48, **params)
+    monkeypatch.setattr(rkv, "redundancy", redundancy_before)
+    monkeypatch.setattr(snapkv, "avg_pool", avg_pool_before)
+    before = kept_slots(tiny, policy, 48, **params)
+    assert len(fast) == len(before) == 70  # the prefill and 69 decode steps
+    assert all(torch.equal(a, b) for step_a, step_b in zip(fast, before) for a, b in zip(step_a, step_b))
+    assert any(layer.shape[-1] < 60 + 70 for layer in fast[-1])  # it did evict
