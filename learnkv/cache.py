@@ -236,16 +236,6 @@ class BudgetLayer(DynamicLayer):
         """Forget the policy state (the prefill policy's, once the decode policy takes over)."""
         self.state, self._packed, self._layout, self._channels = {}, {}, {}, {}
 
-    def evict(self, index: Tensor, live: list[int] | None = None) -> None:
-        """Keep the slots ``index [B, H, K]`` (ascending, -1 = none, see `kernels.select_keep`): mark the rest dead,
-        or compact (`compacts`). ``live``: each row's live tokens afterwards, if the caller knows them (token
-        eviction: what it asked to keep); else they are counted."""
-        if self.compacts(index.shape[-1]):
-            self.keep_slots(index)
-        else:
-            mark_dead(self.positions, index)
-        self.live = list(live) if live is not None else self.count_live()
-
     def compacts(self, kept: int) -> bool:
         """Whether an eviction that keeps ``kept`` slots (the widest row's) compacts rather than marks the evicted
         slots dead: always where the slots must stay dense (a dead slot between a row's live ones would change
@@ -364,7 +354,7 @@ class BudgetCache(Cache):
         self.step_valid: list[int] = []  # per row: valid (non-padding) tokens of the current step
         # accounting: live tokens each layer held for each row after each step (what the budget bounds)
         self.kept_rows: list[list[list[int]]] = []  # [step][layer][row]
-        # stacked layers (`_observe_stacked`): whether this step stacks, the statistics each layer handed over, and
+        # stacked layers (`end_step`): whether this step stacks, the statistics each layer handed over, and
         # the stacked positions and state buffers every layer's are views of
         self._stack_step = False
         self._stash: dict[int, tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
@@ -432,8 +422,10 @@ class BudgetCache(Cache):
 
     def end_step(self) -> None:
         """After the forward pass: the layer-shared eviction if one is due, then book-keeping."""
-        if self._stash:
-            self._observe_stacked()
+        if self._stash:  # a stacked step: every layer's update and eviction at once
+            stash, self._stash = self._stash, {}
+            order = sorted(stash)
+            self._step(order, [stash[i] for i in order])
         if self._shared_scores:
             self._evict_shared()
         if self.step == 0 and self.prefill_rows:
@@ -474,11 +466,9 @@ class BudgetCache(Cache):
         if window is None or max(layer.live) < window:
             return stats
         keep = [min(live, window - 1) for live in layer.live]
-        positions = layer.positions
+        positions, none = layer.positions, [0] * len(keep)
         # the newest by position: positions as scores, nothing protected (a sink past the window is never seen again)
-        index = kernels.select_keep(positions.float(), positions, _one_or_rows(keep), 0, 0, 1, live=layer.live)
-        compacts = layer.compacts(index.shape[-1])
-        layer.evict(index, live=keep)
+        index, compacts = self._evict([layer], positions, positions.float(), keep, none, none, 1)
         layer.n_new = min(layer.n_new, layer.n_slots)
         if compacts:  # else marked dead in place: the statistics stay aligned with the slots
             stats = tuple(None if t is None else _gather_slots(t, index) for t in stats)
@@ -505,117 +495,141 @@ class BudgetCache(Cache):
         """Hand the step's attention statistics to the policy, then evict if a row is over its budget. Called once
         per layer per step. On a stacked step (see the class docstring) the statistics are kept, and `end_step`
         runs every layer's update and eviction at once."""
+        stats = (attn, attn_sum, attn_sq_sum)
         policy = self.policy
         if not (policy.evicts or policy.needs_attention) or self._stack_step:
             if self._over_window(layer_idx):  # a decode step: the dropped token had no attention from its query
                 t0 = time.perf_counter()
-                attn, attn_sum, attn_sq_sum = self._drop_by_age(layer_idx, (attn, attn_sum, attn_sq_sum))
+                stats = self._drop_by_age(layer_idx, stats)
                 self.eviction_s += time.perf_counter() - t0
             if self._stack_step:
-                self._stash[layer_idx] = (attn, attn_sum, attn_sq_sum)
+                self._stash[layer_idx] = stats
             return
-        self._observe_layer(layer_idx, attn, attn_sum, attn_sq_sum)
+        self._step([layer_idx], [stats])
 
-    def _observe_layer(self, layer_idx: int, attn: Tensor | None, attn_sum: Tensor | None,
-                       attn_sq_sum: Tensor | None) -> None:
-        """One layer's policy update and eviction (`observe`)."""
-        layer: BudgetLayer = self.layers[layer_idx]
-        policy = self.policy
-        keep, due, view = self._layer_view(layer_idx, (attn, attn_sum, attn_sq_sum))
+    def _step(self, order: list[int], stats: list[tuple]) -> None:
+        """The eviction step of the layers ``order``, one layer or (a stacked decode step, `end_step`) every layer as
+        rows of one view: the policy's update, then, if a row is over its budget, its scores -> which slots to keep
+        -> compact or mark dead (`_evict`); in the layer-shared block mode the scores wait for `end_step`'s one
+        decision. Stacked layers that do not hold the same slots and state layout go one by one (`_link_layers`)."""
+        layers = [self.layers[i] for i in order]
+        linked = None
+        if len(layers) > 1:
+            linked = self._link_layers(layers) if len(layers) == len(self.layers) else None
+            if linked is None:
+                for i, s in zip(order, stats):
+                    self._step([i], [s])
+                return
+        policy, first = self.policy, layers[0]
+        keep, due = self._row_decision(first) if policy.evicts else (first.live, False)
+        view = self._view(order, stats, linked, keep)
         t0 = time.perf_counter()
         policy.update(view)
-        if self._over_window(layer_idx):
+        if linked is not None:
+            self._store_state(layers, view.state, linked[1])
+        elif self._over_window(order[0]):
             # the policy saw the step's attention over every slot (at a prefill, early queries attend to tokens the
             # next query cannot see); then the window drops those, and the policy decides on what remains
-            keep, due, view = self._layer_view(layer_idx, self._drop_by_age(layer_idx, (attn, attn_sum, attn_sq_sum)))
+            stats = [self._drop_by_age(order[0], stats[0])]
+            keep, due = self._row_decision(first)
+            view = self._view(order, stats, None, keep)
         if due and self.step == 0:
-            for live, budget in zip(layer.live, self.budgets):
-                error = blind_prefill_error(policy, live, budget)
-                if error:
+            for live, budget in zip(first.live, self.budgets):
+                if error := blind_prefill_error(policy, live, budget):
                     raise ValueError(error)
         if due:
-            scores = self._score_due_rows(view) if self.shared_block is None else policy.score(view)
+            scores = self._score(view)
             if self.shared_block is not None:
-                self._shared_scores[layer_idx] = scores  # decided in end_step, once every layer has scored
+                self._shared_scores[order[0]] = scores  # decided in end_step, once every layer has scored
                 self._shared_keep = keep
             else:
                 rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
-                block = policy.block_size_at(self.step)
-                index = kernels.select_keep(scores, layer.positions, _one_or_rows(keep),
-                                            _one_or_rows([p.n_sink for p in rows]),
-                                            _one_or_rows([p.n_recent for p in rows]), block,
-                                            live=layer.live)
-                layer.evict(index, live=keep if block == 1 else None)
+                self._evict(layers, view.positions, scores, keep, [p.n_sink for p in rows],
+                            [p.n_recent for p in rows], policy.block_size_at(self.step))
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
         self.eviction_s += time.perf_counter() - t0
 
-    def _layer_view(self, layer_idx: int, stats: tuple) -> tuple[list[int], bool, LayerView]:
-        """Per row what to keep, whether any row evicts now, and the policy's view of the layer with ``stats``."""
-        layer: BudgetLayer = self.layers[layer_idx]
-        keep, due = self._row_decision(layer) if self.policy.evicts else (layer.live, False)
-        attn, attn_sum, attn_sq_sum = stats
-        view = LayerView(layer=layer_idx, step=self.step, keys=layer.keys, values=layer.values,
-                         positions=layer.positions, n_new=layer.n_new, attn=attn, attn_sum=attn_sum,
-                         attn_sq_sum=attn_sq_sum, keep=_one_or_rows(keep), state=layer.state, live=layer.live)
-        return keep, due, view
+    def _view(self, order: list[int], stats: list[tuple], linked: tuple | None, keep: list[int]) -> LayerView:
+        """The policy's view of the layers ``order`` with the step's statistics ``stats`` (one tuple per layer); of
+        stacked layers (``linked``, `_link_layers`), the layer-major rows of every layer."""
+        first, L = self.layers[order[0]], len(order)
+        positions, state = linked if linked is not None else (first.positions, first.state)
 
-    def _score_due_rows(self, view: LayerView) -> Tensor:
-        """The policy's scores of the rows that evict now (`LayerView.due_rows`; the others keep every live token
-        whatever their scores, so they get zeros) where it can score a subset of rows (`Policy.scores_row_subsets`)
-        and not every row is due; else of every row."""
-        if not self.policy.scores_row_subsets:
-            return self.policy.score(view)
-        due = view.due_rows()
-        if len(due) == view.positions.shape[0]:
-            return self.policy.score(view)
-        some = self.policy.score(view.select_rows(due))
-        return some.new_zeros(view.positions.shape).index_copy_(0, torch.tensor(due, device=some.device), some)
+        def stat(k):
+            return None if stats[0][k] is None else stats[0][k] if L == 1 else torch.cat([s[k] for s in stats])
 
-    def _observe_stacked(self) -> None:
-        """Every layer's update and eviction of this decode step in one view (`LayerView.layers`): the policy's
-        update, the selection and the marking of dead slots each run once for the whole model instead of once per
-        layer. The same decisions, bit for bit, as layer by layer (the policy treats rows independently;
-        tests/test_cache_layout.py); layers that do not hold the same slots and state layout go layer by layer."""
-        stash, self._stash = self._stash, {}
-        order = sorted(stash)
-        layers = [self.layers[i] for i in order]
-        stacked = self._link_layers(layers) if len(layers) == len(self.layers) else None
-        if stacked is None:
-            for i in order:
-                self._observe_layer(i, *stash[i])
-            return
-        t0 = time.perf_counter()
-        positions, state = stacked
-        first, L = layers[0], len(layers)
-        policy = self.decode_policy
-        keep, due = self._row_decision(first)
-        cat = lambda k: None if stash[order[0]][k] is None else torch.cat([stash[i][k] for i in order])  # noqa: E731
-        view = LayerView(layer=order[0], step=self.step, keys=None, values=None, positions=positions,
-                         n_new=first.n_new, attn=cat(0), attn_sum=cat(1), attn_sq_sum=cat(2),
-                         keep=_one_or_rows(keep * L), state=dict(state), live=first.live * L, layers=L,
-                         layer_kv=[(layer.keys, layer.values) for layer in layers])  # fmt: skip
-        policy.update(view)
-        B = first.positions.shape[0]
-        for name, t in view.state.items():  # what the policy rebound or added, back into each layer's state
-            if name in state:
-                if t is not state[name]:
-                    state[name].copy_(t)
+        return LayerView(layer=order[0], step=self.step, keys=first.keys if L == 1 else None,
+                         values=first.values if L == 1 else None, positions=positions, n_new=first.n_new,
+                         attn=stat(0), attn_sum=stat(1), attn_sq_sum=stat(2), keep=_one_or_rows(keep * L),
+                         state=state if L == 1 else dict(state), live=first.live * L if L > 1 else first.live,
+                         layers=L, layer_kv=[(self.layers[i].keys, self.layers[i].values) for i in order] if L > 1
+                         else ())  # fmt: skip
+
+    @staticmethod
+    def _store_state(layers: list[BudgetLayer], state: dict[str, Tensor], stacked: dict[str, Tensor]) -> None:
+        """What the policy rebound or added in a stacked view's ``state``, back into each layer's state."""
+        B = layers[0].positions.shape[0]
+        for name, t in state.items():
+            if name in stacked:
+                if t is not stacked[name]:
+                    stacked[name].copy_(t)
             else:
                 for i, layer in enumerate(layers):
                     layer.state[name] = t[i * B : (i + 1) * B]
-        if due:
-            rows = self.row_policies
-            index = kernels.select_keep(policy.score(view), positions, _one_or_rows(keep * L),
-                                        _one_or_rows([p.n_sink for p in rows] * L),
-                                        _one_or_rows([p.n_recent for p in rows] * L), 1, live=first.live * L)
-            if first.compacts(index.shape[-1]):
-                for i, layer in enumerate(layers):
-                    layer.keep_slots(index[i * B : (i + 1) * B])
-            else:
-                mark_dead(positions, index)  # writes through to every layer's positions
-            for layer in layers:
-                layer.live = list(keep)
-        self.eviction_s += time.perf_counter() - t0
+
+    def _score(self, view: LayerView) -> Tensor:
+        """The policy's scores. Of the rows that evict now only (`LayerView.due_rows`; the others keep every live
+        token whatever their scores, so they get zeros) where it can score a subset of rows
+        (`Policy.scores_row_subsets`), the view is one layer's, its decision is not shared, and not every row is
+        due; else of every row."""
+        policy = self.policy
+        if not policy.scores_row_subsets or view.layers > 1 or self.shared_block is not None:
+            return policy.score(view)
+        due = view.due_rows()
+        if len(due) == view.positions.shape[0]:
+            return policy.score(view)
+        some = policy.score(view.select_rows(due))
+        return some.new_zeros(view.positions.shape).index_copy_(0, torch.tensor(due, device=some.device), some)
+
+    def _evict(self, layers: list[BudgetLayer], positions: Tensor, scores: Tensor | list[Tensor], keep: list[int],
+               sinks: list[int], recents: list[int], block: int, pooling: str | None = None) -> tuple[Tensor, bool]:
+        """The one eviction of the cache: ``scores`` -> the slots each row keeps -> compact or mark dead.
+
+        ``layers`` decide as rows of one selection, layer-major (one layer, or a stacked step's every layer:
+        ``positions`` and ``scores`` ``[L * B, H, T]``), or, with ``pooling``, share one decision whose scores are
+        one tensor per layer pooled into one score per slot (`learnkv.pooling.shared_keep_slots`). ``keep``,
+        ``sinks`` and ``recents`` are per row of one layer. Returns the kept slots and whether the layers were
+        compacted (else the evicted slots were marked dead in place)."""
+        if pooling is not None:
+            index = shared_keep_slots(scores, positions, _one_or_rows(keep), _one_or_rows(sinks),
+                                      _one_or_rows(recents), block, pooling)
+            return index, self._keep_slots(layers, index, positions, None)
+        L = len(layers)
+        index = kernels.select_keep(scores, positions, _one_or_rows(keep * L), _one_or_rows(sinks * L),
+                                    _one_or_rows(recents * L), block, live=layers[0].live * L)
+        return index, self._keep_slots(layers, index, positions, keep if block == 1 else None)
+
+    @staticmethod
+    def _keep_slots(layers: list[BudgetLayer], index: Tensor, positions: Tensor, live: list[int] | None) -> bool:
+        """Keep the slots ``index`` (ascending, -1 = none, see `kernels.select_keep`; ``[L * B, H, K]`` layer-major
+        for ``L`` layers, or ``[B, 1, K]`` for every layer and KV head alike) in ``layers``, whose positions are
+        ``positions`` (one layer's, or their stacked view): compact, or mark the rest dead (`BudgetLayer.compacts`).
+        ``live``: each row's live tokens afterwards, if the caller knows them (token eviction: what it asked to
+        keep); else counted. Returns whether the layers were compacted."""
+        first = layers[0]
+        B = first.positions.shape[0]
+        compacts = first.compacts(index.shape[-1])
+        if compacts:
+            for i, layer in enumerate(layers):
+                part = index[i * B : (i + 1) * B] if index.shape[0] > B else index
+                heads = layer.positions.shape[1]
+                layer.keep_slots(part if part.shape[1] == heads else part.expand(-1, heads, -1))
+        else:
+            mark_dead(positions, index)  # a stacked view writes through to every layer's positions
+        live = list(live) if live is not None else first.count_live()
+        for layer in layers:
+            layer.live = list(live)
+        return compacts
 
     def _link_layers(self, layers: list[BudgetLayer]) -> tuple[Tensor, dict[str, Tensor]] | None:
         """The stacked positions ``[L * B, H, T]`` and state entries of ``layers``, views of one buffer each that
@@ -658,18 +672,13 @@ class BudgetCache(Cache):
         t0 = time.perf_counter()
         if len(self._shared_scores) != len(self.layers):
             raise RuntimeError("layer-shared eviction needs every layer's scores in the same step")
-        positions = self.layers[0].positions  # every layer holds the same slots in this mode
         scores = [self._shared_scores[i] for i in range(len(self.layers))]
         self._shared_scores = {}
         policy = self.policy
         rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
-        index = shared_keep_slots(scores, positions, _one_or_rows(self._shared_keep),
-                                  _one_or_rows([p.n_sink for p in rows]), _one_or_rows([p.n_recent for p in rows]),
-                                  self.shared_block, policy.pooling)
-        live = None
-        for layer in self.layers:
-            layer.keep_slots(index.expand(-1, layer.positions.shape[1], -1))
-            layer.live = live = live or layer.count_live()
+        # every layer holds the same slots in this mode
+        self._evict(list(self.layers), self.layers[0].positions, scores, self._shared_keep, [p.n_sink for p in rows],
+                    [p.n_recent for p in rows], self.shared_block, policy.pooling)
         self.eviction_s += time.perf_counter() - t0
 
     def slots_to_allocate(self, need: int, current: int, window: int | None = None) -> int:
