@@ -74,6 +74,17 @@ def prefill_policy_error(policy: Policy) -> str | None:
             "prefill (e.g. snapkv, h2o, tova, streaming; not full, lazy or oracle)")
 
 
+def kept_per_step(kept_rows: list[list[list[int]]]) -> list[list[int]]:
+    """Per step and layer, the most live tokens any row held, from `BudgetCache.kept_rows` ``[step][layer][row]``
+    (what `learnkv.decode.GenerationResult` keeps of a decode)."""
+    return [[max(rows) for rows in step] for step in kept_rows]
+
+
+def max_kept(kept_rows: list[list[list[int]]]) -> int:
+    """The most live tokens any layer held for any row after any step, from `BudgetCache.kept_rows`."""
+    return max((max(k) for k in kept_per_step(kept_rows)), default=0)
+
+
 def mark_dead(positions: Tensor, index: Tensor) -> None:
     """Set the position of every slot not in ``index [B, H, K]`` (kept slots, -1 = none) to -1, in place."""
     T = positions.shape[-1]
@@ -236,13 +247,6 @@ class BudgetLayer(DynamicLayer):
         """Forget the policy state (the prefill policy's, once the decode policy takes over)."""
         self.state, self._packed, self._layout, self._channels = {}, {}, {}, {}
 
-    def compacts(self, kept: int) -> bool:
-        """Whether an eviction that keeps ``kept`` slots (the widest row's) compacts rather than marks the evicted
-        slots dead: always where the slots must stay dense (a dead slot between a row's live ones would change
-        what its policy sees, even when the widest row evicts nothing and no slot is free in every row), else once
-        more than the cache's ``slack`` slots would be dead in every row."""
-        return self.owner.dense or self.n_slots - kept > self.owner.slack
-
     def count_live(self) -> list[int]:
         """Live tokens per row, counted on the device (a synchronisation; block evictions only)."""
         return (self.positions >= 0).sum(-1).amax(-1).tolist()
@@ -382,11 +386,12 @@ class BudgetCache(Cache):
     @property
     def kept_per_step(self) -> list[list[int]]:
         """Per step and layer, the most live tokens any row held."""
-        return [[max(rows) for rows in step] for step in self.kept_rows]
+        return kept_per_step(self.kept_rows)
 
     @property
     def max_kept(self) -> int:
-        return max((max(k) for k in self.kept_per_step), default=0)
+        """The most live tokens any layer held for any row after any step."""
+        return max_kept(self.kept_rows)
 
     def _expand_rows(self, B: int) -> None:
         policy, budget, prefill = self._row_args
@@ -609,16 +614,22 @@ class BudgetCache(Cache):
                                     _one_or_rows(recents * L), block, live=layers[0].live * L)
         return index, self._keep_slots(layers, index, positions, keep if block == 1 else None)
 
-    @staticmethod
-    def _keep_slots(layers: list[BudgetLayer], index: Tensor, positions: Tensor, live: list[int] | None) -> bool:
+    def _compacts(self, layer: BudgetLayer, kept: int) -> bool:
+        """Whether an eviction that keeps ``kept`` slots (the widest row's) compacts rather than marks the evicted
+        slots dead: always where the slots must stay dense (a dead slot between a row's live ones would change
+        what its policy sees, even when the widest row evicts nothing and no slot is free in every row), else once
+        more than the cache's ``slack`` slots would be dead in every row."""
+        return self.dense or layer.n_slots - kept > self.slack
+
+    def _keep_slots(self, layers: list[BudgetLayer], index: Tensor, positions: Tensor, live: list[int] | None) -> bool:
         """Keep the slots ``index`` (ascending, -1 = none, see `kernels.select_keep`; ``[L * B, H, K]`` layer-major
         for ``L`` layers, or ``[B, 1, K]`` for every layer and KV head alike) in ``layers``, whose positions are
-        ``positions`` (one layer's, or their stacked view): compact, or mark the rest dead (`BudgetLayer.compacts`).
+        ``positions`` (one layer's, or their stacked view): compact, or mark the rest dead (`_compacts`).
         ``live``: each row's live tokens afterwards, if the caller knows them (token eviction: what it asked to
         keep); else counted. Returns whether the layers were compacted."""
         first = layers[0]
         B = first.positions.shape[0]
-        compacts = first.compacts(index.shape[-1])
+        compacts = self._compacts(first, index.shape[-1])
         if compacts:
             for i, layer in enumerate(layers):
                 part = index[i * B : (i + 1) * B] if index.shape[0] > B else index
