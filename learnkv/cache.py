@@ -302,7 +302,9 @@ class BudgetCache(Cache):
 
     def _row_decision(self, layer: BudgetLayer) -> tuple[list[int], bool]:
         """Per row, what to keep now (its keep target if it is over its budget, else every live token), and
-        whether any row is over."""
+        whether any row is over (never for a policy that does not evict)."""
+        if not self.policy.evicts:
+            return layer.live, False
         over = [live > b for live, b in zip(layer.live, self.budgets)]
         return [k if o else live for k, o, live in zip(self.keep, over, layer.live)], any(over)
 
@@ -342,7 +344,7 @@ class BudgetCache(Cache):
                     self._step([i], [s])
                 return
         policy, first = self.policy, layers[0]
-        keep, due = self._row_decision(first) if policy.evicts else (first.live, False)
+        keep, due = self._row_decision(first)
         view = self._view(order, stats, linked, keep)
         t0 = time.perf_counter()
         policy.update(view)
