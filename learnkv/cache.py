@@ -2,8 +2,12 @@
 
 It owns every eviction invariant, for every policy: the cache never holds more than the budget at the end of
 a step, sinks and the recent window survive, kept tokens stay in their original order, and the policy's
-per-token state stays aligned with the keys and values. Policies only score; selection and compaction are
-done here, once, through `kernels.select_keep` and `kernels.gather_tokens`.
+per-token state stays aligned with the keys and values. Policies only score; the storage (slots, packed policy
+state) is `learnkv.slots.BudgetLayer`'s; the decision is here, in one eviction step (`BudgetCache._evict`):
+scores -> the slots each row keeps (`kernels.select_keep`, or one pooled decision for every layer in the
+layer-shared block mode) -> compact (`kernels.gather_tokens`) or mark the rest dead. Per layer, stacked layers,
+the layer-shared decision and a sliding window's drop by age all go through it: which layers decide together,
+and whether they share one decision, is data.
 
 Order within a step (for every layer): append the step's keys/values -> attention over the whole cache,
 statistics handed to the policy (`learnkv.attention`) -> policy state update -> evict if the cache is over the
@@ -43,17 +47,17 @@ and padding need no 2D mask. That is also what lets an evicted slot stay in plac
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 import kernels
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import shared_keep_slots
+from learnkv.slots import BudgetLayer, Link, link_layers, mark_dead
 
 
 def blind_prefill_error(policy: Policy, prompt_tokens: int, budget: int) -> str | None:
@@ -74,20 +78,15 @@ def prefill_policy_error(policy: Policy) -> str | None:
             "prefill (e.g. snapkv, h2o, tova, streaming; not full, lazy or oracle)")
 
 
-def mark_dead(positions: Tensor, index: Tensor) -> None:
-    """Set the position of every slot not in ``index [B, H, K]`` (kept slots, -1 = none) to -1, in place."""
-    T = positions.shape[-1]
-    slot = torch.where(index >= 0, index, T)  # -1 entries mark the extra column, dropped below
-    kept = torch.zeros((*index.shape[:2], T + 1), dtype=torch.bool, device=index.device)
-    positions.masked_fill_(~kept.scatter_(-1, slot, True)[..., :T], -1)  # writes through to the buffer
+def kept_per_step(kept_rows: list[list[list[int]]]) -> list[list[int]]:
+    """Per step and layer, the most live tokens any row held, from `BudgetCache.kept_rows` ``[step][layer][row]``
+    (what `learnkv.decode.GenerationResult` keeps of a decode)."""
+    return [[max(rows) for rows in step] for step in kept_rows]
 
 
-def _channel_view(packed: Tensor, first: int, extra: tuple[int, ...], axis: int) -> Tensor:
-    """One state entry's view of a packed buffer whose channel axis is ``axis``: channel ``first``, or the
-    ``prod(extra)`` channels from it, shaped ``extra``."""
-    if not extra:
-        return packed.select(axis, first)
-    return packed.narrow(axis, first, math.prod(extra)).unflatten(axis, extra)
+def max_kept(kept_rows: list[list[list[int]]]) -> int:
+    """The most live tokens any layer held for any row after any step, from `BudgetCache.kept_rows`."""
+    return max((max(k) for k in kept_per_step(kept_rows)), default=0)
 
 
 def _gather_slots(stat: Tensor, index: Tensor) -> Tensor:
@@ -101,195 +100,6 @@ def _gather_slots(stat: Tensor, index: Tensor) -> Tensor:
 def _one_or_rows(values: list[int]) -> int | list[int]:
     """One int when every row has the same value (the kernels' fast path), else the per-row list."""
     return values[0] if len(set(values)) == 1 else values
-
-
-class BudgetLayer(DynamicLayer):
-    """One decoder layer's keys/values plus slot positions and policy state.
-
-    Keys, values, positions and policy state live in buffers preallocated along the slot axis, so a decode step
-    writes its one new slot instead of concatenating the whole cache (`DynamicLayer` does that, copying every slot
-    every step); ``keys``, ``values``, ``positions`` and each ``state`` entry are views of the first ``n_slots``.
-    The state entries share one buffer per dtype, ``[B, H, S, C]`` (each entry a run of its ``S`` channels), so a
-    compaction gathers every entry in one op, not one op each (the learned policy's tracker keeps ten entries). A
-    policy that updates its state in place keeps the views; one that rebinds an entry to a new tensor has it copied
-    back into its channels at the next append or compaction (one copy, what a concatenation cost).
-
-    ``live`` counts each row's live tokens (position >= 0), on the host, so deciding whether a row is over its
-    budget needs no device synchronisation. Evicted slots are compacted away at once, or, with the cache's
-    ``slack``, marked dead (position -1, masked exactly like padding) and compacted only once more than ``slack``
-    slots are dead in every row. Either way the live slots keep their original order.
-    """
-
-    def __init__(self, layer_idx: int, owner: "BudgetCache"):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.owner = owner
-        self.positions: Tensor | None = None  # [B, H, T] int64, -1 = padding or a dead slot
-        self.state: dict[str, Tensor] = {}
-        self.n_new = 0
-        self.live: list[int] = []  # per row: live tokens, the same in every KV head of the row
-        self._buffers: tuple[Tensor, Tensor, Tensor] | None = None  # keys, values [B, H, C, D]; positions [B, H, C]
-        self._packed: dict[torch.dtype, Tensor] = {}  # [B, H, S, C] per dtype: every state entry's channels
-        self._layout: dict[str, tuple[torch.dtype, int, tuple[int, ...]]] = {}  # entry -> dtype, first channel, shape
-        self._channels: dict[str, Tensor] = {}  # entry -> its [B, H, ..., C] view of the packed buffer
-
-    @property
-    def n_slots(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[-1]
-
-    @property
-    def n_dead(self) -> int:
-        """Slots no row uses (dead in every row: what a compaction would free)."""
-        return self.n_slots - max(self.live, default=0)
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self._buffers is None else self._buffers[2].shape[-1]
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        B, H, q, _ = key_states.shape
-        new_pos = self.owner.step_positions
-        if new_pos is None or new_pos.shape != (B, q):
-            raise RuntimeError("BudgetCache.begin_step(positions) must be called before each forward pass")
-        n = self.n_slots
-        if n + q > self.capacity:
-            self._allocate(self.owner.slots_to_allocate(n + q, self.capacity), key_states, value_states, n)
-        kb, vb, pb = self._buffers
-        kb[:, :, n : n + q] = key_states
-        vb[:, :, n : n + q] = value_states
-        pb[:, :, n : n + q] = new_pos.to(pb.device)[:, None, :]
-        self._view(n + q)
-        self._append_state(n, q)
-        self.n_new = q
-        self.live = [live + new for live, new in zip(self.live or [0] * B, self.owner.step_valid)]
-        return self.keys, self.values
-
-    def _allocate(self, capacity: int, keys: Tensor, values: Tensor, n_copy: int) -> None:
-        """New buffers of ``capacity`` slots holding the first ``n_copy`` current slots (keys and values may differ in
-        width: MLA caches a latent and its rotary part)."""
-        B, H = keys.shape[:2]
-        kb = keys.new_empty(B, H, capacity, keys.shape[-1])
-        vb = values.new_empty(B, H, capacity, values.shape[-1])
-        pb = torch.empty((B, H, capacity), dtype=torch.long, device=keys.device)  # slots past n_slots are never read
-        if n_copy:
-            kb[:, :, :n_copy] = self.keys
-            vb[:, :, :n_copy] = self.values
-            pb[:, :, :n_copy] = self.positions
-        self._buffers = (kb, vb, pb)
-
-    def _append_state(self, n: int, q: int) -> None:
-        """Grow every state entry by ``q`` zero slots, in place where the entry is still a view of its channels.
-
-        The packed buffers are zero past the slots in use (allocated so, and a view ``[..., :n]`` cannot write past
-        them), so growing a view into its channels writes nothing: a decode step costs no op per state entry."""
-        if not self.state:
-            return
-        self._pack_state(n, n + q)
-        for name, full in self._channels.items():
-            self.state[name] = full[..., : n + q]
-
-    def _pack_state(self, n: int, need: int) -> None:
-        """Make every state entry (``n`` slots) live in the packed buffers, with room for ``need`` slots: copy the
-        entries the policy rebound into their channels, or lay the buffers out anew when the entries' names, shapes
-        or dtypes changed or they are out of room."""
-        state, channels = self.state, self._channels
-        same = state.keys() == channels.keys() and all(
-            t.dtype == channels[k].dtype and t.shape[:-1] == channels[k].shape[:-1] for k, t in state.items()
-        )
-        if same and next(iter(self._packed.values())).shape[-1] >= need:
-            for name, t in state.items():
-                full = channels[name]
-                if t.data_ptr() != full.data_ptr() or t.stride() != full.stride():
-                    full[..., :n] = t  # rebound by the policy; past n the channels are still zero
-            return
-        self._layout, widths = {}, {}
-        for name, t in state.items():
-            extra = tuple(t.shape[2:-1])
-            self._layout[name] = (t.dtype, widths.get(t.dtype, 0), extra)
-            widths[t.dtype] = widths.get(t.dtype, 0) + math.prod(extra)
-        B, H = next(iter(state.values())).shape[:2]
-        device = next(iter(state.values())).device
-        self._packed = {dtype: torch.zeros((B, H, width, max(self.capacity, need)), dtype=dtype, device=device)
-                        for dtype, width in widths.items()}  # fmt: skip
-        self._view_channels()
-        for name, t in state.items():
-            self._channels[name][..., :n] = t
-
-    def _view_channels(self) -> None:
-        """Each entry's whole-capacity view of its channels in the packed buffers (per `_layout`)."""
-        self._channels = {}
-        for name, (dtype, first, extra) in self._layout.items():
-            self._channels[name] = _channel_view(self._packed[dtype], first, extra, 2)
-
-    def state_buffers(self) -> dict[str, Tensor]:
-        """Each state entry's whole-capacity view of the packed buffers (tests check they are zero past the slots
-        in use)."""
-        return dict(self._channels)
-
-    def _view(self, n: int) -> None:
-        kb, vb, pb = self._buffers
-        self.keys, self.values, self.positions = kb[:, :, :n], vb[:, :, :n], pb[:, :, :n]
-
-    def drop_state(self) -> None:
-        """Forget the policy state (the prefill policy's, once the decode policy takes over)."""
-        self.state, self._packed, self._layout, self._channels = {}, {}, {}, {}
-
-    def evict(self, index: Tensor, live: list[int] | None = None) -> None:
-        """Keep the slots ``index [B, H, K]`` (ascending, -1 = none, see `kernels.select_keep`): mark the rest dead,
-        or compact (`compacts`). ``live``: each row's live tokens afterwards, if the caller knows them (token
-        eviction: what it asked to keep); else they are counted."""
-        if self.compacts(index.shape[-1]):
-            self.keep_slots(index)
-        else:
-            mark_dead(self.positions, index)
-        self.live = list(live) if live is not None else self.count_live()
-
-    def compacts(self, kept: int) -> bool:
-        """Whether an eviction that keeps ``kept`` slots (the widest row's) compacts rather than marks the evicted
-        slots dead: always where the slots must stay dense (a dead slot between a row's live ones would change
-        what its policy sees, even when the widest row evicts nothing and no slot is free in every row), else once
-        more than the cache's ``slack`` slots would be dead in every row."""
-        return self.owner.dense or self.n_slots - kept > self.owner.slack
-
-    def count_live(self) -> list[int]:
-        """Live tokens per row, counted on the device (a synchronisation; block evictions only)."""
-        return (self.positions >= 0).sum(-1).amax(-1).tolist()
-
-    def keep_slots(self, index: Tensor) -> None:
-        """Compact keys, values, positions and state to the slots ``index [B, H, K]`` (ascending; a -1 entry becomes a
-        dead slot with zero state, like left padding)."""
-        K = index.shape[-1]
-        if self.state:
-            self._pack_state(self.n_slots, self.n_slots)  # entries the policy rebound this step, into their channels
-        old = self._buffers
-        filler = index < 0
-        C = self.owner.slots_to_allocate(K, 0, self.owner.windows.get(self.layer_idx))
-        # gathered into fresh buffers (in place, one program's writes would overwrite slots another still reads),
-        # sized for the steady state, so a long prompt compressed to the budget gives its memory back. The index runs
-        # on past K with slot 0 to the C slots of a buffer, so the gather's output *is* the new buffer: each kept
-        # slot is read once and written once, with no copy into a preallocated one (slots past K are never read as
-        # keys, values or positions). The old buffers are freed (on CUDA, to the caching allocator's pool)
-        index = index.clamp(min=0)
-        if C > K:
-            index = torch.cat([index, index.new_zeros(*index.shape[:2], C - K)], dim=-1)
-        # from the whole buffers: index < n_slots <= capacity
-        self._buffers = tuple(kernels.gather_tokens(src, index, dim) for src, dim in zip(old, (-2, -2, -1)))
-        self._view(K)
-        has_filler = bool(filler.any())  # a synchronisation, only when compacting
-        if has_filler:
-            self.positions.masked_fill_(filler, -1)
-        if not self.state:
-            return
-        for dtype, buf in self._packed.items():
-            new = self._packed[dtype] = kernels.gather_tokens(buf, index, -1)  # every entry of this dtype at once
-            new[..., K:] = 0  # zero past the slots in use, as `_append_state` expects
-            if has_filler:  # zero, as the state of a padding slot that was never attended
-                new[..., :K].masked_fill_(filler[:, :, None, :], 0)
-        self._view_channels()
-        for name, full in self._channels.items():
-            self.state[name] = full[..., :K]
 
 
 class BudgetCache(Cache):
@@ -364,11 +174,11 @@ class BudgetCache(Cache):
         self.step_valid: list[int] = []  # per row: valid (non-padding) tokens of the current step
         # accounting: live tokens each layer held for each row after each step (what the budget bounds)
         self.kept_rows: list[list[list[int]]] = []  # [step][layer][row]
-        # stacked layers (`_observe_stacked`): whether this step stacks, the statistics each layer handed over, and
+        # stacked layers (`end_step`): whether this step stacks, the statistics each layer handed over, and
         # the stacked positions and state buffers every layer's are views of
         self._stack_step = False
         self._stash: dict[int, tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
-        self._stack: tuple[Tensor, dict[torch.dtype, Tensor]] | None = None
+        self._stack: Link | None = None
         self.eviction_s = 0.0
         # per layer: the sliding window its attention was called with (None: full attention), and the layers whose
         # attention ran learnkv's function with this cache at the prefill (`ungoverned_layers`)
@@ -392,11 +202,12 @@ class BudgetCache(Cache):
     @property
     def kept_per_step(self) -> list[list[int]]:
         """Per step and layer, the most live tokens any row held."""
-        return [[max(rows) for rows in step] for step in self.kept_rows]
+        return kept_per_step(self.kept_rows)
 
     @property
     def max_kept(self) -> int:
-        return max((max(k) for k in self.kept_per_step), default=0)
+        """The most live tokens any layer held for any row after any step."""
+        return max_kept(self.kept_rows)
 
     def _expand_rows(self, B: int) -> None:
         policy, budget, prefill = self._row_args
@@ -432,8 +243,10 @@ class BudgetCache(Cache):
 
     def end_step(self) -> None:
         """After the forward pass: the layer-shared eviction if one is due, then book-keeping."""
-        if self._stash:
-            self._observe_stacked()
+        if self._stash:  # a stacked step: every layer's update and eviction at once
+            stash, self._stash = self._stash, {}
+            order = sorted(stash)
+            self._step(order, [stash[i] for i in order])
         if self._shared_scores:
             self._evict_shared()
         if self.step == 0 and self.prefill_rows:
@@ -474,11 +287,9 @@ class BudgetCache(Cache):
         if window is None or max(layer.live) < window:
             return stats
         keep = [min(live, window - 1) for live in layer.live]
-        positions = layer.positions
+        positions, none = layer.positions, [0] * len(keep)
         # the newest by position: positions as scores, nothing protected (a sink past the window is never seen again)
-        index = kernels.select_keep(positions.float(), positions, _one_or_rows(keep), 0, 0, 1, live=layer.live)
-        compacts = layer.compacts(index.shape[-1])
-        layer.evict(index, live=keep)
+        index, compacts = self._evict([layer], positions, positions.float(), keep, none, none, 1)
         layer.n_new = min(layer.n_new, layer.n_slots)
         if compacts:  # else marked dead in place: the statistics stay aligned with the slots
             stats = tuple(None if t is None else _gather_slots(t, index) for t in stats)
@@ -491,7 +302,9 @@ class BudgetCache(Cache):
 
     def _row_decision(self, layer: BudgetLayer) -> tuple[list[int], bool]:
         """Per row, what to keep now (its keep target if it is over its budget, else every live token), and
-        whether any row is over."""
+        whether any row is over (never for a policy that does not evict)."""
+        if not self.policy.evicts:
+            return layer.live, False
         over = [live > b for live, b in zip(layer.live, self.budgets)]
         return [k if o else live for k, o, live in zip(self.keep, over, layer.live)], any(over)
 
@@ -505,152 +318,154 @@ class BudgetCache(Cache):
         """Hand the step's attention statistics to the policy, then evict if a row is over its budget. Called once
         per layer per step. On a stacked step (see the class docstring) the statistics are kept, and `end_step`
         runs every layer's update and eviction at once."""
+        stats = (attn, attn_sum, attn_sq_sum)
         policy = self.policy
         if not (policy.evicts or policy.needs_attention) or self._stack_step:
             if self._over_window(layer_idx):  # a decode step: the dropped token had no attention from its query
                 t0 = time.perf_counter()
-                attn, attn_sum, attn_sq_sum = self._drop_by_age(layer_idx, (attn, attn_sum, attn_sq_sum))
+                stats = self._drop_by_age(layer_idx, stats)
                 self.eviction_s += time.perf_counter() - t0
             if self._stack_step:
-                self._stash[layer_idx] = (attn, attn_sum, attn_sq_sum)
+                self._stash[layer_idx] = stats
             return
-        self._observe_layer(layer_idx, attn, attn_sum, attn_sq_sum)
+        self._step([layer_idx], [stats])
 
-    def _observe_layer(self, layer_idx: int, attn: Tensor | None, attn_sum: Tensor | None,
-                       attn_sq_sum: Tensor | None) -> None:
-        """One layer's policy update and eviction (`observe`)."""
-        layer: BudgetLayer = self.layers[layer_idx]
-        policy = self.policy
-        keep, due, view = self._layer_view(layer_idx, (attn, attn_sum, attn_sq_sum))
+    def _step(self, order: list[int], stats: list[tuple]) -> None:
+        """The eviction step of the layers ``order``, one layer or (a stacked decode step, `end_step`) every layer as
+        rows of one view: the policy's update, then, if a row is over its budget, its scores -> which slots to keep
+        -> compact or mark dead (`_evict`); in the layer-shared block mode the scores wait for `end_step`'s one
+        decision. Stacked layers that do not hold the same slots and state layout go one by one (`_link_layers`)."""
+        layers = [self.layers[i] for i in order]
+        linked = None
+        if len(layers) > 1:
+            linked = self._link_layers(layers) if len(layers) == len(self.layers) else None
+            if linked is None:
+                for i, s in zip(order, stats):
+                    self._step([i], [s])
+                return
+        policy, first = self.policy, layers[0]
+        keep, due = self._row_decision(first)
+        view = self._view(order, stats, linked, keep)
         t0 = time.perf_counter()
         policy.update(view)
-        if self._over_window(layer_idx):
+        if linked is not None:
+            self._store_state(layers, view.state, linked[1])
+        elif self._over_window(order[0]):
             # the policy saw the step's attention over every slot (at a prefill, early queries attend to tokens the
             # next query cannot see); then the window drops those, and the policy decides on what remains
-            keep, due, view = self._layer_view(layer_idx, self._drop_by_age(layer_idx, (attn, attn_sum, attn_sq_sum)))
+            stats = [self._drop_by_age(order[0], stats[0])]
+            keep, due = self._row_decision(first)
+            view = self._view(order, stats, None, keep)
         if due and self.step == 0:
-            for live, budget in zip(layer.live, self.budgets):
-                error = blind_prefill_error(policy, live, budget)
-                if error:
+            for live, budget in zip(first.live, self.budgets):
+                if error := blind_prefill_error(policy, live, budget):
                     raise ValueError(error)
         if due:
-            scores = self._score_due_rows(view) if self.shared_block is None else policy.score(view)
+            scores = self._score(view)
             if self.shared_block is not None:
-                self._shared_scores[layer_idx] = scores  # decided in end_step, once every layer has scored
+                self._shared_scores[order[0]] = scores  # decided in end_step, once every layer has scored
                 self._shared_keep = keep
             else:
                 rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
-                block = policy.block_size_at(self.step)
-                index = kernels.select_keep(scores, layer.positions, _one_or_rows(keep),
-                                            _one_or_rows([p.n_sink for p in rows]),
-                                            _one_or_rows([p.n_recent for p in rows]), block,
-                                            live=layer.live)
-                layer.evict(index, live=keep if block == 1 else None)
+                self._evict(layers, view.positions, scores, keep, [p.n_sink for p in rows],
+                            [p.n_recent for p in rows], policy.block_size_at(self.step))
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
         self.eviction_s += time.perf_counter() - t0
 
-    def _layer_view(self, layer_idx: int, stats: tuple) -> tuple[list[int], bool, LayerView]:
-        """Per row what to keep, whether any row evicts now, and the policy's view of the layer with ``stats``."""
-        layer: BudgetLayer = self.layers[layer_idx]
-        keep, due = self._row_decision(layer) if self.policy.evicts else (layer.live, False)
-        attn, attn_sum, attn_sq_sum = stats
-        view = LayerView(layer=layer_idx, step=self.step, keys=layer.keys, values=layer.values,
-                         positions=layer.positions, n_new=layer.n_new, attn=attn, attn_sum=attn_sum,
-                         attn_sq_sum=attn_sq_sum, keep=_one_or_rows(keep), state=layer.state, live=layer.live)
-        return keep, due, view
+    def _view(self, order: list[int], stats: list[tuple], linked: tuple | None, keep: list[int]) -> LayerView:
+        """The policy's view of the layers ``order`` with the step's statistics ``stats`` (one tuple per layer); of
+        stacked layers (``linked``, `_link_layers`), the layer-major rows of every layer."""
+        first, L = self.layers[order[0]], len(order)
+        positions, state = linked if linked is not None else (first.positions, first.state)
 
-    def _score_due_rows(self, view: LayerView) -> Tensor:
-        """The policy's scores of the rows that evict now (`LayerView.due_rows`; the others keep every live token
-        whatever their scores, so they get zeros) where it can score a subset of rows (`Policy.scores_row_subsets`)
-        and not every row is due; else of every row."""
-        if not self.policy.scores_row_subsets:
-            return self.policy.score(view)
-        due = view.due_rows()
-        if len(due) == view.positions.shape[0]:
-            return self.policy.score(view)
-        some = self.policy.score(view.select_rows(due))
-        return some.new_zeros(view.positions.shape).index_copy_(0, torch.tensor(due, device=some.device), some)
+        def stat(k):
+            return None if stats[0][k] is None else stats[0][k] if L == 1 else torch.cat([s[k] for s in stats])
 
-    def _observe_stacked(self) -> None:
-        """Every layer's update and eviction of this decode step in one view (`LayerView.layers`): the policy's
-        update, the selection and the marking of dead slots each run once for the whole model instead of once per
-        layer. The same decisions, bit for bit, as layer by layer (the policy treats rows independently;
-        tests/test_cache_layout.py); layers that do not hold the same slots and state layout go layer by layer."""
-        stash, self._stash = self._stash, {}
-        order = sorted(stash)
-        layers = [self.layers[i] for i in order]
-        stacked = self._link_layers(layers) if len(layers) == len(self.layers) else None
-        if stacked is None:
-            for i in order:
-                self._observe_layer(i, *stash[i])
-            return
-        t0 = time.perf_counter()
-        positions, state = stacked
-        first, L = layers[0], len(layers)
-        policy = self.decode_policy
-        keep, due = self._row_decision(first)
-        cat = lambda k: None if stash[order[0]][k] is None else torch.cat([stash[i][k] for i in order])  # noqa: E731
-        view = LayerView(layer=order[0], step=self.step, keys=None, values=None, positions=positions,
-                         n_new=first.n_new, attn=cat(0), attn_sum=cat(1), attn_sq_sum=cat(2),
-                         keep=_one_or_rows(keep * L), state=dict(state), live=first.live * L, layers=L,
-                         layer_kv=[(layer.keys, layer.values) for layer in layers])  # fmt: skip
-        policy.update(view)
-        B = first.positions.shape[0]
-        for name, t in view.state.items():  # what the policy rebound or added, back into each layer's state
-            if name in state:
-                if t is not state[name]:
-                    state[name].copy_(t)
+        return LayerView(layer=order[0], step=self.step, keys=first.keys if L == 1 else None,
+                         values=first.values if L == 1 else None, positions=positions, n_new=first.n_new,
+                         attn=stat(0), attn_sum=stat(1), attn_sq_sum=stat(2), keep=_one_or_rows(keep * L),
+                         state=state if L == 1 else dict(state), live=first.live * L if L > 1 else first.live,
+                         layers=L, layer_kv=[(self.layers[i].keys, self.layers[i].values) for i in order] if L > 1
+                         else ())  # fmt: skip
+
+    @staticmethod
+    def _store_state(layers: list[BudgetLayer], state: dict[str, Tensor], stacked: dict[str, Tensor]) -> None:
+        """What the policy rebound or added in a stacked view's ``state``, back into each layer's state."""
+        B = layers[0].positions.shape[0]
+        for name, t in state.items():
+            if name in stacked:
+                if t is not stacked[name]:
+                    stacked[name].copy_(t)
             else:
                 for i, layer in enumerate(layers):
                     layer.state[name] = t[i * B : (i + 1) * B]
-        if due:
-            rows = self.row_policies
-            index = kernels.select_keep(policy.score(view), positions, _one_or_rows(keep * L),
-                                        _one_or_rows([p.n_sink for p in rows] * L),
-                                        _one_or_rows([p.n_recent for p in rows] * L), 1, live=first.live * L)
-            if first.compacts(index.shape[-1]):
-                for i, layer in enumerate(layers):
-                    layer.keep_slots(index[i * B : (i + 1) * B])
-            else:
-                mark_dead(positions, index)  # writes through to every layer's positions
-            for layer in layers:
-                layer.live = list(keep)
-        self.eviction_s += time.perf_counter() - t0
+
+    def _score(self, view: LayerView) -> Tensor:
+        """The policy's scores. Of the rows that evict now only (`LayerView.due_rows`; the others keep every live
+        token whatever their scores, so they get zeros) where it can score a subset of rows
+        (`Policy.scores_row_subsets`), the view is one layer's, its decision is not shared, and not every row is
+        due; else of every row."""
+        policy = self.policy
+        if not policy.scores_row_subsets or view.layers > 1 or self.shared_block is not None:
+            return policy.score(view)
+        due = view.due_rows()
+        if len(due) == view.positions.shape[0]:
+            return policy.score(view)
+        some = policy.score(view.select_rows(due))
+        return some.new_zeros(view.positions.shape).index_copy_(0, torch.tensor(due, device=some.device), some)
+
+    def _evict(self, layers: list[BudgetLayer], positions: Tensor, scores: Tensor | list[Tensor], keep: list[int],
+               sinks: list[int], recents: list[int], block: int, pooling: str | None = None) -> tuple[Tensor, bool]:
+        """The one eviction of the cache: ``scores`` -> the slots each row keeps -> compact or mark dead.
+
+        ``layers`` decide as rows of one selection, layer-major (one layer, or a stacked step's every layer:
+        ``positions`` and ``scores`` ``[L * B, H, T]``), or, with ``pooling``, share one decision whose scores are
+        one tensor per layer pooled into one score per slot (`learnkv.pooling.shared_keep_slots`). ``keep``,
+        ``sinks`` and ``recents`` are per row of one layer. Returns the kept slots and whether the layers were
+        compacted (else the evicted slots were marked dead in place)."""
+        if pooling is not None:
+            index = shared_keep_slots(scores, positions, _one_or_rows(keep), _one_or_rows(sinks),
+                                      _one_or_rows(recents), block, pooling)
+            return index, self._keep_slots(layers, index, positions, None)
+        L = len(layers)
+        index = kernels.select_keep(scores, positions, _one_or_rows(keep * L), _one_or_rows(sinks * L),
+                                    _one_or_rows(recents * L), block, live=layers[0].live * L)
+        return index, self._keep_slots(layers, index, positions, keep if block == 1 else None)
+
+    def _compacts(self, layer: BudgetLayer, kept: int) -> bool:
+        """Whether an eviction that keeps ``kept`` slots (the widest row's) compacts rather than marks the evicted
+        slots dead: always where the slots must stay dense (a dead slot between a row's live ones would change
+        what its policy sees, even when the widest row evicts nothing and no slot is free in every row), else once
+        more than the cache's ``slack`` slots would be dead in every row."""
+        return self.dense or layer.n_slots - kept > self.slack
+
+    def _keep_slots(self, layers: list[BudgetLayer], index: Tensor, positions: Tensor, live: list[int] | None) -> bool:
+        """Keep the slots ``index`` (ascending, -1 = none, see `kernels.select_keep`; ``[L * B, H, K]`` layer-major
+        for ``L`` layers, or ``[B, 1, K]`` for every layer and KV head alike) in ``layers``, whose positions are
+        ``positions`` (one layer's, or their stacked view): compact, or mark the rest dead (`_compacts`).
+        ``live``: each row's live tokens afterwards, if the caller knows them (token eviction: what it asked to
+        keep); else counted. Returns whether the layers were compacted."""
+        first = layers[0]
+        B = first.positions.shape[0]
+        compacts = self._compacts(first, index.shape[-1])
+        if compacts:
+            for i, layer in enumerate(layers):
+                part = index[i * B : (i + 1) * B] if index.shape[0] > B else index
+                heads = layer.positions.shape[1]
+                layer.keep_slots(part if part.shape[1] == heads else part.expand(-1, heads, -1))
+        else:
+            mark_dead(positions, index)  # a stacked view writes through to every layer's positions
+        live = list(live) if live is not None else first.count_live()
+        for layer in layers:
+            layer.live = list(live)
+        return compacts
 
     def _link_layers(self, layers: list[BudgetLayer]) -> tuple[Tensor, dict[str, Tensor]] | None:
-        """The stacked positions ``[L * B, H, T]`` and state entries of ``layers``, views of one buffer each that
-        every layer's own positions and state are views of too (so the policy's in-place updates and the marking of
-        dead slots write through). The buffers are stacked once, and again only after a compaction or reallocation
-        gave a layer fresh ones. None when the layers do not hold the same slots, live tokens and state layout."""
-        first = layers[0]
-        n, pos_shape = first.n_slots, first._buffers[2].shape
-        if any(layer.n_slots != n or layer.live != first.live or layer._buffers[2].shape != pos_shape
-               or layer._layout != first._layout or layer.state.keys() != first._layout.keys() for layer in layers):
+        """The stacked positions and state of ``layers`` (`learnkv.slots.link_layers`), or None."""
+        linked = link_layers(layers, self._stack)
+        if linked is None:
             return None
-        link = self._stack
-        linked = link is not None and link[0].shape[1:] == pos_shape and all(
-            layer._buffers[2].data_ptr() == link[0][i].data_ptr()
-            and layer._packed.keys() == link[1].keys()
-            and all(t.data_ptr() == link[1][d][i].data_ptr() and t.shape == link[1][d].shape[1:]
-                    for d, t in layer._packed.items())
-            for i, layer in enumerate(layers))  # fmt: skip
-        if not linked:
-            if any({d: t.shape for d, t in layer._packed.items()} != {d: t.shape for d, t in first._packed.items()}
-                   for layer in layers):
-                return None
-            link = self._stack = (torch.stack([layer._buffers[2] for layer in layers]),
-                                  {d: torch.stack([layer._packed[d] for layer in layers]) for d in first._packed})
-            for i, layer in enumerate(layers):
-                keys, values, _ = layer._buffers
-                layer._buffers = (keys, values, link[0][i])
-                layer._view(n)
-                layer._packed = {d: t[i] for d, t in link[1].items()}
-                layer._view_channels()
-                for name, full in layer._channels.items():
-                    layer.state[name] = full[..., :n]
-        positions = link[0][..., :n].flatten(0, 1)
-        state = {name: _channel_view(link[1][dtype], c0, extra, 3)[..., :n].flatten(0, 1)  # from [L, B, H, S, C]
-                 for name, (dtype, c0, extra) in first._layout.items()}
+        self._stack, positions, state = linked
         return positions, state
 
     def _evict_shared(self) -> None:
@@ -658,18 +473,13 @@ class BudgetCache(Cache):
         t0 = time.perf_counter()
         if len(self._shared_scores) != len(self.layers):
             raise RuntimeError("layer-shared eviction needs every layer's scores in the same step")
-        positions = self.layers[0].positions  # every layer holds the same slots in this mode
         scores = [self._shared_scores[i] for i in range(len(self.layers))]
         self._shared_scores = {}
         policy = self.policy
         rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
-        index = shared_keep_slots(scores, positions, _one_or_rows(self._shared_keep),
-                                  _one_or_rows([p.n_sink for p in rows]), _one_or_rows([p.n_recent for p in rows]),
-                                  self.shared_block, policy.pooling)
-        live = None
-        for layer in self.layers:
-            layer.keep_slots(index.expand(-1, layer.positions.shape[1], -1))
-            layer.live = live = live or layer.count_live()
+        # every layer holds the same slots in this mode
+        self._evict(list(self.layers), self.layers[0].positions, scores, self._shared_keep, [p.n_sink for p in rows],
+                    [p.n_recent for p in rows], self.shared_block, policy.pooling)
         self.eviction_s += time.perf_counter() - t0
 
     def slots_to_allocate(self, need: int, current: int, window: int | None = None) -> int:

@@ -24,12 +24,11 @@ from torch import Tensor
 
 from learnkv import attention
 from learnkv.model import cache_kwargs
-from learnkv.cache import BudgetCache
+from learnkv.cache import BudgetCache, kept_per_step, max_kept
 from learnkv.capture import step_attention
 from learnkv.memory import TRIM_EVERY, release_free_heap
 from learnkv.policies import Policy, make_policy
-from learnkv.settings import (GRANULARITIES, Eviction, parse_number, resolve_budget,  # noqa: F401 - re-exported
-                              resolve_policy, resolve_policy_rows)
+from learnkv.settings import GRANULARITIES, Eviction, resolve_budget
 
 
 @dataclass
@@ -99,12 +98,12 @@ class GenerationResult:
     @property
     def kept_per_step(self) -> list[list[int]]:
         """Per forward pass and layer, the most live tokens any row held."""
-        return [[max(rows) for rows in step] for step in self.kept_rows]
+        return kept_per_step(self.kept_rows)
 
     @property
     def max_kept_tokens(self) -> int:
         """The most live tokens any layer held for any row after any forward pass."""
-        return max((max(k) for k in self.kept_per_step), default=0)
+        return max_kept(self.kept_rows)
 
     @property
     def peak_kv_bytes(self) -> int:

@@ -218,7 +218,8 @@ def test_the_loop_written_by_hand_is_generate(tiny):
     """`prefill` then `decode_step` per token, over a cache built by hand, give `generate`'s tokens, kept counts and
     row ends: padded rows, per-row budgets, sampling, and an EOS that ends the rows at different steps."""
     from learnkv.cache import BudgetCache
-    from learnkv.decode import DecodeState, decode_step, prefill, resolve_policy_rows, sampler, stop_tokens
+    from learnkv.decode import DecodeState, decode_step, prefill, sampler, stop_tokens
+    from learnkv.settings import resolve_policy_rows
 
     ids = torch.cat([random_ids(30, seed=5), torch.cat([torch.zeros(1, 9, dtype=torch.long), random_ids(21, seed=6)], 1)])
     mask = (torch.arange(30)[None] >= torch.tensor([[0], [9]])).long()

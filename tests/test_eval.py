@@ -14,7 +14,7 @@ import torch
 
 from conftest import params_for, random_ids
 from learnkv import POLICIES, generate, make_policy
-from learnkv.decode import resolve_budget
+from learnkv.settings import resolve_budget
 from learnkv.eval import TASKS, Sample, Task, build_spec, evaluate, make_task, markdown_table, write_results
 from learnkv.eval.report import summary_table
 from learnkv.eval import metrics as M

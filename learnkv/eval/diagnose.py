@@ -38,7 +38,8 @@ import torch
 from torch import Tensor
 
 from learnkv import chains
-from learnkv.decode import generate, resolve_budget
+from learnkv.decode import generate
+from learnkv.settings import resolve_budget
 from learnkv.eval.metrics import agreement_length, attention_recall
 from learnkv.eval.run import batches
 from learnkv.eval.stats import bootstrap_ci, paired_difference

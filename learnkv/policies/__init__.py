@@ -43,7 +43,7 @@ def make_policy(name: str, **params) -> Policy:
     cls = POLICIES.get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}  # not what it builds itself (`Learned.decoding`)
     unknown = sorted(set(params) - fields)
     if unknown:
         raise ValueError(f"policy {name!r} has no parameter {', '.join(unknown)}; its parameters: {', '.join(sorted(fields))}")

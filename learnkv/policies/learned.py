@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,6 +14,31 @@ from learnkv.fields import setting
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import POOLING
 from learnkv.scorer.artifact import cached_kv_heads, check_binding, load_scorer, read_artifact_manifest
+from learnkv.scorer.model import Scorer
+
+
+@dataclass
+class Decoding:
+    """What the learned policy holds while it decodes, besides its per-token state (which the cache keeps in
+    ``view.state``): built at its first update, for the copy `Policy.resolve` made for one decode.
+
+    Attributes
+    ----------
+    scorer : Scorer
+        The loaded artifact's per-layer MLP.
+    tracker : FeatureTracker
+        The online feature tracker (the same that produced the training traces).
+    refreshed_at : dict[int, int]
+        Per layer: the step of its latest refresh (the tokens appended since then have no score yet).
+    fused : tuple or None
+        ``(layer, step, positions, features)`` of the latest fused update on the kernel path, for the `score`
+        that follows it at the same layer and step.
+    """
+
+    scorer: Scorer
+    tracker: FeatureTracker
+    refreshed_at: dict[int, int] = field(default_factory=dict)
+    fused: tuple[int, int, Tensor, Tensor] | None = None
 
 
 @dataclass
@@ -59,6 +84,8 @@ class Learned(Policy):
     n_sink: int | float = setting(4, ge=0, fraction=True)
     n_recent: int | float = setting(8, ge=0, fraction=True)
     refresh: int = setting(8, ge=1)
+    #: built at the first update (`Decoding`); not a parameter, and a fresh copy (`resolve`) starts without it
+    decoding: Decoding | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def stacks_layers(self) -> bool:
@@ -90,14 +117,13 @@ class Learned(Policy):
         check_binding(read_artifact_manifest(self.scorer), self.scorer, model=getattr(cfg, "name_or_path", "") or None,
                       n_layers=cfg.num_hidden_layers, n_kv_heads=cached_kv_heads(cfg))
 
-    def _loaded(self, view: LayerView):
-        cached = self.__dict__.get("_loaded_scorer")
-        if cached is None:
+    def _loaded(self, view: LayerView) -> Decoding:
+        if self.decoding is None:
             model, manifest = load_scorer(self.scorer, expect_kv_heads=view.positions.shape[1])
-            cached = self.__dict__["_loaded_scorer"] = (model, FeatureTracker(manifest["n_layers"]))
-        if view.layer + view.layers - 1 >= cached[0].n_layers:
-            raise ValueError(f"scorer {self.scorer!r} has {cached[0].n_layers} layers; the model has more")
-        return cached
+            self.decoding = Decoding(model, FeatureTracker(manifest["n_layers"]))
+        if view.layer + view.layers - 1 >= self.decoding.scorer.n_layers:
+            raise ValueError(f"scorer {self.scorer!r} has {self.decoding.scorer.n_layers} layers; the model has more")
+        return self.decoding
 
     def _refresh_due(self, view: LayerView) -> bool:
         """Whether this step recomputes the scores: every ``refresh`` steps, and whenever there are none yet (the
@@ -106,29 +132,28 @@ class Learned(Policy):
         return self.refresh > 1 and ("learned.score" not in view.state or view.step % self.refresh == 0)
 
     def update(self, view: LayerView) -> None:
-        _, tracker = self._loaded(view)
-        self.__dict__["_fused_features"] = None
-        feats = None
+        run = self._loaded(view)
+        run.fused = feats = None
         if view.layers == 1 and _fused_step(view):
             # one launch updates the state and computes the features; `score`, which the cache calls right after
             # this update when it evicts, takes them from here (only the latest layer's are kept)
             feats = kernels.decode_features(view.attn, view.keys, view.values, view.positions, view.layer,
-                                            tracker.n_layers, view.step, view.state)  # fmt: skip
-            self.__dict__["_fused_features"] = (view.layer, view.step, view.positions, feats)
+                                            run.tracker.n_layers, view.step, view.state)  # fmt: skip
+            run.fused = (view.layer, view.step, view.positions, feats)
         else:  # on a stacked view (every layer at once, torch path) one update for the whole model
-            tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
+            run.tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
         if self._refresh_due(view):
             per_layer = view.split_layers()  # the refresh runs layer by layer: each layer has its own scorer
             scores = [self._scores(v, feats) for v in per_layer]
             view.state["learned.score"] = scores[0] if len(scores) == 1 else torch.cat(scores)
-            self.__dict__.setdefault("_refreshed_at", {}).update({v.layer: view.step for v in per_layer})
+            run.refreshed_at.update({v.layer: view.step for v in per_layer})
 
     def score(self, view: LayerView) -> Tensor:
         if self.refresh == 1:
             return self._scores(view, self._fused(view), due_rows_only=True)
         # the tokens appended since the last refresh, one per decode step, are the last slots (the cache appends at
         # the end and keeps the order when it compacts); they have no score yet, so they are kept
-        unscored = view.step - self.__dict__["_refreshed_at"][view.layer]
+        unscored = view.step - self._loaded(view).refreshed_at[view.layer]
         scores = view.state["learned.score"].clone()
         if unscored:
             scores[..., -unscored:] = float("inf")
@@ -136,7 +161,8 @@ class Learned(Policy):
 
     def _fused(self, view: LayerView) -> Tensor | None:
         """The features `update` computed in its fused launch for this very layer, step and cache, if any."""
-        fused, self.__dict__["_fused_features"] = self.__dict__.get("_fused_features"), None
+        run = self._loaded(view)
+        fused, run.fused = run.fused, None
         if fused is not None and fused[:2] == (view.layer, view.step) and fused[2] is view.positions:
             return fused[3]
         return None
@@ -144,7 +170,8 @@ class Learned(Policy):
     def _scores(self, view: LayerView, feats: Tensor | None, due_rows_only: bool = False) -> Tensor:
         """The scorer's ``[B, H, T]`` scores; with ``due_rows_only`` (scoring at an eviction), the features are
         computed for the rows that evict now only (`_features`)."""
-        model, tracker = self._loaded(view)
+        run = self._loaded(view)
+        model, tracker = run.scorer, run.tracker
         if feats is None:
             feats = self._features(tracker, view, _due_rows(view) if due_rows_only else None)
         model = model.to(feats.device)

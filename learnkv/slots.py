@@ -1,0 +1,256 @@
+"""Slot storage of the budgeted cache: one decoder layer's keys, values, slot positions and packed policy state.
+
+A `BudgetLayer` stores; it does not decide. `learnkv.cache.BudgetCache` decides which slots each row keeps (scores ->
+kept slots) and then has its layers compact to them (`BudgetLayer.keep_slots`) or marks the others dead in place
+(`mark_dead`). `link_layers` makes every layer's positions and state rows of one buffer each, so that one op
+updates or marks the whole model (the cache's stacked decode steps).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import DynamicLayer
+
+import kernels
+
+#: every layer's slot positions ``[L, B, H, C]`` and packed state ``{dtype: [L, B, H, S, C]}``, stacked
+Link = tuple[Tensor, dict[torch.dtype, Tensor]]
+
+
+class SlotOwner(Protocol):
+    """What a layer reads from the cache that owns it (`learnkv.cache.BudgetCache`)."""
+
+    step_positions: Tensor | None  # [B, q] positions of the forward pass's tokens (-1: padding)
+    step_valid: list[int]  # per row: its non-padding tokens in the forward pass
+    windows: dict[int, int | None]  # per layer: its sliding window (None: full attention)
+
+    def slots_to_allocate(self, need: int, current: int, window: int | None = None) -> int: ...
+
+
+def mark_dead(positions: Tensor, index: Tensor) -> None:
+    """Set the position of every slot not in ``index [B, H, K]`` (kept slots, -1 = none) to -1, in place."""
+    T = positions.shape[-1]
+    slot = torch.where(index >= 0, index, T)  # -1 entries mark the extra column, dropped below
+    kept = torch.zeros((*index.shape[:2], T + 1), dtype=torch.bool, device=index.device)
+    positions.masked_fill_(~kept.scatter_(-1, slot, True)[..., :T], -1)  # writes through to the buffer
+
+
+def _channel_view(packed: Tensor, first: int, extra: tuple[int, ...], axis: int) -> Tensor:
+    """One state entry's view of a packed buffer whose channel axis is ``axis``: channel ``first``, or the
+    ``prod(extra)`` channels from it, shaped ``extra``."""
+    if not extra:
+        return packed.select(axis, first)
+    return packed.narrow(axis, first, math.prod(extra)).unflatten(axis, extra)
+
+
+class BudgetLayer(DynamicLayer):
+    """One decoder layer's keys/values plus slot positions and policy state.
+
+    Keys, values, positions and policy state live in buffers preallocated along the slot axis, so a decode step
+    writes its one new slot instead of concatenating the whole cache (`DynamicLayer` does that, copying every slot
+    every step); ``keys``, ``values``, ``positions`` and each ``state`` entry are views of the first ``n_slots``.
+    The state entries share one buffer per dtype, ``[B, H, S, C]`` (each entry a run of its ``S`` channels), so a
+    compaction gathers every entry in one op, not one op each (the learned policy's tracker keeps ten entries). A
+    policy that updates its state in place keeps the views; one that rebinds an entry to a new tensor has it copied
+    back into its channels at the next append or compaction (one copy, what a concatenation cost).
+
+    ``live`` counts each row's live tokens (position >= 0), on the host, so deciding whether a row is over its
+    budget needs no device synchronisation. Evicted slots are compacted away at once, or, with the cache's
+    ``slack``, marked dead (position -1, masked exactly like padding) and compacted only once more than ``slack``
+    slots are dead in every row. Either way the live slots keep their original order.
+    """
+
+    def __init__(self, layer_idx: int, owner: SlotOwner):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.owner = owner
+        self.positions: Tensor | None = None  # [B, H, T] int64, -1 = padding or a dead slot
+        self.state: dict[str, Tensor] = {}
+        self.n_new = 0
+        self.live: list[int] = []  # per row: live tokens, the same in every KV head of the row
+        self._buffers: tuple[Tensor, Tensor, Tensor] | None = None  # keys, values [B, H, C, D]; positions [B, H, C]
+        self._packed: dict[torch.dtype, Tensor] = {}  # [B, H, S, C] per dtype: every state entry's channels
+        self._layout: dict[str, tuple[torch.dtype, int, tuple[int, ...]]] = {}  # entry -> dtype, first channel, shape
+        self._channels: dict[str, Tensor] = {}  # entry -> its [B, H, ..., C] view of the packed buffer
+
+    @property
+    def n_slots(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[-1]
+
+    @property
+    def n_dead(self) -> int:
+        """Slots no row uses (dead in every row: what a compaction would free)."""
+        return self.n_slots - max(self.live, default=0)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buffers is None else self._buffers[2].shape[-1]
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        B, H, q, _ = key_states.shape
+        new_pos = self.owner.step_positions
+        if new_pos is None or new_pos.shape != (B, q):
+            raise RuntimeError("BudgetCache.begin_step(positions) must be called before each forward pass")
+        n = self.n_slots
+        if n + q > self.capacity:
+            self._allocate(self.owner.slots_to_allocate(n + q, self.capacity), key_states, value_states, n)
+        kb, vb, pb = self._buffers
+        kb[:, :, n : n + q] = key_states
+        vb[:, :, n : n + q] = value_states
+        pb[:, :, n : n + q] = new_pos.to(pb.device)[:, None, :]
+        self._view(n + q)
+        self._append_state(n, q)
+        self.n_new = q
+        self.live = [live + new for live, new in zip(self.live or [0] * B, self.owner.step_valid)]
+        return self.keys, self.values
+
+    def _allocate(self, capacity: int, keys: Tensor, values: Tensor, n_copy: int) -> None:
+        """New buffers of ``capacity`` slots holding the first ``n_copy`` current slots (keys and values may differ in
+        width: MLA caches a latent and its rotary part)."""
+        B, H = keys.shape[:2]
+        kb = keys.new_empty(B, H, capacity, keys.shape[-1])
+        vb = values.new_empty(B, H, capacity, values.shape[-1])
+        pb = torch.empty((B, H, capacity), dtype=torch.long, device=keys.device)  # slots past n_slots are never read
+        if n_copy:
+            kb[:, :, :n_copy] = self.keys
+            vb[:, :, :n_copy] = self.values
+            pb[:, :, :n_copy] = self.positions
+        self._buffers = (kb, vb, pb)
+
+    def _append_state(self, n: int, q: int) -> None:
+        """Grow every state entry by ``q`` zero slots, in place where the entry is still a view of its channels.
+
+        The packed buffers are zero past the slots in use (allocated so, and a view ``[..., :n]`` cannot write past
+        them), so growing a view into its channels writes nothing: a decode step costs no op per state entry."""
+        if not self.state:
+            return
+        self._pack_state(n, n + q)
+        for name, full in self._channels.items():
+            self.state[name] = full[..., : n + q]
+
+    def _pack_state(self, n: int, need: int) -> None:
+        """Make every state entry (``n`` slots) live in the packed buffers, with room for ``need`` slots: copy the
+        entries the policy rebound into their channels, or lay the buffers out anew when the entries' names, shapes
+        or dtypes changed or they are out of room."""
+        state, channels = self.state, self._channels
+        same = state.keys() == channels.keys() and all(
+            t.dtype == channels[k].dtype and t.shape[:-1] == channels[k].shape[:-1] for k, t in state.items()
+        )
+        if same and next(iter(self._packed.values())).shape[-1] >= need:
+            for name, t in state.items():
+                full = channels[name]
+                if t.data_ptr() != full.data_ptr() or t.stride() != full.stride():
+                    full[..., :n] = t  # rebound by the policy; past n the channels are still zero
+            return
+        self._layout, widths = {}, {}
+        for name, t in state.items():
+            extra = tuple(t.shape[2:-1])
+            self._layout[name] = (t.dtype, widths.get(t.dtype, 0), extra)
+            widths[t.dtype] = widths.get(t.dtype, 0) + math.prod(extra)
+        B, H = next(iter(state.values())).shape[:2]
+        device = next(iter(state.values())).device
+        self._packed = {dtype: torch.zeros((B, H, width, max(self.capacity, need)), dtype=dtype, device=device)
+                        for dtype, width in widths.items()}  # fmt: skip
+        self._view_channels()
+        for name, t in state.items():
+            self._channels[name][..., :n] = t
+
+    def _view_channels(self) -> None:
+        """Each entry's whole-capacity view of its channels in the packed buffers (per `_layout`)."""
+        self._channels = {}
+        for name, (dtype, first, extra) in self._layout.items():
+            self._channels[name] = _channel_view(self._packed[dtype], first, extra, 2)
+
+    def state_buffers(self) -> dict[str, Tensor]:
+        """Each state entry's whole-capacity view of the packed buffers (tests check they are zero past the slots
+        in use)."""
+        return dict(self._channels)
+
+    def _view(self, n: int) -> None:
+        kb, vb, pb = self._buffers
+        self.keys, self.values, self.positions = kb[:, :, :n], vb[:, :, :n], pb[:, :, :n]
+
+    def drop_state(self) -> None:
+        """Forget the policy state (the prefill policy's, once the decode policy takes over)."""
+        self.state, self._packed, self._layout, self._channels = {}, {}, {}, {}
+
+    def count_live(self) -> list[int]:
+        """Live tokens per row, counted on the device (a synchronisation; block evictions only)."""
+        return (self.positions >= 0).sum(-1).amax(-1).tolist()
+
+    def keep_slots(self, index: Tensor) -> None:
+        """Compact keys, values, positions and state to the slots ``index [B, H, K]`` (ascending; a -1 entry becomes a
+        dead slot with zero state, like left padding)."""
+        K = index.shape[-1]
+        if self.state:
+            self._pack_state(self.n_slots, self.n_slots)  # entries the policy rebound this step, into their channels
+        old = self._buffers
+        filler = index < 0
+        C = self.owner.slots_to_allocate(K, 0, self.owner.windows.get(self.layer_idx))
+        # gathered into fresh buffers (in place, one program's writes would overwrite slots another still reads),
+        # sized for the steady state, so a long prompt compressed to the budget gives its memory back. The index runs
+        # on past K with slot 0 to the C slots of a buffer, so the gather's output *is* the new buffer: each kept
+        # slot is read once and written once, with no copy into a preallocated one (slots past K are never read as
+        # keys, values or positions). The old buffers are freed (on CUDA, to the caching allocator's pool)
+        index = index.clamp(min=0)
+        if C > K:
+            index = torch.cat([index, index.new_zeros(*index.shape[:2], C - K)], dim=-1)
+        # from the whole buffers: index < n_slots <= capacity
+        self._buffers = tuple(kernels.gather_tokens(src, index, dim) for src, dim in zip(old, (-2, -2, -1)))
+        self._view(K)
+        has_filler = bool(filler.any())  # a synchronisation, only when compacting
+        if has_filler:
+            self.positions.masked_fill_(filler, -1)
+        if not self.state:
+            return
+        for dtype, buf in self._packed.items():
+            new = self._packed[dtype] = kernels.gather_tokens(buf, index, -1)  # every entry of this dtype at once
+            new[..., K:] = 0  # zero past the slots in use, as `_append_state` expects
+            if has_filler:  # zero, as the state of a padding slot that was never attended
+                new[..., :K].masked_fill_(filler[:, :, None, :], 0)
+        self._view_channels()
+        for name, full in self._channels.items():
+            self.state[name] = full[..., :K]
+
+
+def link_layers(layers: list[BudgetLayer], link: Link | None) -> tuple[Link, Tensor, dict[str, Tensor]] | None:
+    """The stacked positions ``[L * B, H, T]`` and state entries of ``layers``, views of one buffer each that
+    every layer's own positions and state are views of too (so a policy's in-place updates and the marking of
+    dead slots write through), with the stacked buffers (``link``: the last call's, reused while every layer
+    still holds views of it). The buffers are stacked once, and again only after a compaction or reallocation
+    gave a layer fresh ones. None when the layers do not hold the same slots, live tokens and state layout."""
+    first = layers[0]
+    n, pos_shape = first.n_slots, first._buffers[2].shape
+    if any(layer.n_slots != n or layer.live != first.live or layer._buffers[2].shape != pos_shape
+           or layer._layout != first._layout or layer.state.keys() != first._layout.keys() for layer in layers):
+        return None
+    linked = link is not None and link[0].shape[1:] == pos_shape and all(
+        layer._buffers[2].data_ptr() == link[0][i].data_ptr()
+        and layer._packed.keys() == link[1].keys()
+        and all(t.data_ptr() == link[1][d][i].data_ptr() and t.shape == link[1][d].shape[1:]
+                for d, t in layer._packed.items())
+        for i, layer in enumerate(layers))  # fmt: skip
+    if not linked:
+        if any({d: t.shape for d, t in layer._packed.items()} != {d: t.shape for d, t in first._packed.items()}
+               for layer in layers):
+            return None
+        link = (torch.stack([layer._buffers[2] for layer in layers]),
+                              {d: torch.stack([layer._packed[d] for layer in layers]) for d in first._packed})
+        for i, layer in enumerate(layers):
+            keys, values, _ = layer._buffers
+            layer._buffers = (keys, values, link[0][i])
+            layer._view(n)
+            layer._packed = {d: t[i] for d, t in link[1].items()}
+            layer._view_channels()
+            for name, full in layer._channels.items():
+                layer.state[name] = full[..., :n]
+    positions = link[0][..., :n].flatten(0, 1)
+    state = {name: _channel_view(link[1][dtype], c0, extra, 3)[..., :n].flatten(0, 1)  # from [L, B, H, S, C]
+             for name, (dtype, c0, extra) in first._layout.items()}
+    return link, positions, state
