@@ -637,6 +637,39 @@ def test_finished_only_reports_each_budget_as_soon_as_a_batch_has_finished_it(ti
     assert "no batch of prompts is finished at budget 28 yet" in capsys.readouterr().err
 
 
+def test_finished_only_reports_some_policies_of_a_grid_over_the_batches_they_finished(tiny, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """A long grid decodes a batch policy after policy: --finished-only with fewer of its policies reports those
+    over every batch each of them finished (the others' unfinished runs do not hold them back); a policy the grid
+    does not have is another grid."""
+    items = samples(n=3, length=24)
+    grid = lambda policies: build_spec(policies, "0.8", "fidelity", max_new_tokens=8, batch_size=2)  # noqa: E731
+    whole = {r["policy"]: r for r in evaluate(tiny, None, grid("full,h2o,lazy"), samples=items)}
+    first = grid("full,h2o,lazy")
+    real = first.tasks[0].run_batch
+
+    def run_batch(model, tok, batch, refs, cfg):
+        if batch[0].id == "ids/2" and cfg.policy == "lazy":
+            raise KeyboardInterrupt
+        return real(model, tok, batch, refs, cfg)
+    monkeypatch.setattr(first.tasks[0], "run_batch", run_batch)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(tiny, None, first, samples=items, resume_dir=out)
+    partial = out / "partial.jsonl"
+    before = partial.read_bytes()
+    some = evaluate(tiny, None, grid("full,h2o"), samples=items, resume_dir=out, finished_only=True)
+    assert [r["policy"] for r in some] == ["full", "h2o"] and partial.read_bytes() == before
+    for r in some:
+        assert r["metrics"]["n_prompts"] == 3 and r["config"]["prompt_ids"] == ["ids/0", "ids/1", "ids/2"]
+        assert {m: v for m, v in r["per_prompt"].items() if m not in TIMING} == {
+            m: v for m, v in whole[r["policy"]]["per_prompt"].items() if m not in TIMING}
+    every = evaluate(tiny, None, grid("full,h2o,lazy"), samples=items, resume_dir=out, finished_only=True)
+    assert all(r["metrics"]["n_prompts"] == 2 for r in every)  # the whole grid: the batches every policy finished
+    with pytest.raises(ValueError, match="another grid"):
+        evaluate(tiny, None, grid("full,tova"), samples=items, resume_dir=out, finished_only=True)
+
+
 def test_fidelity_validation_split_is_what_train_validates_on(smollm2_tokenizer):
     """--split validation tunes on the prompts train.py validates on, never on the test prompts results report."""
     from learnkv.config import PipelineConfig

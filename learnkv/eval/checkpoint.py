@@ -130,15 +130,26 @@ def open_partial(out_dir: str | Path, identity: dict) -> tuple[dict, str | None]
 
 
 def read_partial(out_dir: str | Path, identity: dict) -> dict:
-    """What a running or killed evaluation of this grid in ``out_dir`` has finished so far, read only (the file is
-    left as it is, so the run that writes it can go on); raises ValueError if there is none of this grid."""
+    """What a running or killed evaluation of this grid (or of a grid with more policies and otherwise the same) in
+    ``out_dir`` has finished so far, read only (the file is left as it is, so the run that writes it can go on);
+    raises ValueError if there is none."""
     path = Path(out_dir) / PARTIAL
     if not path.is_file():
         raise ValueError(f"{path} does not exist: no evaluation of this grid has started in {out_dir}")
     head, entries, _, _ = _read(path)
+    if _some_runs_of(head, identity):  # a report on some of its policies (--finished-only --policy full,learned)
+        head = identity
     if why := _mismatch(head, identity):
         raise ValueError(f"{path} {why}")
     return _by_batch(entries)
+
+
+def _some_runs_of(head, identity: dict) -> bool:
+    """Whether ``identity`` is the grid of ``head`` but for fewer policies: a report on those, over the batches
+    every one of them has finished, reads the same prompts' runs as the whole grid."""
+    return (isinstance(head, dict) and isinstance(head.get("runs"), list)
+            and all(run in head["runs"] for run in identity["runs"])
+            and _mismatch({**head, "runs": identity["runs"]}, identity) is None)
 
 
 def _start(path: Path, identity: dict) -> None:
