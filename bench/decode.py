@@ -42,7 +42,7 @@ import torch
 # the repo root must come before this script's folder, or `import kernels` would find bench/kernels.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learnkv import POLICIES, generate, load_model  # noqa: E402
+from learnkv import POLICIES, attention, generate, load_model  # noqa: E402
 from learnkv.cli import thread_count  # noqa: E402
 from learnkv.eval.metrics import agreement_length  # noqa: E402
 
@@ -75,7 +75,26 @@ def parse_args(argv=None):
     parser.add_argument("--long-settings", default="8:1536,16:2560",
                         help="B:L[,B:L...]: batch size and the cache length each row ends near (prompt + new tokens)")
     parser.add_argument("--long-fractions", default="0.25,0.5", help="budgets as fractions of each row's final length")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="--model is a folder with the model's config.json and tokenizer but no weights (a GPU "
+                             "machine that cannot take the weights along): build it with seeded random weights. "
+                             "Timing only: the greedy tokens, and so the agreement column, mean nothing")
     return parser.parse_args(argv)
+
+
+def random_weight_model(folder: str, dtype: torch.dtype, device: str):
+    """(model, tokenizer) of the shape that ``folder``'s config.json describes, with seeded random weights.
+
+    A decode step costs the same whatever the weights hold (``stop_at_eos=False`` fixes every run's length), so
+    speed ratios measured on it hold for the real model of that shape.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # only for --random-weights
+
+    attention.register()
+    config = AutoConfig.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.NAME)
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(folder)
 
 
 def batch_prompts(tokenizer, n: int) -> list[str]:
@@ -215,6 +234,8 @@ def long_table(model, tok, names, args) -> list[dict]:
                 "mode": "long", "policy": name, "fraction": frac, "batch_size": b, "final_length": length,
                 "prompt_tokens": lengths, "new_tokens": new, "budgets": got[0]["budgets"], "threads": args.threads,
                 "slack": args.slack, "device": str(next(model.parameters()).device),
+                "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "random_weights": args.random_weights,
                 "decode_tokens_per_s": max(rates), "decode_tokens_per_s_rounds": rates,
                 "tokens_per_s_rounds": [x["tokens_per_s"] for x in got],
                 "speed_vs_full_rounds": speed, "speed_vs_full": statistics.median(speed),
@@ -239,13 +260,15 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    load = random_weight_model if args.random_weights else load_model
+    model, tok = load(args.model, dtype=getattr(torch, args.dtype), device=device)
     generate(model, tok, PROMPT, policy="full", max_new_tokens=4)  # warm-up
     names = args.policies.split(",") if args.policies else [n for n in POLICIES if n != "learned" or args.scorer]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise SystemExit(f"error: unknown policies {unknown}; known: {', '.join(POLICIES)}")
-    print(f"device: {device}, threads: {args.threads}, model: {args.model} ({args.dtype}), "
+    print(f"device: {device}, threads: {args.threads}, model: {args.model} ({args.dtype}"
+          f"{', random weights: timing only' if args.random_weights else ''}), "
           f"{time.strftime('%Y-%m-%d')}\n")
     records = None
     if args.long:

@@ -3,6 +3,7 @@
 #
 #   bench/gpu_all.sh [OUT_DIR]          # default runs/gpu; logs and JSON records there
 #   QUICK=1 bench/gpu_all.sh            # the short versions (fits a 15-minute device lease)
+#   QUICK=1 MODEL=.gpu/smollm2-135m-instruct SCORER=... LEARNED_MODEL=.gpu/qwen2.5-coder-0.5b-instruct bench/gpu_all.sh
 #   SCORER=runs/train/scorer bench/gpu_all.sh   # the learned policy in the decode benchmark too
 #
 # 1. the kernel tests compiled on the GPU (TRITON_INTERPRET=0: the same tests that run in the interpreter on CPU,
@@ -38,17 +39,33 @@ assert torch.cuda.is_available(), "no CUDA device"
 print(torch.cuda.get_device_name(), "| torch", torch.__version__, "| triton", triton.__version__)
 PY
 
+# MODEL=DIR: a folder with the model's config.json and tokenizer but no weights (a lease takes 64 MiB along, not a
+# model): the decode benchmarks build that shape with seeded random weights (bench/decode.py --random-weights),
+# timing only. LEARNED_MODEL=DIR with SCORER: the learned policy's decode benchmark on the shape its scorer is bound to.
+model_args=()
+[ -n "${MODEL:-}" ] && model_args=(--model "$MODEL" --random-weights)
+xdist=()
+$PY -c "import xdist" 2>/dev/null && xdist=(-n 4)
 if [ -n "${QUICK:-}" ]; then
-    run kernel-tests env TRITON_INTERPRET=0 "$PY" -m pytest -x -q tests/test_kernels.py tests/test_kernels_features.py \
-        tests/test_kernels_state.py
-    run bench-kernels "$PY" bench/kernels.py --quick
-    run bench-decode-long "$PY" bench/decode.py --long --dtype bfloat16 --long-settings 8:1536 \
-        --policies full,streaming,h2o,snapkv,knorm --slack 16 --repeats 2 --json "$OUT/bench-decode-long.json"
+    # each step capped, so a slow one leaves the next its time (a 15-minute lease, a 10-minute command)
+    run kernel-tests timeout 180 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" \
+        tests/test_kernels.py tests/test_kernels_features.py tests/test_kernels_state.py tests/test_kernel_path.py
+    # one round each: the 2026-11-27 lease took 80 s per command here (batch 8 to 1,536 tokens, six policies at two
+    # budgets and two rounds needed more than 160 s)
+    run bench-decode-long timeout 160 "$PY" bench/decode.py --long --dtype bfloat16 "${model_args[@]}" \
+        --long-settings 8:1280 --long-fractions 0.5 --policies full,h2o,knorm,snapkv --slack 16 --repeats 1 \
+        --json "$OUT/bench-decode-long.json"
+    if [ -n "${SCORER:-}" ] && [ -n "${LEARNED_MODEL:-}" ]; then
+        run bench-decode-learned timeout 120 "$PY" bench/decode.py --long --dtype bfloat16 --model "$LEARNED_MODEL" \
+            --random-weights --scorer "$SCORER" --long-settings 8:1280 --long-fractions 0.5 \
+            --policies full,learned,rkv --slack 16 --repeats 1 --json "$OUT/bench-decode-learned.json"
+    fi
+    run bench-kernels timeout 80 "$PY" bench/kernels.py --quick
 else
-    run kernel-tests env TRITON_INTERPRET=0 "$PY" -m pytest -x -q tests/test_kernels.py tests/test_kernels_features.py \
-        tests/test_kernels_state.py tests/test_kernel_path.py
+    run kernel-tests env TRITON_INTERPRET=0 "$PY" -m pytest -q "${xdist[@]}" tests/test_kernels.py \
+        tests/test_kernels_features.py tests/test_kernels_state.py tests/test_kernel_path.py
     run bench-kernels "$PY" bench/kernels.py
-    run bench-decode-long "$PY" bench/decode.py --long --dtype bfloat16 ${SCORER:+--scorer "$SCORER"} --slack 16 \
-        --repeats 3 --json "$OUT/bench-decode-long.json"
+    run bench-decode-long "$PY" bench/decode.py --long --dtype bfloat16 "${model_args[@]}" \
+        ${SCORER:+--scorer "$SCORER"} --slack 16 --repeats 3 --json "$OUT/bench-decode-long.json"
 fi
 exit $status

@@ -74,7 +74,26 @@ def _use_triton(*tensors) -> bool:
         raise RuntimeError("LEARNKV_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 set before importing triton")
     if not triton_available():
         raise RuntimeError("LEARNKV_KERNELS=triton but triton does not import")
+    if not on_cuda:
+        _check_interpreter()
     return True
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = (text.split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _check_interpreter() -> None:
+    """Refuse a Triton interpreter that cannot run with this numpy: before 3.7 it reads loop bounds and scalar
+    arguments with ``int()`` of 1-element arrays, which numpy 2.4 turned from a warning into an error (seen with
+    triton 3.6.0 and numpy 2.4.6: every kernel with a ``range`` over a runtime value fails inside the interpreter)."""
+    import numpy
+    import triton
+
+    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        raise RuntimeError(f"Triton {triton.__version__}'s interpreter does not run with numpy {numpy.__version__} "
+                           "(TRITON_INTERPRET=1 needs triton>=3.7 or numpy<2.4); compiled kernels on CUDA are unaffected")
 
 
 def use_triton(*tensors) -> bool:

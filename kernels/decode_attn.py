@@ -32,6 +32,13 @@ import triton.language as tl
 from kernels.nanmax import fmax, rmax
 
 
+def cuda_warps(block_d: int) -> int:
+    """Warps per program on CUDA: 8 from 128-wide head tiles, where triton 3.6 spills at 4 (`_probs_pv_kernel` in
+    bf16 at BLOCK_T 64: 254 registers and 8-16 bytes of local memory; `_stats_kernel` in fp32: 3,040 bytes; with 8:
+    246 and 80 registers, no spill; triton 3.7 spills at neither)."""
+    return 8 if block_d >= 128 else 4
+
+
 @triton.jit
 def _scores(q, k_base, kpos_base, qpos, start, t_end, offs_d, md, sk_t, sk_d, sp_t, scaling, window, softcap,
             BLOCK_T: tl.constexpr, PRECISION: tl.constexpr, F32: tl.constexpr, WINDOWED: tl.constexpr,
@@ -234,7 +241,7 @@ def decode_attention(
     native = (torch.float16,) if not query.is_cuda else (torch.bfloat16, torch.float16)
     f32 = not (query.dtype == key.dtype == value.dtype and query.dtype in native)
     precision = "ieee"  # the fp32 dots' (the 16-bit dots take no precision)
-    warps = 4 if query.is_cuda else 1
+    warps = cuda_warps(block_d) if query.is_cuda else 1
 
     key_positions = key_positions.long()
     query_positions = query_positions.long()

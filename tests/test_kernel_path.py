@@ -4,6 +4,8 @@ On CPU, ``LEARNKV_KERNELS=triton`` runs every kernel the decode loop uses throug
 (`TRITON_INTERPRET=1`, set by conftest before anything imports triton), so CI checks the wiring of item 6 without a
 GPU: the same tiny model decodes with the references and with the kernels, and must keep the same tokens (slot
 positions per layer, per step) and generate the same tokens. Shapes are tiny: the interpreter is ~100x slower.
+On a GPU run (``TRITON_INTERPRET=0``, bench/gpu_all.sh) the same decode-loop cases run compiled on CUDA tensors, and
+the tests of the interpreter's switch and subprocesses are skipped.
 """
 
 import os
@@ -18,6 +20,10 @@ import kernels
 from conftest import params_for, prefill_for, random_ids
 
 pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="tests the interpreter's path (TRITON_INTERPRET=1)")
 
 #: policy -> the Triton launchers its decode steps must go through (module, function)
 LAUNCHERS = {
@@ -54,7 +60,7 @@ def decode(model, policy, mode, monkeypatch, extra):
     from learnkv import generate
 
     monkeypatch.setenv("LEARNKV_KERNELS", mode)
-    ids = random_ids(21, batch=2, seed=3)
+    ids = random_ids(21, batch=2, seed=3).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # row 1 is a 16-token prompt, left-padded
     params = {**params_for(policy, len(model.model.layers)), **extra.pop("policy_params", {})}
@@ -68,7 +74,10 @@ def decode(model, policy, mode, monkeypatch, extra):
 
 @pytest.mark.parametrize("policy, extra, launchers", POLICY_CASES)
 def test_decode_loop_triton_path_keeps_what_torch_path_keeps(tiny, monkeypatch, policy, extra, launchers):
+    import copy
     import importlib
+
+    model = copy.deepcopy(tiny).to(DEVICE)  # a copy: the fixture is shared with the CPU tests
 
     calls = dict.fromkeys(LAUNCHERS, 0)
     for name, (module, fn) in LAUNCHERS.items():
@@ -81,9 +90,9 @@ def test_decode_loop_triton_path_keeps_what_torch_path_keeps(tiny, monkeypatch, 
 
         monkeypatch.setattr(mod, fn, spy)
 
-    kept_torch, tokens_torch = decode(tiny, policy, "torch", monkeypatch, dict(extra))
+    kept_torch, tokens_torch = decode(model, policy, "torch", monkeypatch, dict(extra))
     assert not any(calls.values()), f"the torch path ran Triton launchers: {calls}"
-    kept_triton, tokens_triton = decode(tiny, policy, "triton", monkeypatch, dict(extra))
+    kept_triton, tokens_triton = decode(model, policy, "triton", monkeypatch, dict(extra))
     missing = [n for n in launchers if not calls[n]]
     assert not missing, f"the Triton path never ran {missing} (calls: {calls})"
 
@@ -95,6 +104,7 @@ def test_decode_loop_triton_path_keeps_what_torch_path_keeps(tiny, monkeypatch, 
     assert torch.equal(tokens_torch, tokens_triton)
 
 
+@interpreter_only
 def test_switch(monkeypatch):
     x = torch.zeros(3)
     monkeypatch.setenv("LEARNKV_KERNELS", "auto")
@@ -111,6 +121,27 @@ def test_switch(monkeypatch):
         kernels.use_triton(x)
 
 
+def test_interpreter_that_cannot_run_with_this_numpy_is_refused(monkeypatch):
+    """Triton < 3.7's interpreter fails inside every kernel with a runtime loop bound under numpy >= 2.4 (seen on the
+    GPU machine's triton 3.6.0): one line that says so, instead of an InterpreterError deep in a kernel."""
+    import numpy
+    import triton
+
+    x = torch.zeros(3)
+    monkeypatch.setenv("LEARNKV_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.6")
+    with pytest.raises(RuntimeError, match=r"needs triton>=3.7 or numpy<2.4"):
+        kernels.use_triton(x)
+    monkeypatch.setattr(numpy, "__version__", "2.3.5")
+    assert kernels.use_triton(x)
+    monkeypatch.setattr(triton, "__version__", "3.7.1")
+    monkeypatch.setattr(numpy, "__version__", "2.5.2")
+    assert kernels.use_triton(x)
+
+
+@interpreter_only
 def test_benchmark_and_decode_path_import_neither_wandb_nor_datasets():
     """The GPU machine has torch, triton, transformers and lightning but no wandb or datasets: the benchmark, the
     kernels and the decode loop (every policy but `learned`, with the kernel path forced) must not import them."""
@@ -141,6 +172,7 @@ def test_benchmark_and_decode_path_import_neither_wandb_nor_datasets():
     assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout
 
 
+@interpreter_only
 def test_benchmark_triton_rows_match_their_references_in_the_interpreter():
     """`bench/kernels.py` on the Triton path (the interpreter here, compiled on a GPU) runs every kernel row and
     checks it against its reference, so a GPU session does not find a broken benchmark."""
