@@ -173,6 +173,15 @@ def test_vllm_attention_backend_refuses_terms_it_does_not_compute():
                          ({"sliding_window": (7, 0)}, "a sliding window \\(7, 0\\)")]:
         with pytest.raises(RuntimeError, match=rf"^learnkv vLLM plugin: an attention layer of this model uses {word}"):
             compat.refuse_impl(SimpleNamespace(**{**plain, **change}))
+    # given the model being loaded (vLLM builds the backends before it starts the connector), the model-level line
+    cfg = family_config("gemma3-text")
+    model_config = SimpleNamespace(model="tiny/gemma3-text", hf_config=cfg, hf_text_config=cfg, use_mla=False)
+    with pytest.raises(RuntimeError, match=r"^learnkv vLLM plugin cannot serve tiny/gemma3-text \(\w+\): 1 of its 2 "
+                                           r"layers are sliding_attention \(window 8\)"):
+        compat.refuse_impl(SimpleNamespace(**{**plain, "sliding_window": (7, 0)}), model_config)
+    llama = family_config("llama")
+    compat.refuse_impl(SimpleNamespace(**plain),
+                       SimpleNamespace(model="tiny/llama", hf_config=llama, hf_text_config=llama, use_mla=False))
 
 
 def test_paged_simulator_refuses_what_the_plugin_refuses(models):
