@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI, the vLLM tier: the learnkv plugin inside a real vLLM. A separate venv (.venv-vllm, ~3.5 GB; the main one stays
 # vLLM-free) with the CPU build of vLLM 0.32 and the project, then the tests marked `vllm` (tests/test_vllm.py: real
-# vllm.LLM engines on the bundled SmolLM2 with a scorer exported by the smoke pipeline). Run by .ci/run.
+# vllm.LLM engines on the bundled SmolLM2 with a scorer exported by the smoke pipeline; tests/test_vllm_arch.py: a tiny
+# Gemma 3 refused in one line). Run by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off HF_HUB_OFFLINE=1 WANDB_MODE=disabled
@@ -22,4 +23,4 @@ python3 -m venv "$VENV"
 # shared or loaded CPUs: vLLM's default OpenMP core binding makes a busy core stall every step
 export VLLM_CPU_OMP_THREADS_BIND=nobind
 # pytest exits 5 when it collects no test, which `set -e` turns into a failure: this tier must run tests
-"$VENV/bin/python" -m pytest -q -m vllm tests/test_vllm.py tests/test_bench_serving.py
+"$VENV/bin/python" -m pytest -q -m vllm tests/test_vllm.py tests/test_vllm_arch.py tests/test_bench_serving.py

@@ -148,8 +148,9 @@ def family_config(name: str):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_vllm_plugin_serves_full_attention_models_and_refuses_the_others_in_one_line(name):
-    """`compat.refuse_model` (run by the connector at engine start, before anything is allocated) on vLLM's
-    ``ModelConfig`` shape: every family of the matrix is either served or refused in one line naming the model."""
+    """`compat.refuse_model` (run by the plugin's attention backends at model load and by the connector at start-up,
+    before any request) on vLLM's ``ModelConfig`` shape: every family of the matrix is either served or refused in
+    one line naming the model."""
     cfg = family_config(name)
     model_config = SimpleNamespace(model=f"tiny/{name}", hf_config=cfg, hf_text_config=cfg, use_mla=False)
     if name not in NOT_SERVED:
@@ -163,8 +164,9 @@ def test_vllm_plugin_serves_full_attention_models_and_refuses_the_others_in_one_
 
 
 def test_vllm_attention_backend_refuses_terms_it_does_not_compute():
-    """The backstop at model load (`compat.refuse_impl`, in both learnkv backends' ``__init__``), on the attributes
-    vLLM's CPU and Triton implementations set: plain attention passes, each extra term is refused in one line."""
+    """The check at model load (`compat.refuse_impl`, in both learnkv backends' ``__init__``), on the attributes
+    vLLM's CPU and Triton implementations set: plain attention passes, each extra term is refused in one line; given
+    the model's config, the model-level line comes first."""
     plain = dict(sinks=None, alibi_slopes=None, logits_soft_cap=0, sliding_window=(-1, -1))
     compat.refuse_impl(SimpleNamespace(**plain))
     compat.refuse_impl(SimpleNamespace(**{**plain, "logits_soft_cap": None, "sliding_window": None}))
@@ -173,6 +175,15 @@ def test_vllm_attention_backend_refuses_terms_it_does_not_compute():
                          ({"sliding_window": (7, 0)}, "a sliding window \\(7, 0\\)")]:
         with pytest.raises(RuntimeError, match=rf"^learnkv vLLM plugin: an attention layer of this model uses {word}"):
             compat.refuse_impl(SimpleNamespace(**{**plain, **change}))
+    # given the model being loaded (vLLM builds the backends before it starts the connector), the model-level line
+    cfg = family_config("gemma3-text")
+    model_config = SimpleNamespace(model="tiny/gemma3-text", hf_config=cfg, hf_text_config=cfg, use_mla=False)
+    with pytest.raises(RuntimeError, match=r"^learnkv vLLM plugin cannot serve tiny/gemma3-text \(\w+\): 1 of its 2 "
+                                           r"layers are sliding_attention \(window 8\)"):
+        compat.refuse_impl(SimpleNamespace(**{**plain, "sliding_window": (7, 0)}), model_config)
+    llama = family_config("llama")
+    compat.refuse_impl(SimpleNamespace(**plain),
+                       SimpleNamespace(model="tiny/llama", hf_config=llama, hf_text_config=llama, use_mla=False))
 
 
 def test_paged_simulator_refuses_what_the_plugin_refuses(models):

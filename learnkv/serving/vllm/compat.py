@@ -96,9 +96,15 @@ def impl_refusal(impl) -> str | None:
     return None
 
 
-def refuse_impl(impl) -> None:
+def refuse_impl(impl, model_config=None) -> None:
     """Raise RuntimeError in one line if `impl_refusal` refuses a learnkv attention backend instance (at model
-    load, when vLLM builds each layer's attention)."""
+    load, when vLLM builds each layer's attention).
+
+    ``model_config``: vLLM's ``ModelConfig`` of the model being loaded, or None. Given, `refuse_model` runs first:
+    vLLM 0.32 loads the model (and so builds these backends) before it starts the KV connector, so this is where a
+    real engine first refuses a model, and the model-level line names it and all its layers' reasons."""
+    if model_config is not None:
+        refuse_model(model_config)
     why = impl_refusal(impl)
     if why is not None:
         raise RuntimeError(f"learnkv vLLM plugin: an attention layer of this model uses {why}, which its attention "

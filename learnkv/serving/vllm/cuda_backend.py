@@ -9,6 +9,7 @@ through `learnkv.serving.vllm.layouts.TritonLayout`. Written against the 0.33 wh
 
 from __future__ import annotations
 
+from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
 from learnkv.serving.vllm import compat, hooks
@@ -17,7 +18,9 @@ from learnkv.serving.vllm import compat, hooks
 class LearnKVAttentionImpl(TritonAttentionImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        compat.refuse_impl(self)  # sinks, softcap, a window or ALiBi: refused at model load
+        config = get_current_vllm_config_or_none()  # set while vLLM loads the model
+        # the model's config (a window, softcap, MLA), then sinks, softcap, a window or ALiBi: refused at model load
+        compat.refuse_impl(self, None if config is None else config.model_config)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
