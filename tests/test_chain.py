@@ -453,3 +453,21 @@ def test_bench_counts_right_answers_by_kind():
     assert counts["linked"][0] == counts["linked"][1] - 1
     assert counts["alone"][0] == counts["alone"][1] and counts["fact"][0] == counts["fact"][1]
     assert counts["linked"][1] == sum(d is not None for d in c.depends[c.given:])
+
+
+def test_bench_room_counts_the_graded_statements_that_fit():
+    """bench/chain_room.py: the graded statements (after the given ones) that fit in order beside the facts and the
+    reserve, counted with the tokenizer's counter (here: words)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_room", Path(__file__).parents[1] / "bench" / "chain_room.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    c = chain_problem(0, 0)
+    words = lambda text: len(text.split())  # noqa: E731
+    graded = [words(line) for line in c.text.splitlines() if line.startswith("Problem ")][c.given:]
+    facts = sum(words(line) for line in c.text.splitlines() if line.startswith("Fact "))
+    room = bench.statements_that_fit(c.text, c.given, facts + 10 + sum(graded[:5]), 10, words)
+    assert room == {"facts": facts, "statements": sum(graded), "graded": N_PROBLEMS - c.given, "fit": 5}
+    assert bench.statements_that_fit(c.text, c.given, 10_000, 10, words)["fit"] == N_PROBLEMS - c.given
