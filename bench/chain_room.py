@@ -22,6 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from learnkv.eval import make_task  # noqa: E402
+from learnkv.model import BUNDLED  # noqa: E402
+
 _PROBLEM = re.compile(r"^Problem (\d+): .*$", re.M)
 _FACT = re.compile(r"^Fact [A-H]: .*$", re.M)
 
@@ -47,10 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, required=True)
     p.add_argument("--reserve", type=int, default=64, help="slots kept for the work in progress (default 64)")
     args = p.parse_args(argv)
-    from transformers import AutoTokenizer  # the tokenizer alone: no weights
-
-    from learnkv.eval import make_task
-    from learnkv.model import BUNDLED
+    from transformers import AutoTokenizer  # transformers (~1.3 s) only once the options are valid
 
     tok = AutoTokenizer.from_pretrained(str(BUNDLED[args.model]()))
     entries = [json.loads(line) for line in Path(args.records).read_text().splitlines()[1:]]
