@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         shares.append(room["fit"] / room["graded"])
         print(f"{pid}: prompt {s.input_ids.shape[1]}, budget {cost['budget']}, facts {room['facts']}, graded "
               f"statements {room['statements']} tokens for {room['graded']} problems, {room['fit']} fit "
-              f"({shares[-1]:.2f}); accuracy full {f['problem_accuracy']:.3f}, {args.policy} {m['problem_accuracy']:.3f}")
+              f"({shares[-1]:.2f}); accuracy full {f['problem_accuracy']:.3f}, "
+              f"{args.policy} {m['problem_accuracy']:.3f}")
     print(f"{len(shares)} prompts: median share of graded statements that fit {statistics.median(shares):.2f} "
           f"(min {min(shares):.2f}, max {max(shares):.2f})")
     return 0
