@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default=None, choices=["test", "validation", "all"],
                    help="held-out prompts: test (default); fidelity: validation, the prompts train.py validates on "
                         "(tune there, report on test); reasoning: all 100 GSM8K items")
-    p.add_argument("--source", default=None, help="fidelity: prompt source (gsm_symbolic, gsm8k, needle, ...)")
+    p.add_argument("--source", default=None, help="fidelity: prompt source (gsm_symbolic, gsm8k, needle, ...); "
+                   "gsm8k: gsm8k reads the 100 test items shipped offline instead of the hub")
     p.add_argument("--data-file", default=None, metavar="PATH",
                    help="gsm8k, math500, aime24: a local JSON/JSONL/CSV/parquet copy of the hub dataset (offline); "
                         "champ: its v0.json")

@@ -287,7 +287,7 @@ def test_accuracy_only_grades_the_same_free_runs_without_the_forced_half(tiny, p
         alone = evaluate(tiny, tok, spec, samples=items)
     finally:
         Chain.decode_batch = decode_batch
-    assert not any(forced) and len(forced) == 2 * 3  # batches [2, 1] x (reference, full, policy) free runs
+    assert not any(forced) and len(forced) == 2 * 2  # batches [2, 1] x (reference, policy): full reuses the reference
     graded = ("problem_accuracy", "final_accuracy", "answer_agreement", "fact_accuracy", "linked_accuracy",
               "alone_accuracy", "generated_tokens")
     for a, b in zip(both, alone):
@@ -296,6 +296,94 @@ def test_accuracy_only_grades_the_same_free_runs_without_the_forced_half(tiny, p
         for metric in graded:
             assert b["per_prompt"][metric] == pytest.approx(a["per_prompt"][metric], abs=1e-9), metric
     assert min(alone[1]["per_prompt"]["answer_agreement"]) < 1.0  # the budget changed answers
+
+
+COSTS = ("budget_tokens", "peak_kv_bytes", "full_kv_bytes", "kv_share", "kept_share")
+
+
+def _reuse_grid(**options):
+    """The issue-39 grid's shape on the tiny model: two budgets as rows of one batch, a prefill policy, slack."""
+    return build_spec("full,h2o", "0.4,0.6", "chain", max_new_tokens=16, batch_size=2, accuracy_only=True,
+                      prefill_policy="snapkv", slack=4, batch_budgets=True, compare="full", **options)
+
+
+def _decodes(monkeypatch):
+    """Record every free run `Chain.decode_batch` makes: (policy, prefill policy, its generated tokens)."""
+    from learnkv.eval.tasks.chain import Chain
+
+    decode_batch, runs = Chain.decode_batch, []
+
+    def recording(self, model, tokenizer, samples, run, **options):
+        result = decode_batch(self, model, tokenizer, samples, run, **options)
+        runs.append((run.policy, run.prefill, [result.tokens[b, :n].tolist() for b, n in enumerate(result.new_tokens)]))
+        return result
+
+    monkeypatch.setattr(Chain, "decode_batch", recording)
+    return runs
+
+
+def test_accuracy_only_full_row_reuses_the_reference_decode(tiny, monkeypatch):
+    """--accuracy-only: the full row is the reference's own greedy decode, so it is graded on it and costed as it
+    ran instead of decoded again. The row decoded (reuse off) has the reference's tokens, token for token, under
+    the grid's prefill policy and slack, and the row from reuse has its grades and costs exactly; only time
+    differs."""
+    from learnkv.eval.tasks.chain import Chain
+
+    tok = AnswerTokenizer()
+    items = samples(n=3, lengths=(18, 25, 21), n_problems=N_ANSWERED, seed=40)
+    runs = _decodes(monkeypatch)
+    reused = evaluate(tiny, tok, _reuse_grid(), samples=items)
+    assert [policy for policy, _, _ in runs] == ["full", "h2o"] * 2  # batches [2, 1]: the reference, then h2o
+    runs.clear()
+    monkeypatch.setattr(Chain, "reference_run", lambda self, samples, refs: None)
+    decoded = evaluate(tiny, tok, _reuse_grid(), samples=items)
+    assert [policy for policy, _, _ in runs] == ["full", "full", "h2o"] * 2
+    for batch in (0, 1):
+        ref, row = runs[3 * batch], runs[3 * batch + 1]
+        assert ref[1] is None and row[1] == ("snapkv", {}) and row[2] == ref[2]  # token for token
+    assert [r["policy"] for r in reused] == [r["policy"] for r in decoded] == ["full", "h2o"] * 2
+    for a, b in zip(reused, decoded):
+        assert a["per_prompt"] == b["per_prompt"] and a["config"] == b["config"]  # grade for grade
+        assert {k: a["metrics"][k] for k in COSTS} == {k: b["metrics"][k] for k in COSTS}
+        assert a["metrics"]["tokens_per_s"] > 0
+    assert min(reused[1]["per_prompt"]["answer_agreement"]) < 1.0  # h2o's budget changed answers: a real grid
+
+
+@pytest.mark.parametrize("kept_free_run", [True, False])
+def test_resume_reuses_a_stored_reference_or_decodes_the_full_row(tiny, monkeypatch, tmp_path, kept_free_run):
+    """A run killed before it stored its first row resumes from its stored reference. One that kept its free run
+    (`FreeRun`) gives the full row without a decode; one stored by an earlier version, without it, loads and the
+    full row is decoded as before. Either way the records equal an uninterrupted run's but for time."""
+    import dataclasses
+
+    from learnkv.eval import checkpoint
+
+    tok = AnswerTokenizer()
+    items = samples(n=3, lengths=(18, 25, 21), n_problems=N_ANSWERED, seed=40)
+    whole = evaluate(tiny, tok, _reuse_grid(), samples=items)
+
+    def killed(self, *args):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint.Resume, "store", killed)
+        with pytest.raises(KeyboardInterrupt):
+            evaluate(tiny, tok, _reuse_grid(), samples=items, resume_dir=tmp_path)
+    assert (tmp_path / checkpoint.PARTIAL).read_text().count("\n") == 1  # the grid's identity, no row
+    identity = checkpoint.reference_identity(None, _reuse_grid().tasks[0], ["ids/0", "ids/1"])
+    stored = checkpoint.load_references(tmp_path, identity)
+    assert stored[0].free_run.text == tok.decode(stored[0].tokens[0]) and stored[0].free_run.cost["seconds"] > 0
+    if not kept_free_run:  # what an earlier version stored
+        checkpoint.save_references(tmp_path, identity, [dataclasses.replace(ref, free_run=None) for ref in stored])
+        assert checkpoint.load_references(tmp_path, identity)[0].free_run is None
+    runs = _decodes(monkeypatch)
+    resumed = evaluate(tiny, tok, _reuse_grid(), samples=items, resume_dir=tmp_path)
+    first = [] if kept_free_run else [("full", ("snapkv", {}))]  # batch 1: the full row decoded, prefill and all
+    assert [(policy, prefill) for policy, prefill, _ in runs] == first + [("h2o", ("snapkv", {})), ("full", None),
+                                                                          ("h2o", ("snapkv", {}))]
+    for a, b in zip(whole, resumed):
+        assert a["per_prompt"] == b["per_prompt"] and {k: a["metrics"][k] for k in COSTS} == \
+            {k: b["metrics"][k] for k in COSTS}
 
 
 @pytest.mark.parametrize("accuracy_only", [True, False])
@@ -365,3 +453,21 @@ def test_bench_counts_right_answers_by_kind():
     assert counts["linked"][0] == counts["linked"][1] - 1
     assert counts["alone"][0] == counts["alone"][1] and counts["fact"][0] == counts["fact"][1]
     assert counts["linked"][1] == sum(d is not None for d in c.depends[c.given:])
+
+
+def test_bench_room_counts_the_graded_statements_that_fit():
+    """bench/chain_room.py: the graded statements (after the given ones) that fit in order beside the facts and the
+    reserve, counted with the tokenizer's counter (here: words)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_room", Path(__file__).parents[1] / "bench" / "chain_room.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    c = chain_problem(0, 0)
+    words = lambda text: len(text.split())  # noqa: E731
+    graded = [words(line) for line in c.text.splitlines() if line.startswith("Problem ")][c.given:]
+    facts = sum(words(line) for line in c.text.splitlines() if line.startswith("Fact "))
+    room = bench.statements_that_fit(c.text, c.given, facts + 10 + sum(graded[:5]), 10, words)
+    assert room == {"facts": facts, "statements": sum(graded), "graded": N_PROBLEMS - c.given, "fit": 5}
+    assert bench.statements_that_fit(c.text, c.given, 10_000, 10, words)["fit"] == N_PROBLEMS - c.given

@@ -94,7 +94,22 @@ def _without_scorer_digest(identity: dict) -> dict:
     return {**identity, "runs": runs}
 
 
-@pytest.mark.parametrize("name", ["long-chain-smollm2.yaml", "chain-accuracy-qwen.yaml"])
+def test_qwen_gsm8k_config_asks_what_issue_39_item_3_asks():
+    """configs/gsm8k-accuracy-qwen.yaml: the 100 GSM8K test items shipped offline, graded by math-verify, on Qwen at
+    25% and 50% of the final length, the learned policy (round-1 Qwen scorer) against the full cache and six
+    heuristics, compared with learned; it loads through --config without the network."""
+    args = parse_args(["--config", str(ROOT / "configs" / "gsm8k-accuracy-qwen.yaml")])
+    spec = spec_of(args)
+    task = spec.tasks[0]
+    assert args.model == "qwen2.5-coder-0.5b-instruct" and task.name == "gsm8k" and task.source == "gsm8k"
+    assert len(task.items()) == 100 == spec.limit and task.max_new_tokens == 512
+    assert sorted(spec.budgets) == [0.25, 0.5] and args.prefill_policy == "snapkv" and spec.batch_budgets
+    assert set(spec.policies) == {"full", "learned", "rkv", "h2o", "snapkv", "tova", "lazy", "streaming"}
+    learned = next(r for r in spec.runs if r.name == "learned")
+    assert learned.params["scorer"] == "docs/results/train-qwen/round-1/scorer" and spec.compare == "learned"
+
+
+@pytest.mark.parametrize("name", ["long-chain-smollm2.yaml", "chain-accuracy-qwen.yaml", "gsm8k-accuracy-qwen.yaml"])
 def test_a_long_table_keeps_its_records_in_git_and_they_are_a_run_of_its_config(name):
     """The long tables outlive a machine (runs/ is not kept between sessions): their configs write into docs/results/,
     whose records git keeps and whose batch references (~1 GB a prompt) it ignores. Committed records must be a run of

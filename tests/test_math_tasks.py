@@ -38,7 +38,8 @@ def result_of(texts: list[str], new_tokens: list[int]) -> GenerationResult:
     n = max(new_tokens)
     return GenerationResult(tokens=torch.zeros(len(texts), n, dtype=torch.long), texts=texts, policy="h2o",
                             budgets=None, params={}, prompt_lengths=[10] * len(texts), new_tokens=new_tokens,
-                            kept_rows=[], peak_kv_bytes_rows=[0] * len(texts), full_kv_bytes_rows=[0] * len(texts),
+                            kept_rows=[[[10] * len(texts)]],  # one pass, one layer: each row holds its prompt
+                            peak_kv_bytes_rows=[0] * len(texts), full_kv_bytes_rows=[0] * len(texts),
                             prefill_s=0.0, decode_s=0.0, tokens_per_s=1.0)
 
 
@@ -182,3 +183,49 @@ def test_champ_missing_package_names_the_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ValueError, match="pip install --no-deps champ-dataset"):
         make_task("champ").items()
+
+
+def test_math_full_row_is_the_reference_decode(tiny, monkeypatch):
+    """The full row is graded on the reference's own greedy decode and costed as it ran, not decoded again: the
+    same grades and costs as decoding it (reuse off), one decode fewer per batch."""
+    from learnkv.eval.tasks.math import MathTask
+
+    items = [Sample.from_ids(random_ids(n, seed=50 + n)[0], id=f"ids/{n}") for n in (20, 27, 23)]
+    for s in items:
+        s.answer = str(int(generate(tiny, input_ids=s.input_ids, max_new_tokens=1).tokens[0, 0]))
+    spec = lambda: build_spec("full,streaming", "0.5", "gsm8k", max_new_tokens=10, batch_size=2)  # noqa: E731
+    decode_batch, policies = MathTask.decode_batch, []
+
+    def counting(self, *args, **options):
+        policies.append(args[3].policy)
+        return decode_batch(self, *args, **options)
+
+    monkeypatch.setattr(MathTask, "decode_batch", counting)
+    reused = evaluate(tiny, BoxedTokenizer(), spec(), samples=items)
+    assert policies == ["full", "streaming"] * 2
+    monkeypatch.setattr(MathTask, "reference_run", lambda self, samples, refs: None)
+    decoded = evaluate(tiny, BoxedTokenizer(), spec(), samples=items)
+    assert policies[4:] == ["full", "full", "streaming"] * 2
+    costs = ("budget_tokens", "peak_kv_bytes", "full_kv_bytes", "kv_share", "kept_share")
+    for a, b in zip(reused, decoded):
+        assert a["per_prompt"] == b["per_prompt"] and {k: a["metrics"][k] for k in costs} == \
+            {k: b["metrics"][k] for k in costs}
+    assert reused[0]["metrics"]["accuracy"] == 1.0 and reused[0]["metrics"]["tokens_per_s"] > 0
+
+
+def test_gsm8k_reads_the_shipped_items_offline():
+    """--source gsm8k: the 100 verbatim GSM8K test items shipped in a PyPI package, under the reasoning task's ids,
+    each gold answer the number after its ####; a bad source, or a source and a data file, fail at once."""
+    from learnkv.prompts import load_prompts
+
+    task = make_task("gsm8k", source="gsm8k")
+    items = task.items()
+    shipped = load_prompts("gsm8k", None)
+    assert len(items) == len(shipped) == 100 and [i for i, _, _ in items] == [p.id for p in shipped]
+    assert items[0][0] == "gsm8k/0000" and all(q in p.text for (_, q, _), p in zip(items, shipped))
+    assert all(golds == [p.answer] for (_, _, golds), p in zip(items, shipped))  # no comma, no decimal point
+    assert make_task("gsm8k").source is None  # the hub, as before
+    with pytest.raises(ValueError, match="source must be gsm8k"):
+        make_task("gsm8k", source="gsm_symbolic")
+    with pytest.raises(ValueError, match="not both"):
+        make_task("gsm8k", source="gsm8k", data_file=str(DATA / "gsm8k.jsonl"))

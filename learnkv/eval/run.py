@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from learnkv.decode import GenerationResult, check_positions
+from learnkv.decode import check_positions
 from learnkv.eval import checkpoint
 from learnkv.eval.checkpoint import scorer_identity
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
-from learnkv.eval.tasks.base import RunConfig, evicts
+from learnkv.eval.tasks.base import RunConfig, cost_row, evicts
 from learnkv.policies import POLICIES, make_policy
 from learnkv.policies.params import parse_policy, parse_policy_list
 from learnkv.progress import redraw_seconds, token_counter
@@ -195,13 +195,6 @@ def aggregate(rows: list[dict]) -> dict:
     return {k: _mean([row.get(k) for row in rows]) for k in keys}
 
 
-def _cost_row(result: GenerationResult, row: int, seconds: float) -> dict:
-    """One prompt's cost from its row of a batched run (``seconds``: its share of the batch's wall time)."""
-    return {"budget": result.budgets[row] if result.budgets else None, "peak": result.peak_kv_bytes_rows[row],
-            "full": result.full_kv_bytes_rows[row], "kept": result.kept_share(row),
-            "tokens": result.new_tokens[row], "seconds": seconds, "evict_s": result.eviction_share * seconds}
-
-
 def pool_cost(rows: list[dict]) -> dict:
     """Pools per-prompt costs: mean resolved budget, mean peak and full KV bytes (``kv_share`` is their ratio;
     the peak includes a prompt held before it is compressed), ``kept_share`` the mean over prompts of the tokens
@@ -256,7 +249,12 @@ def _decode(model, tokenizer, task: Task, spec: EvalSpec, run: PolicyRun, batch:
         _check(task, spec, run, batch, tokens, b)
     metrics = [[None] * len(batch) for _ in todo]
     row_costs = [[None] * len(batch) for _ in todo]
-    for group in batch_groups(task.eviction(spec.config(run, budgets)), budgets):
+    reused = task.reference_run(batch, refs) if not evicts(run.name) and not run.params else None
+    if reused is not None:  # the full row is the reference's own greedy decode: graded and costed as it ran
+        for k in range(len(todo)):
+            metrics[k], row_costs[k] = list(reused[0]), list(reused[1])
+    groups = batch_groups(task.eviction(spec.config(run, budgets)), budgets) if reused is None else []
+    for group in groups:
         cfg = spec.config(run, [budgets[j] for j in group])
         t0 = time.perf_counter()
         m, generated = task.run_batch(model, tokenizer, [batch[rows[j][1]] for j in group],
@@ -264,7 +262,7 @@ def _decode(model, tokenizer, task: Task, spec: EvalSpec, run: PolicyRun, batch:
         share = (time.perf_counter() - t0) / len(group)
         for n, j in enumerate(group):
             k, i = rows[j]
-            metrics[k][i], row_costs[k][i] = m[n], _cost_row(generated, n, share)
+            metrics[k][i], row_costs[k][i] = m[n], cost_row(generated, n, share)
     params = [task.eviction(spec.config(run, tokens[:1])).resolve(tokens[:1])[0][0].params() for _, tokens in todo]
     return list(zip(metrics, row_costs, params))
 

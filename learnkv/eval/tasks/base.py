@@ -5,12 +5,15 @@ or plots (`learnkv.eval.run` owns those). The runner hands it batches of prompts
 (the full-cache work every policy is compared with), then `run_batch` once per policy and budget, which returns
 each prompt's metrics and the batch's `GenerationResult` (its per-row cost: KV bytes, kept share, time). Rows of
 a batch decode exactly as each would alone (`learnkv.generate`), so the batch size changes speed, not metrics.
-A task that only implements the per-prompt `reference` and `run` is run one prompt at a time.
+A task that only implements the per-prompt `reference` and `run` is run one prompt at a time. A task whose
+reference is the full cache's own free run (`full_decode`) gives the ``full`` row from it (`reference_run`)
+instead of decoding the same greedy run again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -84,6 +87,29 @@ class RunConfig:
     slack: int = 0
 
 
+def cost_row(result: GenerationResult, row: int, seconds: float) -> dict:
+    """One prompt's cost from its row of a batched run (``seconds``: its share of the batch's wall time)."""
+    return {"budget": result.budgets[row] if result.budgets else None, "peak": result.peak_kv_bytes_rows[row],
+            "full": result.full_kv_bytes_rows[row], "kept": result.kept_share(row),
+            "tokens": result.new_tokens[row], "seconds": seconds, "evict_s": result.eviction_share * seconds}
+
+
+@dataclass
+class FreeRun:
+    """The full cache's free-running greedy decode of one prompt, as the grid's ``full`` row would decode it.
+
+    Attributes
+    ----------
+    text : str
+        The continuation as `learnkv.generate` decoded it.
+    cost : dict
+        Its cost row (`cost_row`): KV bytes, kept share, tokens and its share of the batch's decode time.
+    """
+
+    text: str
+    cost: dict
+
+
 def left_pad(samples: list[Sample], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A left-padded batch ``(input_ids [B, L], attention_mask [B, L])`` of samples' token ids."""
     L = max(s.input_ids.shape[1] for s in samples)
@@ -150,6 +176,21 @@ class Task:
         prefill, prefill_params = run.prefill or (None, {})
         return Eviction(run.policy, run.params, run.budgets if POLICIES[run.policy].evicts else None,
                         self.granularity, self.block_size, run.slack, prefill, prefill_params)
+
+    def full_decode(self, model, tokenizer, samples: list[Sample]) -> tuple[GenerationResult, list[FreeRun]]:
+        """The full cache's free run of a batch, timed: the run and each prompt's `FreeRun`, which a reference that
+        keeps it lets `reference_run` give as the ``full`` row."""
+        t0 = time.perf_counter()
+        result = self.decode_batch(model, tokenizer, samples, RunConfig("full", {}, [None] * len(samples)))
+        share = (time.perf_counter() - t0) / len(samples)
+        texts = result.texts or [""] * len(samples)
+        return result, [FreeRun(text, cost_row(result, b, share)) for b, text in enumerate(texts)]
+
+    def reference_run(self, samples: list[Sample], refs: list[Any]) -> tuple[list[dict], list[dict]] | None:
+        """The ``full`` row of a batch from its references, where each holds the full cache's free run (`FreeRun`):
+        the same greedy decode of the same batch that the row would repeat. ``(metrics, cost rows)`` per prompt,
+        or None (the row is decoded: the task has no such reference, or a reference lacks it)."""
+        return None
 
     def final_length(self, sample: Sample, ref: Any) -> int:
         """The full length a budget fraction is a share of: the prompt plus what the full cache generated on it,

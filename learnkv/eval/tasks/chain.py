@@ -32,7 +32,9 @@ decode's rate.
 attention kept), every policy is graded on its own free run, and the metrics are the graded ones above and
 ``generated_tokens``. It halves the decodes and the memory of the reference, which is what a large model at
 thousands of tokens needs (a 152k-token vocabulary's logits alone are 9.7 GB per prompt at 16k tokens); ``oracle``,
-which replays the reference's attention, is refused in that mode.
+which replays the reference's attention, is refused in that mode. The reference is then the ``full`` row's own
+greedy decode, so that row is graded on it, with its recorded cost and time, and not decoded again
+(`Task.reference_run`; a reference stored by an earlier version, without its `FreeRun`, decodes the row).
 
 Memory: the full-cache reference (`Fidelity.reference_batch`) keeps each prompt's logits (``[N, V]`` fp32, 390 MB
 for SmolLM2 at N = 2,000) and the decode steps' rows of its attention in fp16 (``[layers, H_kv, N - 1, P + N - 1]``);
@@ -46,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from learnkv import chains
-from learnkv.eval.tasks.base import RunConfig, Sample, evicts, replays
+from learnkv.eval.tasks.base import FreeRun, RunConfig, Sample, evicts, replays
 from learnkv.eval.tasks.fidelity import Fidelity, FullRun
 from learnkv.prompts import load_prompts
 
@@ -116,10 +118,12 @@ KIND_METRICS = tuple(f"{kind}_accuracy" for kind in chains.KINDS)
 
 @dataclass
 class ChainRun(FullRun):
-    """The full cache's run on one chain prompt (`FullRun`), with its text and its parsed answer per problem."""
+    """The full cache's run on one chain prompt (`FullRun`), with its text and its parsed answer per problem, and
+    with ``accuracy_only`` its free run as the ``full`` row decoded it (`FreeRun`)."""
 
     text: str = ""
     answers: list[str | None] = field(default_factory=list)
+    free_run: FreeRun | None = None
 
 
 @dataclass
@@ -176,25 +180,30 @@ class Chain(Fidelity):
                              "to replay; drop it or the option")
 
     def reference_batch(self, model, tokenizer, samples: list[Sample]) -> list[ChainRun]:
+        runs = [None] * len(samples)
         if self.accuracy_only:  # the full cache's free run alone
-            result = self.decode_batch(model, tokenizer, samples, RunConfig("full", {}, [None] * len(samples)))
+            result, runs = self.full_decode(model, tokenizer, samples)
             fulls = [FullRun(result.tokens[b: b + 1, :result.new_tokens[b]], None, None, s.input_ids.shape[1])
                      for b, s in enumerate(samples)]
         else:
             fulls = super().reference_batch(model, tokenizer, samples)
         refs = []
-        for sample, full in zip(samples, fulls):
+        for sample, full, run in zip(samples, fulls, runs):
             text = _decode(tokenizer, full.tokens[0])
             refs.append(ChainRun(full.tokens, full.logits, full.attention, full.prompt_len, text,
-                                 grade_chain(text, self.gold(sample), given=self.given(sample))["parsed"]))
+                                 grade_chain(text, self.gold(sample), given=self.given(sample))["parsed"], run))
         return refs
+
+    def reference_run(self, samples: list[Sample], refs: list[ChainRun]):
+        if not self.accuracy_only or any(ref.free_run is None for ref in refs):
+            return None
+        return (self._graded(samples, refs, [ref.free_run.text for ref in refs], "full"),
+                [ref.free_run.cost for ref in refs])
 
     def run_batch(self, model, tokenizer, samples: list[Sample], refs: list[ChainRun], run: RunConfig):
         if self.accuracy_only:  # every policy's own free run, graded (full's equals its reference, greedy)
             result = self.decode_batch(model, tokenizer, samples, run)
-            texts = result.texts or [""] * len(samples)
-            return [{**self.grade(text, sample, ref, run.policy), "generated_tokens": float(ref.tokens.shape[1])}
-                    for sample, ref, text in zip(samples, refs, texts)], result
+            return self._graded(samples, refs, result.texts or [""] * len(samples), run.policy), result
         metrics, result = super().run_batch(model, tokenizer, samples, refs, run)  # teacher-forced: fidelity
         if evicts(run.policy) and not replays(run.policy):
             result = self.decode_batch(model, tokenizer, samples, run)  # free-running: graded
@@ -204,6 +213,11 @@ class Chain(Fidelity):
         for row, sample, ref, text in zip(metrics, samples, refs, texts):
             row.update(self.grade(text, sample, ref, run.policy))
         return metrics, result
+
+    def _graded(self, samples: list[Sample], refs: list[ChainRun], texts: list[str], policy: str) -> list[dict]:
+        """``accuracy_only``: each prompt's metrics from its free run's text."""
+        return [{**self.grade(text, sample, ref, policy), "generated_tokens": float(ref.tokens.shape[1])}
+                for sample, ref, text in zip(samples, refs, texts)]
 
     def grade(self, text: str, sample: Sample, ref: ChainRun, policy: str) -> dict[str, float | None]:
         """Accuracy and agreement of one free-running completion (None for a policy that replays the full run)."""

