@@ -2,8 +2,8 @@
 
 A decode's eviction is set by a policy and its parameters, a budget, how decisions are shared (granularity, block
 size), how often the cache compacts (slack), what compresses a prompt over the budget (the prefill policy) and the
-learned policy's scorer artifact; allocation (issue 42: how many tokens each layer and KV head keeps) will be one
-more field. `Eviction` holds them; `Eviction.check` is the one feasibility check every entry point calls before any
+learned policy's scorer artifact and the allocation (issue 42: how a row's budget is shared by layers and KV
+heads, `learnkv.allocation`). `Eviction` holds them; `Eviction.check` is the one feasibility check every entry point calls before any
 model loads (the command line, ``evaluate.py``'s grid, ``train.py``'s config, trace collection), and
 `Eviction.resolve` the one place a policy is resolved for each row's budget, which `learnkv.generate` and the
 evaluation runner call again with the prompts' lengths before they decode.
@@ -20,7 +20,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from learnkv.cache import blind_prefill_error, prefill_policy_error
+from learnkv.allocation import Allocation, as_allocation
+from learnkv.cache import allocation_error, blind_prefill_error, prefill_policy_error
 from learnkv.policies import Policy, make_policy
 from learnkv.policies.base import resolve_rows, shared_fields
 
@@ -107,6 +108,10 @@ class Eviction:
     scorer : str or None
         The learned policy's artifact, given to ``policy`` and ``prefill`` where they are ``learned`` without one
         (a ``--scorer`` beside a list of policies); a scorer given is checked even where no policy uses it.
+    allocation : str or Allocation
+        How a row's budget is shared by layers and KV heads: ``uniform`` (the default), ``head``, ``pyramid`` or
+        ``global`` (`learnkv.allocation`), or an `Allocation` with its floor and beta. An ``allocation`` key in
+        ``params`` (an evaluation item such as ``h2o:allocation=head``) moves here.
     """
 
     policy: str | Policy = "full"
@@ -118,6 +123,19 @@ class Eviction:
     prefill: str | Policy | None = None
     prefill_params: dict = field(default_factory=dict, hash=False)
     scorer: str | None = None
+    allocation: str | Allocation = "uniform"
+
+    def __post_init__(self):
+        if "allocation" in self.params:  # a grid item's ``NAME:allocation=MODE``: a setting of the eviction
+            params = dict(self.params)
+            object.__setattr__(self, "allocation", params.pop("allocation"))
+            object.__setattr__(self, "params", params)
+        as_allocation(self.allocation)  # a bad mode fails here, in one line
+
+    @property
+    def resolved_allocation(self) -> Allocation:
+        """The allocation as an `Allocation`."""
+        return as_allocation(self.allocation)
 
     @property
     def policy_params(self) -> dict:
@@ -151,6 +169,8 @@ class Eviction:
             budget_tokens = self.budget
         policy = self.make()
         prefill = self.make_prefill()
+        if policy.evicts and (error := allocation_error(self.resolved_allocation, policy, self.granularity == "block")):
+            raise ValueError(error)
         if prefill is not None and (error := prefill_policy_error(prefill)):
             raise ValueError(f"{prefill_option}: {error}" if prefill_option else error)
         for p in (policy, prefill):
