@@ -32,14 +32,14 @@ from learnkv.eval.checkpoint import scorer_identity
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
 from learnkv.eval.tasks.base import RunConfig, evicts
-from learnkv.policies import POLICIES, make_policy
+from learnkv.policies import POLICIES
 from learnkv.policies.params import parse_policy, parse_policy_list
 from learnkv.progress import redraw_seconds, token_counter
 from learnkv.settings import Eviction, batch_groups, parse_number, resolve_budget
 
 DEFAULT_POLICIES = ("full", "streaming", "h2o", "tova", "snapkv", "roco", "lazy", "paged")
 DEFAULT_BUDGETS = (0.25, 0.5)
-COST_METRICS = ("budget_tokens", "peak_kv_bytes", "full_kv_bytes", "kv_share", "kept_share", "tokens_per_s",
+COST_METRICS = ("budget_tokens", "peak_kv_bytes", "live_kv_bytes", "full_kv_bytes", "kv_share", "kept_share", "tokens_per_s",
                 "eviction_share")
 
 
@@ -129,10 +129,14 @@ def _policy_run(label: str, name: str, params: dict, scorer: str | None, seed: i
     """A checked grid row: a known policy, parameters of the right type and range, the scorer where needed."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r} in {label!r}; known policies: {', '.join(POLICIES)}")
-    params = Eviction(name, params, scorer=scorer).policy_params  # a learned policy takes --scorer
+    settings = Eviction(name, params, scorer=scorer)  # an ``allocation`` key moves to its own setting
+    params = settings.policy_params  # a learned policy takes --scorer
     if name == "random":
         params.setdefault("seed", seed)
-    Eviction(name, params).check()  # unknown keys and bad values fail here, naming the valid keys; so does no scorer
+    Eviction(name, params, allocation=settings.allocation).check()  # unknown keys and bad values fail here, naming
+    # the valid keys; so does no scorer
+    if settings.allocation != "uniform":  # carried in the row's parameters to the decode (`Task.eviction`)
+        params["allocation"] = settings.allocation
     return PolicyRun(label, name, params)
 
 
@@ -156,7 +160,7 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
     runs = [_policy_run(label, name, params, scorer, seed) for label, name, params in parse_policy_list(policies)]
     for k, run in enumerate(runs):  # one policy under two labels would be two rows of the same decodes
         for other in runs[:k]:
-            if (run.name, make_policy(run.name, **run.params)) == (other.name, make_policy(other.name, **other.params)):
+            if _decoded_as(run) == _decoded_as(other):
                 raise ValueError(f"--policy items {other.label!r} and {run.label!r} are the same policy with the same "
                                  "parameters: give it once")
     if limit is not None and (int(limit) != limit or limit < 1):
@@ -184,6 +188,12 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
     return EvalSpec(runs, budgets, tasks, limit, seed, prefill, int(batch_size), compare, int(slack), batch_budgets)
 
 
+def _decoded_as(run: PolicyRun) -> tuple:
+    """What a grid row decodes: its policy, built with its parameters, and its allocation."""
+    settings = Eviction(run.name, run.params)
+    return run.name, settings.make(), settings.allocation
+
+
 def _mean(values) -> float | None:
     values = [v for v in values if v is not None]
     return float(sum(values) / len(values)) if values else None
@@ -197,14 +207,17 @@ def aggregate(rows: list[dict]) -> dict:
 
 def _cost_row(result: GenerationResult, row: int, seconds: float) -> dict:
     """One prompt's cost from its row of a batched run (``seconds``: its share of the batch's wall time)."""
+    live = result.live_kv_bytes_rows[row] if result.live_kv_bytes_rows else result.peak_kv_bytes_rows[row]
     return {"budget": result.budgets[row] if result.budgets else None, "peak": result.peak_kv_bytes_rows[row],
-            "full": result.full_kv_bytes_rows[row], "kept": result.kept_share(row),
+            "live": live, "full": result.full_kv_bytes_rows[row], "kept": result.kept_share(row),
             "tokens": result.new_tokens[row], "seconds": seconds, "evict_s": result.eviction_share * seconds}
 
 
 def pool_cost(rows: list[dict]) -> dict:
     """Pools per-prompt costs: mean resolved budget, mean peak and full KV bytes (``kv_share`` is their ratio;
-    the peak includes a prompt held before it is compressed), ``kept_share`` the mean over prompts of the tokens
+    the peak includes a prompt held before it is compressed; ``peak_kv_bytes`` is what learnkv's padded buffers
+    hold, ``live_kv_bytes`` the live slots alone, what a paged per-head layout would hold: they differ under the
+    ``head`` and ``global`` allocations), ``kept_share`` the mean over prompts of the tokens
     held after each step over a full cache's, generated tokens per second of wall time (prefill included), and the
     eviction share of that time."""
     peak, full = _mean([r["peak"] for r in rows]), _mean([r["full"] for r in rows])
@@ -212,6 +225,7 @@ def pool_cost(rows: list[dict]) -> dict:
     return {
         "budget_tokens": _mean([r["budget"] for r in rows]),
         "peak_kv_bytes": round(peak),
+        "live_kv_bytes": round(_mean([r.get("live", r["peak"]) for r in rows])),  # resumed rows from before: peak
         "full_kv_bytes": round(full),
         "kv_share": peak / max(full, 1),
         "kept_share": _mean([r["kept"] for r in rows]),
