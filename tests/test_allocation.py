@@ -471,7 +471,7 @@ def _hand_inputs(records):
     B, H = records[0][0].shape[:2]
     T = max(r[0].shape[-1] for r in records)
     scores, valid, protected = [], [], []
-    for positions, raw, sinks, recents in records:
+    for positions, raw, sinks, recents, _ in records:
         P, S = positions.tolist(), raw.tolist()
         pad = [0] * (T - len(P[0][0]))
         scores.append([]), valid.append([]), protected.append([])
@@ -500,7 +500,7 @@ def test_the_cache_keeps_what_the_loop_reference_keeps(model3, mode, monkeypatch
     inner_evict, inner_end = BudgetCache._evict_per_head, BudgetCache.end_step
 
     def evict(self, layer, positions, scores, sinks, recents):
-        seen[layer.layer_idx] = (positions.clone(), scores.clone(), list(sinks), list(recents))
+        seen[layer.layer_idx] = (positions.clone(), scores.clone(), list(sinks), list(recents), list(self._due))
         return inner_evict(self, layer, positions, scores, sinks, recents)
 
     def end_step(self):
@@ -518,7 +518,7 @@ def test_the_cache_keeps_what_the_loop_reference_keeps(model3, mode, monkeypatch
             before, after = records[i][0].tolist(), layer.positions.tolist()
             for b, row in enumerate(before):
                 for h, slots in enumerate(row):
-                    keep = expected[i][b][h] if self._due[b] else valid[i][b][h]
+                    keep = expected[i][b][h] if records[i][4][b] else valid[i][b][h]  # the rows due in the layer
                     assert {p for p in after[b][h] if p >= 0} == {p for p, k in zip(slots, keep) if k}
         checked.append(self.step)
 
