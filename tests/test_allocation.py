@@ -528,3 +528,59 @@ def test_the_cache_keeps_what_the_loop_reference_keeps(model3, mode, monkeypatch
     monkeypatch.setattr(BudgetCache, "end_step", end_step)
     _decode(model3, "h2o", {"n_recent": 1}, None, allocation)
     assert len(checked) >= 10  # the prefill and (once full) every decode step evicted and was checked
+
+
+# -- the setting reaches every entry point ---------------------------------------------------------------------
+
+def test_the_setting_in_eviction_generate_and_grid_items(model3):
+    from learnkv.eval.run import build_spec  # the evaluation grid only for this test
+    from learnkv.settings import Eviction
+
+    settings = Eviction("h2o", {"allocation": "head", "n_recent": 2}, budget=8)
+    assert settings.allocation == "head" and settings.params == {"n_recent": 2}
+    settings.check()
+    spec = build_spec("h2o,h2o:allocation=head,h2o:allocation=global", [0.25], ["fidelity"], limit=2)
+    assert [r.params for r in spec.runs] == [{}, {"allocation": "head"}, {"allocation": "global"}]
+    # the row's parameters reach the decode's settings (`Task.eviction`), which builds the cache with them
+    assert spec.tasks[0].eviction(spec.config(spec.runs[1], [8])).allocation == "head"
+    steps = []
+    _decode(model3, "h2o", {"allocation": "head"}, None, None, lambda c: steps.append(c.allocation.mode))
+    assert set(steps) == {"head"}
+
+
+@pytest.mark.parametrize("bad", ["bogus", "Head", 3])
+def test_bad_allocations_are_refused_in_one_line(bad):
+    from learnkv.settings import Eviction  # settings only for this test
+
+    with pytest.raises(ValueError, match="allocation must be one of uniform, head, pyramid, global") as e:
+        Eviction("h2o", budget=8, allocation=bad)
+    assert "\n" not in str(e.value)
+
+
+def test_token_only_allocations_refuse_blocks():
+    from learnkv.eval.run import build_spec  # the evaluation grid only for this test
+    from learnkv.settings import Eviction
+
+    for mode in ("head", "pyramid", "global"):
+        with pytest.raises(ValueError, match=f"allocation '{mode}' needs token eviction"):
+            Eviction("h2o", budget=64, granularity="block", allocation=mode).check()
+        with pytest.raises(ValueError, match="needs token eviction"):
+            build_spec(f"paged:allocation={mode}", [64])
+    Eviction("h2o", budget=64, granularity="block").check()  # uniform: as before
+
+
+def test_cli_and_evaluate_refuse_a_bad_allocation_before_a_model_loads(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from learnkv.__main__ import main  # the command line only for this test
+
+    code = main(["generate", "--policy", "h2o", "--budget", "8", "--prompt", "hi", "--allocation", "bogus"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "allocation must be one of" in err
+    spec = importlib.util.spec_from_file_location("_evaluate", Path(__file__).resolve().parents[1] / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    code = evaluate.main(["--policy", "h2o:allocation=bogus", "--budget", "0.25"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "allocation must be one of" in err
