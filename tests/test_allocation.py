@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import params_for, prefill_for
 from kernels.reference import protected_slots, select_keep_reference
 from learnkv.allocation import (
     ALLOCATIONS, Allocation, allocate, keep_slots, normalise_scores, pyramid_budgets, slot_totals,
@@ -349,9 +350,10 @@ def test_keep_slots_and_totals():
 # -- wired into the cache: every step of a batched decode, end to end ------------------------------------------
 
 #: (policy, its parameters, a prefill policy): mass-rule and rank-rule scores, a lagged policy (lazy, keep target
-#: below the budget) that observes nothing at the prefill and so compresses long prompts with snapkv
+#: below the budget) that observes nothing at the prefill and so compresses long prompts with snapkv, and the
+#: oracle (the headroom under each allocation)
 DECODES = [("h2o", {"n_recent": 2}, None), ("tova", {}, None), ("snapkv", {}, None), ("knorm", {}, None),
-           ("streaming", {}, None), ("lazy", {}, "snapkv")]
+           ("streaming", {}, None), ("lazy", {}, "snapkv"), ("oracle", {"horizon": 8}, None), ("learned", {}, None)]
 BUDGETS = [6, 9, 14]  # rows of different budgets; the prompts (20, 15 and 9 tokens) are over, over and within them
 
 
@@ -388,6 +390,9 @@ def _head_counts(cache):
 @pytest.mark.parametrize("mode", ALLOCATIONS)
 @pytest.mark.parametrize("policy,params,prefill", DECODES, ids=[d[0] for d in DECODES])
 def test_total_budget_holds_at_every_step(model3, mode, policy, params, prefill):
+    if policy == "learned":  # a random-init scorer for the 3-layer model (its logits: the ``logit`` rule)
+        params = {**params_for(policy, 3), "n_sink": 1, "n_recent": 2}  # windows that fit a budget of 6
+        prefill = prefill_for(policy).get("prefill_policy")
     steps, books, caches = [], [], []
 
     def observe(cache):
