@@ -512,13 +512,18 @@ class BudgetCache(Cache):
         self._stack, positions, state = linked
         return positions, state
 
+    def _every_layer(self, stash: dict, what: str) -> list:
+        """What every layer left in ``stash`` this step, in layer order, emptying it (each layer must have)."""
+        if len(stash) != len(self.layers):
+            raise RuntimeError(f"{what} needs every layer's scores in the same step")
+        entries = [stash[i] for i in range(len(self.layers))]
+        stash.clear()
+        return entries
+
     def _evict_shared(self) -> None:
         """One block decision from every layer's scores, applied to every layer and KV head alike."""
         t0 = time.perf_counter()
-        if len(self._shared_scores) != len(self.layers):
-            raise RuntimeError("layer-shared eviction needs every layer's scores in the same step")
-        scores = [self._shared_scores[i] for i in range(len(self.layers))]
-        self._shared_scores = {}
+        scores = self._every_layer(self._shared_scores, "layer-shared eviction")
         policy = self.policy
         rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
         # every layer holds the same slots in this mode
@@ -583,10 +588,7 @@ class BudgetCache(Cache):
     def _evict_global(self) -> None:
         """``global``: one decision over every layer and KV head of each row, from the scores every layer left."""
         t0 = time.perf_counter()
-        if len(self._alloc_scores) != len(self.layers):
-            raise RuntimeError("global allocation needs every layer's scores in the same step")
-        parts = [self._alloc_scores[i] for i in range(len(self.layers))]
-        self._alloc_scores = {}
+        parts = self._every_layer(self._alloc_scores, "global allocation")
         T = max(p[0].shape[-1] for p in parts)
 
         def padded(k: int) -> Tensor:  # layers may hold different numbers of slots: pad with dead ones
