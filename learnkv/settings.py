@@ -27,6 +27,9 @@ from learnkv.policies.base import resolve_rows, shared_fields
 
 #: how eviction decisions are shared: per layer and KV head, or whole blocks shared by every layer and head
 GRANULARITIES = ("token", "block")
+#: keys of a policy's parameters (a grid item's ``h2o:allocation=head:allocation_floor=0.1``) that set the
+#: allocation, not the policy, and the `Allocation` field each sets
+ALLOCATION_KEYS = {"allocation": "mode", "allocation_floor": "floor", "allocation_beta": "beta"}
 
 
 def parse_number(text: str) -> int | float:
@@ -110,8 +113,8 @@ class Eviction:
         (a ``--scorer`` beside a list of policies); a scorer given is checked even where no policy uses it.
     allocation : str or Allocation
         How a row's budget is shared by layers and KV heads: ``uniform`` (the default), ``head``, ``pyramid`` or
-        ``global`` (`learnkv.allocation`), or an `Allocation` with its floor and beta. An ``allocation`` key in
-        ``params`` (an evaluation item such as ``h2o:allocation=head``) moves here.
+        ``global`` (`learnkv.allocation`), or an `Allocation` with its floor and beta. The `ALLOCATION_KEYS` in
+        ``params`` (an evaluation item such as ``h2o:allocation=head:allocation_floor=0.1``) move here.
     """
 
     policy: str | Policy = "full"
@@ -126,10 +129,12 @@ class Eviction:
     allocation: str | Allocation = "uniform"
 
     def __post_init__(self):
-        if "allocation" in self.params:  # a grid item's ``NAME:allocation=MODE``: a setting of the eviction
-            params = dict(self.params)
-            object.__setattr__(self, "allocation", params.pop("allocation"))
-            object.__setattr__(self, "params", params)
+        moved = {ALLOCATION_KEYS[k]: v for k, v in self.params.items() if k in ALLOCATION_KEYS}
+        if moved:  # a grid item's ``NAME:allocation=MODE``: settings of the eviction, not of the policy
+            object.__setattr__(self, "params", {k: v for k, v in self.params.items() if k not in ALLOCATION_KEYS})
+            mode = moved.pop("mode", self.allocation)
+            allocation = dataclasses.replace(as_allocation(mode), **moved) if moved else mode
+            object.__setattr__(self, "allocation", allocation)
         as_allocation(self.allocation)  # a bad mode fails here, in one line
 
     @property
@@ -218,5 +223,5 @@ def batch_groups(settings: Eviction, budgets: Sequence[int | None]) -> list[list
     return list(keys.values())
 
 
-__all__ = ["Eviction", "GRANULARITIES", "batch_groups", "parse_number", "resolve_budget", "resolve_policy",
+__all__ = ["ALLOCATION_KEYS", "Eviction", "GRANULARITIES", "batch_groups", "parse_number", "resolve_budget", "resolve_policy",
            "resolve_policy_rows"]

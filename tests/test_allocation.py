@@ -460,6 +460,12 @@ def test_a_floor_of_the_whole_budget_is_uniform(model3, policy, mode):
     floored = _decode(model3, policy, {"n_recent": 2}, None, Allocation(mode, floor=1.0))
     assert torch.equal(uniform.tokens, floored.tokens)
     assert uniform.kept_rows == floored.kept_rows
+    # the floor as a grid item's key reaches the cache too; a lower one moves budget between heads
+    as_item = _decode(model3, policy, {"n_recent": 2, "allocation": mode, "allocation_floor": 1.0}, None, None)
+    assert as_item.kept_rows == uniform.kept_rows
+    if policy == "h2o":  # (key norms go through rank percentiles, spread alike in every head: see `allocation`)
+        moved = _decode(model3, policy, {"n_recent": 2, "allocation": mode, "allocation_floor": 0.0}, None, None)
+        assert moved.kept_rows != uniform.kept_rows
 
 
 def test_uniform_is_the_default_bit_for_bit(model3):
@@ -544,6 +550,10 @@ def test_the_setting_in_eviction_generate_and_grid_items(model3):
     settings = Eviction("h2o", {"allocation": "head", "n_recent": 2}, budget=8)
     assert settings.allocation == "head" and settings.params == {"n_recent": 2}
     settings.check()
+    floored = Eviction("h2o", {"allocation": "global", "allocation_floor": "0.1"})
+    assert floored.resolved_allocation == Allocation("global", floor=0.1) and floored.params == {}
+    with pytest.raises(ValueError, match=r"allocation.floor must be in \[0.0, 1.0\], got 2.0"):
+        Eviction("h2o", {"allocation": "head", "allocation_floor": 2})
     spec = build_spec("h2o,h2o:allocation=head,h2o:allocation=global", [0.25], ["fidelity"], limit=2)
     assert [r.params for r in spec.runs] == [{}, {"allocation": "head"}, {"allocation": "global"}]
     # the row's parameters reach the decode's settings (`Task.eviction`), which builds the cache with them
@@ -583,6 +593,10 @@ def test_cli_and_evaluate_refuse_a_bad_allocation_before_a_model_loads(capsys):
     code = main(["generate", "--policy", "h2o", "--budget", "8", "--prompt", "hi", "--allocation", "bogus"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and "allocation must be one of" in err
+    code = main(["generate", "--policy", "h2o", "--budget", "8", "--prompt", "hi", "--allocation", "head",
+                 "--allocation-floor", "1.5"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "allocation.floor must be in" in err
     spec = importlib.util.spec_from_file_location("_evaluate", Path(__file__).resolve().parents[1] / "evaluate.py")
     evaluate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(evaluate)

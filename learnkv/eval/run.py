@@ -35,7 +35,7 @@ from learnkv.eval.tasks.base import RunConfig, evicts
 from learnkv.policies import POLICIES
 from learnkv.policies.params import parse_policy, parse_policy_list
 from learnkv.progress import redraw_seconds, token_counter
-from learnkv.settings import Eviction, batch_groups, parse_number, resolve_budget
+from learnkv.settings import ALLOCATION_KEYS, Eviction, batch_groups, parse_number, resolve_budget
 
 DEFAULT_POLICIES = ("full", "streaming", "h2o", "tova", "snapkv", "roco", "lazy", "paged")
 DEFAULT_BUDGETS = (0.25, 0.5)
@@ -129,15 +129,14 @@ def _policy_run(label: str, name: str, params: dict, scorer: str | None, seed: i
     """A checked grid row: a known policy, parameters of the right type and range, the scorer where needed."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r} in {label!r}; known policies: {', '.join(POLICIES)}")
-    settings = Eviction(name, params, scorer=scorer)  # an ``allocation`` key moves to its own setting
+    settings = Eviction(name, params, scorer=scorer)  # the allocation keys move to their own setting
+    allocation = {k: v for k, v in params.items() if k in ALLOCATION_KEYS}
     params = settings.policy_params  # a learned policy takes --scorer
     if name == "random":
         params.setdefault("seed", seed)
     Eviction(name, params, allocation=settings.allocation).check()  # unknown keys and bad values fail here, naming
     # the valid keys; so does no scorer
-    if settings.allocation != "uniform":  # carried in the row's parameters to the decode (`Task.eviction`)
-        params["allocation"] = settings.allocation
-    return PolicyRun(label, name, params)
+    return PolicyRun(label, name, {**params, **allocation})  # the row's parameters carry them to `Task.eviction`
 
 
 def prefill_run(item: str, where: str, scorer: str | None = None, seed: int = 0) -> PolicyRun:
@@ -191,7 +190,7 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
 def _decoded_as(run: PolicyRun) -> tuple:
     """What a grid row decodes: its policy, built with its parameters, and its allocation."""
     settings = Eviction(run.name, run.params)
-    return run.name, settings.make(), settings.allocation
+    return run.name, settings.make(), settings.resolved_allocation
 
 
 def _mean(values) -> float | None:
