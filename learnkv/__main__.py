@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--slack", type=int, default=0,
                      help="dead slots a layer may hold before it compacts (same kept tokens; faster on GPU)")
+    gen.add_argument("--allocation", default="uniform", metavar="MODE",
+                     help="how a row's budget is shared by layers and KV heads: uniform (default), head (Ada-KV), "
+                          "pyramid (PyramidKV) or global (one budget for the whole model); docs/allocation.md")
+    gen.add_argument("--allocation-floor", type=float, default=None, metavar="F",
+                     help="head and global: every KV head keeps at least F x budget of its own top tokens (0.2)")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -201,9 +206,11 @@ def cmd_generate(args) -> None:
     params = parse_params(args.param)
     if args.scorer is not None:
         params["scorer"] = args.scorer
+    if args.allocation_floor is not None:
+        params["allocation_floor"] = args.allocation_floor
     prefill, prefill_params = parse_policy(args.prefill_policy) if args.prefill_policy else (None, {})
     eviction = Eviction(args.policy, params, args.budget, args.granularity, args.block_size, args.slack, prefill,
-                        prefill_params)
+                        prefill_params, allocation=args.allocation)
     policy = eviction.make()
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

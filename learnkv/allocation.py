@@ -1,7 +1,8 @@
 """Budget allocation across layers and KV heads: scores in, per-(layer, row, KV head) keep counts and masks out.
 
-Design, not yet wired into the cache (docs/allocation.md): these functions take a step's scores of every layer
-and decide how many slots each ``(layer, row, KV head)`` keeps and which ones. Four modes (`ALLOCATIONS`):
+These functions take a step's scores of every layer and decide how many slots each ``(layer, row, KV head)``
+keeps and which ones; `learnkv.cache.BudgetCache` calls them (its ``allocation``; docs/allocation.md). Four modes
+(`ALLOCATIONS`):
 
 - ``uniform``: every head keeps its row's ``budget`` (learnkv's behaviour today; equal, slot for slot, to
   `kernels.reference.select_keep_reference` in token mode);
@@ -85,6 +86,25 @@ class Allocation:
 
     def __post_init__(self):
         check_fields(self, "allocation.")
+
+
+def as_allocation(value) -> Allocation:
+    """An `Allocation` from one (returned as is), a mode name (``"head"``) or None (``uniform``); a bad mode is a
+    one-line ValueError naming the modes."""
+    if value is None:
+        return Allocation()
+    if isinstance(value, Allocation):
+        return value
+    if not isinstance(value, str) or value not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {value!r}")
+    return Allocation(value)
+
+
+def normalisation_for(policy) -> str:
+    """The rule (`normalise_scores`) for a policy's scores compared across heads and layers: ``logit`` for the
+    learned scorer (its logits are fitted as a softmax per head), else its block-mode pooling rule's
+    (`NORMALISATION_FOR_POOLING`)."""
+    return "logit" if policy.name == "learned" else NORMALISATION_FOR_POOLING[policy.pooling]
 
 
 def pyramid_budgets(budget: int, n_layers: int, beta: float = 20.0, min_budget: int = 1) -> list[int]:

@@ -55,6 +55,9 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 import kernels
+from kernels.reference import protected_slots
+from learnkv.allocation import (Allocation, allocate, as_allocation, head_budgets, keep_slots, normalisation_for,
+                                normalise_scores)
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import shared_keep_slots
 from learnkv.slots import BudgetLayer, Link, link_layers, mark_dead
@@ -76,6 +79,15 @@ def prefill_policy_error(policy: Policy) -> str | None:
         return None
     return (f"policy {policy.name!r} cannot be a prefill policy: it must evict and decide on what it observes at the "
             "prefill (e.g. snapkv, h2o, tova, streaming; not full, lazy or oracle)")
+
+
+def allocation_error(allocation: Allocation, policy: Policy, shared_blocks: bool) -> str | None:
+    """Why a decode cannot share its budget under ``allocation`` (None if it can): every mode but ``uniform``
+    decides per token, so not in the layer-shared block mode (``shared_blocks``) nor with a block policy."""
+    if allocation.mode == "uniform" or not (shared_blocks or policy.block_size > 1):
+        return None
+    return (f"allocation {allocation.mode!r} needs token eviction: not granularity 'block' nor a block policy "
+            f"({policy.name!r} with block_size {policy.block_size}); use allocation 'uniform'")
 
 
 def kept_per_step(kept_rows: list[list[list[int]]]) -> list[list[int]]:
@@ -132,11 +144,19 @@ class BudgetCache(Cache):
         Decides at the prefill instead of ``policy`` (resolved like it), for rows whose prompt is over the budget.
         It compresses the prompt to the decode policy's keep target; its state is dropped after the prefill, and
         the decode policy starts its own at the first decode step (it does not observe the prefill).
+    allocation : Allocation or str, optional
+        How a row's budget is shared by layers and KV heads (`learnkv.allocation`): ``uniform`` (the default: every
+        layer and KV head holds at most ``budget``), ``pyramid`` (per-layer budgets summing to ``L x budget``),
+        ``head`` (a layer's ``H x budget`` slots shared by its KV heads, Ada-KV) or ``global`` (``L x H x budget``
+        slots per row shared by every layer and KV head, decided once per step in `end_step`). Under ``head`` and
+        ``global`` a layer's buffers are as wide as its widest head; the other heads' extra slots are dead
+        (position -1), which attention ignores. Token granularity, full-attention layers only.
     """
 
     def __init__(self, num_layers: int, policy: Policy | Sequence[Policy], budget: int | Sequence[int] | None,
                  last_step: int | None = None, shared_block: int | None = None, slack: int = 0,
-                 capacity: int | None = None, prefill_policy: Policy | Sequence[Policy] | None = None):
+                 capacity: int | None = None, prefill_policy: Policy | Sequence[Policy] | None = None,
+                 allocation: Allocation | str | None = None):
         rows = list(policy) if isinstance(policy, Sequence) else None
         # it scores every row (rows differ only in per-row fields, which the cache or `for_batch` applies)
         self.decode_policy = rows[0].for_batch(rows) if rows else policy
@@ -150,6 +170,15 @@ class BudgetCache(Cache):
             first = prefill_policy[0] if isinstance(prefill_policy, Sequence) else prefill_policy
             if error := prefill_policy_error(first):
                 raise ValueError(error)
+        self.allocation = as_allocation(allocation)
+        if error := allocation_error(self.allocation, self.decode_policy, shared_block is not None):
+            raise ValueError(error)
+        self._alloc_scores: dict[int, tuple] = {}  # global allocation: each layer's scores, decided in end_step
+        self._row_totals: list[int] | None = None  # global: each row's live slots over layers and heads, last step
+        self._layer_budgets: list[list[int]] | None = None  # pyramid: [layer][row] budgets (from the first step)
+        self._pyramid_keep: tuple = (None, None)  # pyramid: the keep targets and their [layer][row] split
+        self._due: list[bool] = []  # head, global: the rows that evict in the layer (head) or step (global)
+        self.kept_slots: list[list[list[int]]] = []  # [step][layer][row] live slots summed over KV heads (not uniform)
         super().__init__(layers=[BudgetLayer(i, self) for i in range(num_layers)])
         self._row_args = (rows or policy, budget, prefill_policy)  # expanded to rows at the first step
         self.row_policies: list[Policy] = []
@@ -220,6 +249,8 @@ class BudgetCache(Cache):
             if rows is not None and len(rows) != B:
                 raise ValueError(f"BudgetCache: {len(rows)} {what} for a batch of {B} rows")
         self.prefill_scorer = self.prefill_rows[0].for_batch(self.prefill_rows) if self.prefill_rows else None
+        if self.allocation.mode == "pyramid" and self.budgets is not None:
+            self._layer_budgets = self._pyramid(self.budgets)
 
     # -- driven by the decode loop ---------------------------------------------------------------------------
 
@@ -239,7 +270,8 @@ class BudgetCache(Cache):
         policy = self.decode_policy
         self._stack_step = (self.step >= 1 and positions.shape[1] == 1 and policy.evicts and policy.stacks_layers
                             and self.shared_block is None and policy.block_size_at(self.step) == 1
-                            and not kernels.use_triton(self.step_positions))  # fmt: skip
+                            and not kernels.use_triton(self.step_positions)
+                            and self.allocation.mode == "uniform")  # fmt: skip
 
     def end_step(self) -> None:
         """After the forward pass: the layer-shared eviction if one is due, then book-keeping."""
@@ -249,10 +281,15 @@ class BudgetCache(Cache):
             self._step(order, [stash[i] for i in order])
         if self._shared_scores:
             self._evict_shared()
+        if self._alloc_scores:
+            self._evict_global()
         if self.step == 0 and self.prefill_rows:
             for layer in self.layers:  # the decode policy starts its own state at the first decode step
                 layer.drop_state()
         self.kept_rows.append([list(layer.live) for layer in self.layers])
+        if self.allocation.mode != "uniform":
+            self.kept_slots.append([layer.live_slots() for layer in self.layers])
+            self._row_totals = [sum(rows) for rows in zip(*self.kept_slots[-1])]
 
     # -- driven by the attention function --------------------------------------------------------------------
 
@@ -263,6 +300,9 @@ class BudgetCache(Cache):
         """Called by the attention function before each layer's attention: the layer's sliding window (None: full
         attention), so the cache drops what falls out of it (`_drop_by_age`), and a record that the layer's
         attention runs through learnkv (`ungoverned_layers`)."""
+        if window is not None and self.allocation.mode in ("head", "global"):
+            raise ValueError(f"allocation {self.allocation.mode!r} is not supported with sliding-window layers "
+                             f"(layer {layer_idx}: a window of {window} tokens): use 'uniform' or 'pyramid'")
         if window is not None and self.shared_block is not None:
             raise ValueError(f"granularity 'block' shares one decision across every layer, but layer {layer_idx} has a "
                              f"sliding window of {window} tokens: use granularity 'token' for this model")
@@ -305,6 +345,8 @@ class BudgetCache(Cache):
         whether any row is over (never for a policy that does not evict)."""
         if not self.policy.evicts:
             return layer.live, False
+        if self.allocation.mode != "uniform":
+            return self._allocation_decision(layer)
         over = [live > b for live, b in zip(layer.live, self.budgets)]
         return [k if o else live for k, o, live in zip(self.keep, over, layer.live)], any(over)
 
@@ -423,6 +465,8 @@ class BudgetCache(Cache):
         one tensor per layer pooled into one score per slot (`learnkv.pooling.shared_keep_slots`). ``keep``,
         ``sinks`` and ``recents`` are per row of one layer. Returns the kept slots and whether the layers were
         compacted (else the evicted slots were marked dead in place)."""
+        if self.allocation.mode in ("head", "global") and pooling is None:
+            return self._evict_per_head(layers[0], positions, scores, sinks, recents)
         if pooling is not None:
             index = shared_keep_slots(scores, positions, _one_or_rows(keep), _one_or_rows(sinks),
                                       _one_or_rows(recents), block, pooling)
@@ -468,18 +512,92 @@ class BudgetCache(Cache):
         self._stack, positions, state = linked
         return positions, state
 
+    def _every_layer(self, stash: dict, what: str) -> list:
+        """What every layer left in ``stash`` this step, in layer order, emptying it (each layer must have)."""
+        if len(stash) != len(self.layers):
+            raise RuntimeError(f"{what} needs every layer's scores in the same step")
+        entries = [stash[i] for i in range(len(self.layers))]
+        stash.clear()
+        return entries
+
     def _evict_shared(self) -> None:
         """One block decision from every layer's scores, applied to every layer and KV head alike."""
         t0 = time.perf_counter()
-        if len(self._shared_scores) != len(self.layers):
-            raise RuntimeError("layer-shared eviction needs every layer's scores in the same step")
-        scores = [self._shared_scores[i] for i in range(len(self.layers))]
-        self._shared_scores = {}
+        scores = self._every_layer(self._shared_scores, "layer-shared eviction")
         policy = self.policy
         rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
         # every layer holds the same slots in this mode
         self._evict(list(self.layers), self.layers[0].positions, scores, self._shared_keep, [p.n_sink for p in rows],
                     [p.n_recent for p in rows], self.shared_block, policy.pooling)
+        self.eviction_s += time.perf_counter() - t0
+
+    # -- allocation across layers and KV heads (issue 42, `learnkv.allocation`) -------------------------------
+
+    def _pyramid(self, values: list[int]) -> list[list[int]]:
+        """``[layer][row]`` PyramidKV budgets of each row's ``values`` (budgets or keep targets), none below the
+        row's protected tokens per head."""
+        rows = [self.row_policies] + ([self.prefill_rows] if self.prefill_rows else [])
+        protect = [max(p.n_sink + p.n_recent for p in ps) for ps in zip(*rows)]
+        return head_budgets(self.allocation, values, len(self.layers), len(values), protect).tolist()
+
+    def _allocation_decision(self, layer: BudgetLayer) -> tuple[list[int], bool]:
+        """`_row_decision` under an allocation other than ``uniform``: ``pyramid`` as uniform with the layer's
+        budget and keep target; ``head`` evicts a row when the layer's live slots over its KV heads exceed ``H x
+        budget``, ``global`` when the row's over every layer will exceed ``L x H x budget`` once this step's tokens
+        are in. A due row's keep is below its widest head (`LayerView.due_rows`), the others keep every live token."""
+        i = layer.layer_idx
+        if self.allocation.mode == "pyramid":
+            budgets = self._layer_budgets[i]
+            if self._pyramid_keep[0] != self.keep:  # once per step
+                self._pyramid_keep = (list(self.keep), self._pyramid(self.keep))
+            keep = [min(k, b) for k, b in zip(self._pyramid_keep[1][i], budgets)]
+            over = [live > b for live, b in zip(layer.live, budgets)]
+            return [k if o else live for k, o, live in zip(keep, over, layer.live)], any(over)
+        H, L = layer.positions.shape[1], len(self.layers)
+        if self.allocation.mode == "head":
+            over = [n > H * b for n, b in zip(layer.live_slots(), self.budgets)]
+        else:
+            totals = self._row_totals or [0] * len(self.budgets)
+            over = [n + L * H * new > L * H * b for n, new, b in zip(totals, self.step_valid, self.budgets)]
+        self._due = over
+        return [min(k, live - 1) if o else live for k, o, live in zip(self.keep, over, layer.live)], any(over)
+
+    def _evict_per_head(self, layer: BudgetLayer, positions: Tensor, scores: Tensor, sinks: list[int],
+                        recents: list[int]) -> tuple[Tensor | None, bool]:
+        """``head``: the layer's slots each KV head keeps (`learnkv.allocation.allocate` on the policy's scores
+        normalised per head, `normalisation_for`), then compact or mark dead. ``global``: the normalised scores
+        wait for `end_step` (`_evict_global`)."""
+        valid = positions >= 0
+        protected = protected_slots(positions, sinks, recents)
+        normed = normalise_scores(scores, valid, normalisation_for(self.policy))
+        if self.allocation.mode == "global":
+            self._alloc_scores[layer.layer_idx] = (normed, valid, protected)
+            return None, False
+        _, keep = allocate(normed[None], valid[None], protected[None], self.keep, self.allocation)
+        return None, self._apply_keep(layer, keep[0], valid)
+
+    def _apply_keep(self, layer: BudgetLayer, keep: Tensor, valid: Tensor) -> bool:
+        """Keep the slots ``keep [B, H, T]`` of the due rows (the others keep every live slot) and count the live
+        slots per row; returns whether the layer was compacted."""
+        due = torch.tensor(self._due, device=keep.device)[:, None, None]
+        keep = torch.where(due, keep, valid)
+        compacts = self._keep_slots([layer], keep_slots(keep[None])[0], layer.positions, None)
+        layer.live_heads = keep.sum((-2, -1)).tolist()
+        return compacts
+
+    def _evict_global(self) -> None:
+        """``global``: one decision over every layer and KV head of each row, from the scores every layer left."""
+        t0 = time.perf_counter()
+        parts = self._every_layer(self._alloc_scores, "global allocation")
+        T = max(p[0].shape[-1] for p in parts)
+
+        def padded(k: int) -> Tensor:  # layers may hold different numbers of slots: pad with dead ones
+            return torch.stack([torch.cat([p[k], p[k].new_zeros(*p[k].shape[:-1], T - p[k].shape[-1])], -1)
+                                for p in parts])
+
+        _, keep = allocate(padded(0), padded(1), padded(2), self.keep, self.allocation)
+        for layer, (normed, valid, _) in zip(self.layers, parts):
+            self._apply_keep(layer, keep[layer.layer_idx, ..., : normed.shape[-1]], valid)
         self.eviction_s += time.perf_counter() - t0
 
     def slots_to_allocate(self, need: int, current: int, window: int | None = None) -> int:
@@ -498,8 +616,14 @@ class BudgetCache(Cache):
         if window is not None:
             held = min(window - 1, self.budget) if self.decode_policy.evicts else window - 1
             return max(need, held + 1 + self.slack)
+        if self.decode_policy.evicts and self.allocation.mode in ("head", "global"):
+            # a head may hold more than the budget: grow amortised, with room for the next step after a compaction
+            grow = need + 1 + self.slack if current == 0 else max(need, current + current // 2)
+            steady = max(grow, self.budget + self.slack + 1)
+            return max(need, steady if self.max_slots is None else min(steady, self.max_slots))
         if self.decode_policy.evicts:
-            steady = self.budget + self.slack + 1
+            widest = self.budget if self._layer_budgets is None else max(map(max, self._layer_budgets))
+            steady = widest + self.slack + 1
             return max(need, steady if self.max_slots is None else min(steady, self.max_slots))
         if current == 0 and self.last_step is not None:
             return need + self.last_step

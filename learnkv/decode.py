@@ -53,8 +53,14 @@ class GenerationResult:
     kept_rows : list
         ``[step][layer][row]`` live tokens each layer held for each row after each forward pass (prefill first).
     peak_kv_bytes_rows : list[int]
-        Per row: the high-water mark of its live K/V bytes over all layers (the slots attended to in a step, before
-        eviction: at most ``budget + 1`` per layer once decoding, or the prompt if it is longer than the budget).
+        Per row: the high-water mark of its K/V bytes over all layers (the slots attended to in a step, before
+        eviction: at most ``budget + 1`` per layer once decoding, or the prompt if it is longer than the budget), as
+        learnkv's padded buffers hold them: every KV head of a layer as wide as the row's widest head there.
+    live_kv_bytes_rows : list[int]
+        Per row: the same high-water mark of the live K/V only, summed over layers and KV heads: what a paged
+        per-head layout would hold. Equal to ``peak_kv_bytes_rows`` under the ``uniform`` and ``pyramid``
+        allocations; under ``head`` and ``global`` (heads of a layer hold different counts) it is what "equal
+        bytes" compares, and ``peak_kv_bytes_rows`` is up to ``H`` or ``L x H`` times more.
     full_kv_bytes_rows : list[int]
         Per row: the same high-water mark for a full cache over that row's generation (the prompt at the prefill, or
         every layer's tokens at the row's last step; a sliding-window layer holds at most ``window - 1`` of them,
@@ -82,6 +88,11 @@ class GenerationResult:
     prefill_policy: str | None = None
     extra: dict = field(default_factory=dict)
     layer_windows: list[int | None] | None = None  # per layer, its sliding window (None: full attention)
+    live_kv_bytes_rows: list[int] | None = None  # None: equal to peak_kv_bytes_rows
+
+    @property
+    def live_kv_bytes(self) -> int:
+        return sum(self.live_kv_bytes_rows or self.peak_kv_bytes_rows)
 
     @property
     def budget(self) -> int | list[int] | None:
@@ -134,6 +145,7 @@ class GenerationResult:
             "budget": self.budget,
             "max_kept_tokens": self.max_kept_tokens,
             "peak_kv_bytes": self.peak_kv_bytes,
+            "live_kv_bytes": self.live_kv_bytes,
             "full_kv_bytes": self.full_kv_bytes,
             "kv_share": round(self.peak_kv_bytes / max(self.full_kv_bytes, 1), 4),
             "prompt_tokens": self.prompt_lengths if len(self.prompt_lengths) > 1 else self.prompt_lengths[0],
@@ -157,10 +169,11 @@ def full_cache_peak(prompt_len: int, n_new: int, windows: Sequence[int | None]) 
     return max(len(windows) * prompt_len, last)
 
 
-def peak_attended(kept_rows: list, row: int, prompt_len: int, n_new: int) -> int:
+def peak_attended(kept_rows: list, row: int, prompt_len: int, n_new: int, heads: int = 1) -> int:
     """The most live slots a row's attention read in one forward pass, summed over layers, up to its own end: the
-    prompt at the prefill, then what each layer kept after pass ``s - 1`` plus the token appended in pass ``s``."""
-    n_layers = len(kept_rows[0])
+    prompt at the prefill, then what each layer kept after pass ``s - 1`` plus the token appended in pass ``s``.
+    ``heads``: the KV heads ``kept_rows`` counts summed over (`BudgetCache.kept_slots`), else 1 (one head's)."""
+    n_layers = len(kept_rows[0]) * heads
     decode = (sum(layer[row] for layer in kept_rows[s - 1]) + n_layers for s in range(1, min(n_new, len(kept_rows))))
     return max([n_layers * prompt_len, *decode])
 
@@ -498,7 +511,8 @@ def generate(model, tokenizer=None, prompts: str | Sequence[str] | None = None, 
             max_new_tokens = min(max_new_tokens, forced_tokens.shape[1])
         shared = eviction.block_size if eviction.granularity == "block" and policy_obj.evicts else None
         cache = BudgetCache(model.config.num_hidden_layers, rows, budgets, last_step=max_new_tokens - 1,
-                            shared_block=shared, slack=eviction.slack, prefill_policy=prefill_rows)
+                            shared_block=shared, slack=eviction.slack, prefill_policy=prefill_rows,
+                            allocation=eviction.allocation)
         state = DecodeState(cache, sampler(**sampling, forced=forced_tokens), *stop_tokens(model, tokenizer, stop_at_eos),
                             observer)
         t0 = time.perf_counter()
@@ -513,7 +527,7 @@ def generate(model, tokenizer=None, prompts: str | Sequence[str] | None = None, 
 _EVICTION_KEYWORDS = {"policy": "policy", "budget": "budget", "policy_params": "params", "params": "params",
                       "granularity": "granularity", "block_size": "block_size", "slack": "slack",
                       "prefill_policy": "prefill", "prefill": "prefill", "prefill_params": "prefill_params",
-                      "scorer": "scorer"}
+                      "scorer": "scorer", "allocation": "allocation"}
 
 
 def _eviction(eviction: Eviction | None, fields: dict) -> Eviction:
@@ -587,6 +601,7 @@ def _result(state: DecodeState, tokenizer, policy_obj: Policy, budgets, rows, pr
     tokens = torch.stack(state.tokens, dim=1).cpu()
     new_tokens = state.new_tokens
     per_token = cache.bytes_per_token()
+    heads = cache.layers[0].keys.shape[1]
     windows = cache.layer_windows()
     return GenerationResult(
         tokens=tokens,
@@ -606,6 +621,8 @@ def _result(state: DecodeState, tokenizer, policy_obj: Policy, budgets, rows, pr
         eviction_share=cache.eviction_s / max(t2 - t0, 1e-9),
         prefill_policy=prefill_rows[0].name if prefill_rows else None,
         layer_windows=windows,
+        live_kv_bytes_rows=[peak_attended(cache.kept_slots, b, n, k, heads) * (per_token // heads)
+                            for b, (n, k) in enumerate(zip(prompt_lengths, new_tokens))] if cache.kept_slots else None,
     )
 
 

@@ -2,8 +2,8 @@
 
 A decode's eviction is set by a policy and its parameters, a budget, how decisions are shared (granularity, block
 size), how often the cache compacts (slack), what compresses a prompt over the budget (the prefill policy) and the
-learned policy's scorer artifact; allocation (issue 42: how many tokens each layer and KV head keeps) will be one
-more field. `Eviction` holds them; `Eviction.check` is the one feasibility check every entry point calls before any
+learned policy's scorer artifact and the allocation (issue 42: how a row's budget is shared by layers and KV
+heads, `learnkv.allocation`). `Eviction` holds them; `Eviction.check` is the one feasibility check every entry point calls before any
 model loads (the command line, ``evaluate.py``'s grid, ``train.py``'s config, trace collection), and
 `Eviction.resolve` the one place a policy is resolved for each row's budget, which `learnkv.generate` and the
 evaluation runner call again with the prompts' lengths before they decode.
@@ -20,12 +20,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from learnkv.cache import blind_prefill_error, prefill_policy_error
+from learnkv.allocation import Allocation, as_allocation
+from learnkv.cache import allocation_error, blind_prefill_error, prefill_policy_error
 from learnkv.policies import Policy, make_policy
 from learnkv.policies.base import resolve_rows, shared_fields
 
 #: how eviction decisions are shared: per layer and KV head, or whole blocks shared by every layer and head
 GRANULARITIES = ("token", "block")
+#: keys of a policy's parameters (a grid item's ``h2o:allocation=head:allocation_floor=0.1``) that set the
+#: allocation, not the policy, and the `Allocation` field each sets
+ALLOCATION_KEYS = {"allocation": "mode", "allocation_floor": "floor", "allocation_beta": "beta"}
 
 
 def parse_number(text: str) -> int | float:
@@ -107,6 +111,10 @@ class Eviction:
     scorer : str or None
         The learned policy's artifact, given to ``policy`` and ``prefill`` where they are ``learned`` without one
         (a ``--scorer`` beside a list of policies); a scorer given is checked even where no policy uses it.
+    allocation : str or Allocation
+        How a row's budget is shared by layers and KV heads: ``uniform`` (the default), ``head``, ``pyramid`` or
+        ``global`` (`learnkv.allocation`), or an `Allocation` with its floor and beta. The `ALLOCATION_KEYS` in
+        ``params`` (an evaluation item such as ``h2o:allocation=head:allocation_floor=0.1``) move here.
     """
 
     policy: str | Policy = "full"
@@ -118,6 +126,21 @@ class Eviction:
     prefill: str | Policy | None = None
     prefill_params: dict = field(default_factory=dict, hash=False)
     scorer: str | None = None
+    allocation: str | Allocation = "uniform"
+
+    def __post_init__(self):
+        moved = {ALLOCATION_KEYS[k]: v for k, v in self.params.items() if k in ALLOCATION_KEYS}
+        if moved:  # a grid item's ``NAME:allocation=MODE``: settings of the eviction, not of the policy
+            object.__setattr__(self, "params", {k: v for k, v in self.params.items() if k not in ALLOCATION_KEYS})
+            mode = moved.pop("mode", self.allocation)
+            allocation = dataclasses.replace(as_allocation(mode), **moved) if moved else mode
+            object.__setattr__(self, "allocation", allocation)
+        as_allocation(self.allocation)  # a bad mode fails here, in one line
+
+    @property
+    def resolved_allocation(self) -> Allocation:
+        """The allocation as an `Allocation`."""
+        return as_allocation(self.allocation)
 
     @property
     def policy_params(self) -> dict:
@@ -151,6 +174,8 @@ class Eviction:
             budget_tokens = self.budget
         policy = self.make()
         prefill = self.make_prefill()
+        if policy.evicts and (error := allocation_error(self.resolved_allocation, policy, self.granularity == "block")):
+            raise ValueError(error)
         if prefill is not None and (error := prefill_policy_error(prefill)):
             raise ValueError(f"{prefill_option}: {error}" if prefill_option else error)
         for p in (policy, prefill):
@@ -198,5 +223,5 @@ def batch_groups(settings: Eviction, budgets: Sequence[int | None]) -> list[list
     return list(keys.values())
 
 
-__all__ = ["Eviction", "GRANULARITIES", "batch_groups", "parse_number", "resolve_budget", "resolve_policy",
+__all__ = ["ALLOCATION_KEYS", "Eviction", "GRANULARITIES", "batch_groups", "parse_number", "resolve_budget", "resolve_policy",
            "resolve_policy_rows"]

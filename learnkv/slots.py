@@ -71,7 +71,10 @@ class BudgetLayer(DynamicLayer):
         self.positions: Tensor | None = None  # [B, H, T] int64, -1 = padding or a dead slot
         self.state: dict[str, Tensor] = {}
         self.n_new = 0
-        self.live: list[int] = []  # per row: live tokens, the same in every KV head of the row
+        self.live: list[int] = []  # per row: live tokens, the same in every KV head of the row (else the widest's)
+        # per row: live slots summed over the KV heads, once the cache's allocation gave heads different counts
+        # (``head``, ``global``); None while every head holds ``live`` (see `live_slots`)
+        self.live_heads: list[int] | None = None
         self._buffers: tuple[Tensor, Tensor, Tensor] | None = None  # keys, values [B, H, C, D]; positions [B, H, C]
         self._packed: dict[torch.dtype, Tensor] = {}  # [B, H, S, C] per dtype: every state entry's channels
         self._layout: dict[str, tuple[torch.dtype, int, tuple[int, ...]]] = {}  # entry -> dtype, first channel, shape
@@ -108,7 +111,16 @@ class BudgetLayer(DynamicLayer):
         self._append_state(n, q)
         self.n_new = q
         self.live = [live + new for live, new in zip(self.live or [0] * B, self.owner.step_valid)]
+        if self.live_heads is not None:
+            self.live_heads = [live + H * new for live, new in zip(self.live_heads, self.owner.step_valid)]
         return self.keys, self.values
+
+    def live_slots(self) -> list[int]:
+        """Per row: live slots summed over the KV heads (what a paged per-head layout holds)."""
+        if self.live_heads is not None:
+            return list(self.live_heads)
+        heads = 0 if self.positions is None else self.positions.shape[1]
+        return [heads * live for live in self.live]
 
     def _allocate(self, capacity: int, keys: Tensor, values: Tensor, n_copy: int) -> None:
         """New buffers of ``capacity`` slots holding the first ``n_copy`` current slots (keys and values may differ in

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import params_for, prefill_for
 from kernels.reference import protected_slots, select_keep_reference
 from learnkv.allocation import (
     ALLOCATIONS, Allocation, allocate, keep_slots, normalise_scores, pyramid_budgets, slot_totals,
@@ -344,3 +345,261 @@ def test_keep_slots_and_totals():
     live, padded = slot_totals(keep.sum(-1))
     assert live.tolist() == [7]  # what a paged per-head layout holds
     assert padded.tolist() == [2 * (3 + 2)]  # every head as wide as its layer's widest
+
+
+# -- wired into the cache: every step of a batched decode, end to end ------------------------------------------
+
+#: (policy, its parameters, a prefill policy): mass-rule and rank-rule scores, a lagged policy (lazy, keep target
+#: below the budget) that observes nothing at the prefill and so compresses long prompts with snapkv, and the
+#: oracle (the headroom under each allocation)
+DECODES = [("h2o", {"n_recent": 2}, None), ("tova", {}, None), ("snapkv", {}, None), ("knorm", {}, None),
+           ("streaming", {}, None), ("lazy", {}, "snapkv"), ("oracle", {"horizon": 8}, None), ("learned", {}, None)]
+BUDGETS = [6, 9, 14]  # rows of different budgets; the prompts (20, 15 and 9 tokens) are over, over and within them
+
+
+@pytest.fixture(scope="module")
+def model3():
+    from learnkv.model import tiny_model  # transformers only for the wired tests
+
+    return tiny_model(seed=0, num_layers=3)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (3, 20), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :11] = 0
+    return ids, mask
+
+
+def _decode(model, policy, params, prefill, allocation, observer=None, max_new_tokens=14):
+    from learnkv import generate  # the decode loop (transformers) only for the wired tests
+
+    ids, mask = _batch()
+    return generate(model, input_ids=ids, attention_mask=mask, policy=policy, policy_params=params,
+                    prefill_policy=prefill, budget=BUDGETS, max_new_tokens=max_new_tokens, allocation=allocation,
+                    observer=observer)
+
+
+def _head_counts(cache):
+    """``[L, B, H]`` live slots, counted from the slot positions (not from the cache's own book-keeping)."""
+    return torch.stack([(layer.positions >= 0).sum(-1) for layer in cache.layers])
+
+
+@pytest.mark.parametrize("mode", ALLOCATIONS)
+@pytest.mark.parametrize("policy,params,prefill", DECODES, ids=[d[0] for d in DECODES])
+def test_total_budget_holds_at_every_step(model3, mode, policy, params, prefill):
+    if policy == "learned":  # a random-init scorer for the 3-layer model (its logits: the ``logit`` rule)
+        params = {**params_for(policy, 3), "n_sink": 1, "n_recent": 2}  # windows that fit a budget of 6
+        prefill = prefill_for(policy).get("prefill_policy")
+    steps, books, caches = [], [], []
+
+    def observe(cache):
+        steps.append(_head_counts(cache))
+        books.append(cache.kept_slots[-1] if cache.kept_slots else None)
+        caches[:] = [cache]
+
+    result = _decode(model3, policy, params, prefill, mode, observe)
+    L, B, H = steps[0].shape
+    budget = torch.tensor(BUDGETS)
+    rows = [caches[0].row_policies] + ([caches[0].prefill_rows] if caches[0].prefill_rows else [])
+    protect = [max(p.n_sink + p.n_recent for p in ps) for ps in zip(*rows)]
+    layer_budget = torch.tensor([pyramid_budgets(b, L, 20.0, n) for b, n in zip(BUDGETS, protect)]).T  # [L, B]
+    assert len(steps) == 14
+    for counts, book in zip(steps, books):
+        assert (counts.sum((0, 2)) <= L * H * budget).all()  # equal bytes: the row's total over layers and heads
+        if mode == "uniform":
+            assert (counts <= budget[None, :, None]).all()
+        elif mode == "pyramid":
+            assert (counts <= layer_budget[..., None]).all()
+        elif mode == "head":
+            assert (counts.sum(-1) <= H * budget[None, :]).all()
+        if mode != "uniform":  # the cache's own count of live slots (what live_kv_bytes reads) is the real one
+            assert book == counts.sum(-1).tolist()
+    if mode == "pyramid":  # the deepest layer held fewer than the shallowest at some step
+        assert any(bool((c[-1].amax(-1) < c[0].amax(-1)).any()) for c in steps)
+    live = result.live_kv_bytes_rows or result.peak_kv_bytes_rows
+    assert all(lv <= pk for lv, pk in zip(live, result.peak_kv_bytes_rows))
+
+
+def _peaks(steps, prompts, per_head_slot):
+    """Per row: the most live slots (over layers and heads) and padded slots (each layer's widest head x H) read in
+    one forward pass, counted from the observed slot positions (`learnkv.decode.peak_attended`'s rule)."""
+    L, B, H = steps[0].shape
+    live = [L * H * n for n in prompts]
+    padded = list(live)
+    for c in steps[:-1]:  # what a step held, plus the next step's token in every layer and head
+        for b in range(B):
+            live[b] = max(live[b], int(c[:, b].sum()) + L * H)
+            padded[b] = max(padded[b], H * int(c[:, b].amax(-1).sum()) + L * H)
+    return [n * per_head_slot for n in live], [n * per_head_slot for n in padded]
+
+
+@pytest.mark.parametrize("mode", ["head", "global"])
+def test_heads_keep_different_counts_and_live_bytes_count_them(model3, mode):
+    steps = []
+    result = _decode(model3, "h2o", {"n_recent": 1}, None, mode, lambda c: steps.append(_head_counts(c)))
+    spread = [int((c.amax(-1) - c.amin(-1)).max()) for c in steps]
+    assert max(spread) > 0  # some layer's heads hold different numbers of slots: the budget moved
+    if mode == "global":  # and, across layers, some layer holds more than the uniform share
+        assert any(bool((c.sum(-1) > c.new_tensor(BUDGETS) * c.shape[-1]).any()) for c in steps)
+    # live KV: a paged per-head layout; peak KV: learnkv's padded buffers (the widest head of a layer, per row)
+    per_head_slot = 2 * model3.config.head_dim * 4  # keys + values, float32
+    live, padded = _peaks(steps, [20, 15, 9], per_head_slot)
+    assert result.live_kv_bytes_rows == live and result.peak_kv_bytes_rows == padded
+    assert any(lv < pk for lv, pk in zip(live, padded))
+    assert result.summary()["live_kv_bytes"] == sum(live) < result.summary()["peak_kv_bytes"]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "knorm"])
+@pytest.mark.parametrize("mode", ["head", "global"])
+def test_a_floor_of_the_whole_budget_is_uniform(model3, policy, mode):
+    # every head keeps its own top `budget` first, leaving the pool nothing: the uniform decode, token for token
+    uniform = _decode(model3, policy, {"n_recent": 2}, None, "uniform")
+    floored = _decode(model3, policy, {"n_recent": 2}, None, Allocation(mode, floor=1.0))
+    assert torch.equal(uniform.tokens, floored.tokens)
+    assert uniform.kept_rows == floored.kept_rows
+    # the floor as a grid item's key reaches the cache too; a lower one moves budget between heads
+    as_item = _decode(model3, policy, {"n_recent": 2, "allocation": mode, "allocation_floor": 1.0}, None, None)
+    assert as_item.kept_rows == uniform.kept_rows
+    if policy == "h2o":  # (key norms go through rank percentiles, spread alike in every head: see `allocation`)
+        moved = _decode(model3, policy, {"n_recent": 2, "allocation": mode, "allocation_floor": 0.0}, None, None)
+        assert moved.kept_rows != uniform.kept_rows
+
+
+def test_uniform_is_the_default_bit_for_bit(model3):
+    default = _decode(model3, "h2o", {}, None, None)
+    uniform = _decode(model3, "h2o", {}, None, "uniform")
+    assert torch.equal(default.tokens, uniform.tokens) and default.kept_rows == uniform.kept_rows
+    assert default.live_kv_bytes_rows is None and default.live_kv_bytes == default.peak_kv_bytes
+
+
+def _hand_inputs(records):
+    """From each layer's recorded positions and raw H2O scores: ``[L][B][H][T]`` scores made distributions over
+    each head's live slots (the ``mass`` rule, by hand), live slots, protected slots (sinks, recent window), padded
+    to the widest layer."""
+    B, H = records[0][0].shape[:2]
+    T = max(r[0].shape[-1] for r in records)
+    scores, valid, protected = [], [], []
+    for positions, raw, sinks, recents, _ in records:
+        P, S = positions.tolist(), raw.tolist()
+        pad = [0] * (T - len(P[0][0]))
+        scores.append([]), valid.append([]), protected.append([])
+        for b in range(B):
+            for out in (scores, valid, protected):
+                out[-1].append([])
+            for h in range(H):
+                live = [p >= 0 for p in P[b][h]]
+                total = sum(s for s, ok in zip(S[b][h], live) if ok)
+                newest = max(p for p in P[b][h])
+                scores[-1][b].append([s / total if ok else 0.0 for s, ok in zip(S[b][h], live)] + pad)
+                valid[-1][b].append(live + [False] * len(pad))
+                protected[-1][b].append([ok and (p < sinks[b] or p > newest - recents[b])
+                                         for p, ok in zip(P[b][h], live)] + [False] * len(pad))
+    return scores, valid, protected
+
+
+@pytest.mark.parametrize("mode", ["head", "global"])
+def test_the_cache_keeps_what_the_loop_reference_keeps(model3, mode, monkeypatch):
+    """End to end: at every eviction the slots the decode keeps are the plain-loop reference's (Ada-KV for
+    ``head``; one pool per row for ``global``) on H2O's scores made distributions per head by hand."""
+    from learnkv.cache import BudgetCache  # the cache (transformers) only for the wired tests
+
+    # the tiny model's heads are alike, so this floor rarely binds here (it is checked by hand above and by
+    # test_a_floor_of_the_whole_budget_is_uniform); the normalisation and the pools are what this checks
+    allocation = Allocation(mode, floor=0.5)
+    seen, checked = {}, []
+    inner_evict, inner_end = BudgetCache._evict_per_head, BudgetCache.end_step
+
+    def evict(self, layer, positions, scores, sinks, recents):
+        seen[layer.layer_idx] = (positions.clone(), scores.clone(), list(sinks), list(recents), list(self._due))
+        return inner_evict(self, layer, positions, scores, sinks, recents)
+
+    def end_step(self):
+        inner_end(self)
+        if not seen:
+            return
+        records = [seen.pop(i) for i in range(len(self.layers))]
+        scores, valid, protected = _hand_inputs(records)
+        if mode == "head":
+            expected = [reference_allocate([s], [v], [p], self.keep, allocation, None)[0]
+                        for s, v, p in zip(scores, valid, protected)]
+        else:
+            expected = reference_allocate(scores, valid, protected, self.keep, allocation, None)
+        for i, layer in enumerate(self.layers):
+            before, after = records[i][0].tolist(), layer.positions.tolist()
+            for b, row in enumerate(before):
+                for h, slots in enumerate(row):
+                    keep = expected[i][b][h] if records[i][4][b] else valid[i][b][h]  # the rows due in the layer
+                    assert {p for p in after[b][h] if p >= 0} == {p for p, k in zip(slots, keep) if k}
+        checked.append(self.step)
+
+    monkeypatch.setattr(BudgetCache, "_evict_per_head", evict)
+    monkeypatch.setattr(BudgetCache, "end_step", end_step)
+    _decode(model3, "h2o", {"n_recent": 1}, None, allocation)
+    assert len(checked) >= 10  # the prefill and (once full) every decode step evicted and was checked
+
+
+# -- the setting reaches every entry point ---------------------------------------------------------------------
+
+def test_the_setting_in_eviction_generate_and_grid_items(model3):
+    from learnkv.eval.run import build_spec  # the evaluation grid only for this test
+    from learnkv.settings import Eviction
+
+    settings = Eviction("h2o", {"allocation": "head", "n_recent": 2}, budget=8)
+    assert settings.allocation == "head" and settings.params == {"n_recent": 2}
+    settings.check()
+    floored = Eviction("h2o", {"allocation": "global", "allocation_floor": "0.1"})
+    assert floored.resolved_allocation == Allocation("global", floor=0.1) and floored.params == {}
+    with pytest.raises(ValueError, match=r"allocation.floor must be in \[0.0, 1.0\], got 2.0"):
+        Eviction("h2o", {"allocation": "head", "allocation_floor": 2})
+    spec = build_spec("h2o,h2o:allocation=head,h2o:allocation=global", [0.25], ["fidelity"], limit=2)
+    assert [r.params for r in spec.runs] == [{}, {"allocation": "head"}, {"allocation": "global"}]
+    # the row's parameters reach the decode's settings (`Task.eviction`), which builds the cache with them
+    assert spec.tasks[0].eviction(spec.config(spec.runs[1], [8])).allocation == "head"
+    steps = []
+    _decode(model3, "h2o", {"allocation": "head"}, None, None, lambda c: steps.append(c.allocation.mode))
+    assert set(steps) == {"head"}
+
+
+@pytest.mark.parametrize("bad", ["bogus", "Head", 3])
+def test_bad_allocations_are_refused_in_one_line(bad):
+    from learnkv.settings import Eviction  # settings only for this test
+
+    with pytest.raises(ValueError, match="allocation must be one of uniform, head, pyramid, global") as e:
+        Eviction("h2o", budget=8, allocation=bad)
+    assert "\n" not in str(e.value)
+
+
+def test_token_only_allocations_refuse_blocks():
+    from learnkv.eval.run import build_spec  # the evaluation grid only for this test
+    from learnkv.settings import Eviction
+
+    for mode in ("head", "pyramid", "global"):
+        with pytest.raises(ValueError, match=f"allocation '{mode}' needs token eviction"):
+            Eviction("h2o", budget=64, granularity="block", allocation=mode).check()
+        with pytest.raises(ValueError, match="needs token eviction"):
+            build_spec(f"paged:allocation={mode}", [64])
+    Eviction("h2o", budget=64, granularity="block").check()  # uniform: as before
+
+
+def test_cli_and_evaluate_refuse_a_bad_allocation_before_a_model_loads(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from learnkv.__main__ import main  # the command line only for this test
+
+    code = main(["generate", "--policy", "h2o", "--budget", "8", "--prompt", "hi", "--allocation", "bogus"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "allocation must be one of" in err
+    code = main(["generate", "--policy", "h2o", "--budget", "8", "--prompt", "hi", "--allocation", "head",
+                 "--allocation-floor", "1.5"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "allocation.floor must be in" in err
+    spec = importlib.util.spec_from_file_location("_evaluate", Path(__file__).resolve().parents[1] / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    code = evaluate.main(["--policy", "h2o:allocation=bogus", "--budget", "0.25"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "allocation must be one of" in err

@@ -20,7 +20,7 @@ from pathlib import Path
 from learnkv.atomic import ensure_dir, write_json_atomic
 
 #: cost columns shown after each task's own metrics
-COST_COLUMNS = ("kv_share", "kept_share", "peak_kv_bytes", "tokens_per_s", "eviction_share")
+COST_COLUMNS = ("kv_share", "kept_share", "peak_kv_bytes", "live_kv_bytes", "tokens_per_s", "eviction_share")
 PLOTTED_COST = ("kv_share", "kept_share", "tokens_per_s", "eviction_share")
 #: the ceiling and the headroom reference stand apart from the colour cycle
 #: the learned scorer is the line people look for
@@ -43,7 +43,7 @@ def _fmt(metric: str, value, sign: str = "") -> str:
     """A metric's value at the precision its differences need (``sign="+"`` for a difference)."""
     if value is None:
         return "—"
-    if metric == "peak_kv_bytes":
+    if metric in ("peak_kv_bytes", "live_kv_bytes"):
         return f"{value / 2**20:{sign}.2f}"
     if metric in ("tokens_per_s", "agreement_length", "budget_tokens", "generated_tokens"):
         return f"{value:{sign}.1f}"
@@ -53,7 +53,8 @@ def _fmt(metric: str, value, sign: str = "") -> str:
 
 
 def _header(metric: str) -> str:
-    return {"peak_kv_bytes": "peak KV (MiB)", "tokens_per_s": "tokens/s"}.get(metric, metric)
+    return {"peak_kv_bytes": "peak KV (MiB)", "live_kv_bytes": "live KV (MiB)",
+            "tokens_per_s": "tokens/s"}.get(metric, metric)
 
 
 def _metric_columns(records: list[dict]) -> list[str]:

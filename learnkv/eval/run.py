@@ -35,11 +35,11 @@ from learnkv.eval.tasks.base import RunConfig, cost_row, evicts
 from learnkv.policies import POLICIES, make_policy
 from learnkv.policies.params import parse_policy, parse_policy_list
 from learnkv.progress import redraw_seconds, token_counter
-from learnkv.settings import Eviction, batch_groups, parse_number, resolve_budget
+from learnkv.settings import ALLOCATION_KEYS, Eviction, batch_groups, parse_number, resolve_budget
 
 DEFAULT_POLICIES = ("full", "streaming", "h2o", "tova", "snapkv", "roco", "lazy", "paged")
 DEFAULT_BUDGETS = (0.25, 0.5)
-COST_METRICS = ("budget_tokens", "peak_kv_bytes", "full_kv_bytes", "kv_share", "kept_share", "tokens_per_s",
+COST_METRICS = ("budget_tokens", "peak_kv_bytes", "live_kv_bytes", "full_kv_bytes", "kv_share", "kept_share", "tokens_per_s",
                 "eviction_share")
 
 
@@ -129,11 +129,14 @@ def _policy_run(label: str, name: str, params: dict, scorer: str | None, seed: i
     """A checked grid row: a known policy, parameters of the right type and range, the scorer where needed."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r} in {label!r}; known policies: {', '.join(POLICIES)}")
-    params = Eviction(name, params, scorer=scorer).policy_params  # a learned policy takes --scorer
+    settings = Eviction(name, params, scorer=scorer)  # the allocation keys move to their own setting
+    allocation = {k: v for k, v in params.items() if k in ALLOCATION_KEYS}
+    params = settings.policy_params  # a learned policy takes --scorer
     if name == "random":
         params.setdefault("seed", seed)
-    Eviction(name, params).check()  # unknown keys and bad values fail here, naming the valid keys; so does no scorer
-    return PolicyRun(label, name, params)
+    Eviction(name, params, allocation=settings.allocation).check()  # unknown keys and bad values fail here, naming
+    # the valid keys; so does no scorer
+    return PolicyRun(label, name, {**params, **allocation})  # the row's parameters carry them to `Task.eviction`
 
 
 def prefill_run(item: str, where: str, scorer: str | None = None, seed: int = 0) -> PolicyRun:
@@ -156,7 +159,7 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
     runs = [_policy_run(label, name, params, scorer, seed) for label, name, params in parse_policy_list(policies)]
     for k, run in enumerate(runs):  # one policy under two labels would be two rows of the same decodes
         for other in runs[:k]:
-            if (run.name, make_policy(run.name, **run.params)) == (other.name, make_policy(other.name, **other.params)):
+            if _decoded_as(run) == _decoded_as(other):
                 raise ValueError(f"--policy items {other.label!r} and {run.label!r} are the same policy with the same "
                                  "parameters: give it once")
     if limit is not None and (int(limit) != limit or limit < 1):
@@ -184,6 +187,12 @@ def build_spec(policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, tasks=("fidel
     return EvalSpec(runs, budgets, tasks, limit, seed, prefill, int(batch_size), compare, int(slack), batch_budgets)
 
 
+def _decoded_as(run: PolicyRun) -> tuple:
+    """What a grid row decodes: its policy, built with its parameters, and its allocation."""
+    settings = Eviction(run.name, run.params)
+    return run.name, settings.make(), settings.resolved_allocation
+
+
 def _mean(values) -> float | None:
     values = [v for v in values if v is not None]
     return float(sum(values) / len(values)) if values else None
@@ -197,7 +206,9 @@ def aggregate(rows: list[dict]) -> dict:
 
 def pool_cost(rows: list[dict]) -> dict:
     """Pools per-prompt costs: mean resolved budget, mean peak and full KV bytes (``kv_share`` is their ratio;
-    the peak includes a prompt held before it is compressed), ``kept_share`` the mean over prompts of the tokens
+    the peak includes a prompt held before it is compressed; ``peak_kv_bytes`` is what learnkv's padded buffers
+    hold, ``live_kv_bytes`` the live slots alone, what a paged per-head layout would hold: they differ under the
+    ``head`` and ``global`` allocations), ``kept_share`` the mean over prompts of the tokens
     held after each step over a full cache's, generated tokens per second of wall time (prefill included), and the
     eviction share of that time."""
     peak, full = _mean([r["peak"] for r in rows]), _mean([r["full"] for r in rows])
@@ -205,6 +216,7 @@ def pool_cost(rows: list[dict]) -> dict:
     return {
         "budget_tokens": _mean([r["budget"] for r in rows]),
         "peak_kv_bytes": round(peak),
+        "live_kv_bytes": round(_mean([r.get("live", r["peak"]) for r in rows])),  # resumed rows from before: peak
         "full_kv_bytes": round(full),
         "kv_share": peak / max(full, 1),
         "kept_share": _mean([r["kept"] for r in rows]),

@@ -89,8 +89,9 @@ class RunConfig:
 
 def cost_row(result: GenerationResult, row: int, seconds: float) -> dict:
     """One prompt's cost from its row of a batched run (``seconds``: its share of the batch's wall time)."""
+    live = result.live_kv_bytes_rows[row] if result.live_kv_bytes_rows else result.peak_kv_bytes_rows[row]
     return {"budget": result.budgets[row] if result.budgets else None, "peak": result.peak_kv_bytes_rows[row],
-            "full": result.full_kv_bytes_rows[row], "kept": result.kept_share(row),
+            "live": live, "full": result.full_kv_bytes_rows[row], "kept": result.kept_share(row),
             "tokens": result.new_tokens[row], "seconds": seconds, "evict_s": result.eviction_share * seconds}
 
 
