@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +27,16 @@ from learnkv.policies.base import resolve_rows, shared_fields
 
 #: how eviction decisions are shared: per layer and KV head, or whole blocks shared by every layer and head
 GRANULARITIES = ("token", "block")
+
+
+def check_granularity(granularity: str, block_size: int) -> None:
+    """The one check of how decisions are shared, which `Eviction` runs when it is made (and `learnkv.eval`'s tasks
+    for their own fields): ValueError unless ``granularity`` is one of `GRANULARITIES` and ``block_size`` an
+    integer >= 1."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+        raise ValueError(f"block size must be an integer >= 1, got {block_size!r}")
 
 
 def parse_number(text: str) -> int | float:
@@ -118,6 +129,9 @@ class Eviction:
     prefill: str | Policy | None = None
     prefill_params: dict = field(default_factory=dict, hash=False)
     scorer: str | None = None
+
+    def __post_init__(self):
+        check_granularity(self.granularity, self.block_size)
 
     @property
     def policy_params(self) -> dict:
