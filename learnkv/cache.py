@@ -362,13 +362,15 @@ class BudgetCache(Cache):
         view = self._view(order, stats, linked, keep)
         t0 = time.perf_counter()
         policy.update(view)
-        if policy.refresh > 1 and (_REFRESHED not in view.state or self.step % policy.refresh == 0):
-            scores = [policy.score(v) for v in self._layer_views(order, view)]  # every row: evictions until the next
-            view.state[_REFRESHED] = scores[0] if len(scores) == 1 else torch.cat(scores)
-            self._refreshed_at.update(dict.fromkeys(order, self.step))
         if linked is not None:
             self._store_state(layers, view.state, linked[1])
-        elif self._over_window(order[0]):
+        if policy.refresh > 1 and (_REFRESHED not in view.state or self.step % policy.refresh == 0):
+            scores = [policy.score(v) for v in self._layer_views(order, stats, view, keep)]  # every row
+            view.state[_REFRESHED] = scores[0] if len(scores) == 1 else torch.cat(scores)
+            self._refreshed_at.update(dict.fromkeys(order, self.step))
+            if linked is not None:
+                self._store_state(layers, {_REFRESHED: view.state[_REFRESHED]}, linked[1])
+        if linked is None and self._over_window(order[0]):
             # the policy saw the step's attention over every slot (at a prefill, early queries attend to tokens the
             # next query cannot see); then the window drops those, and the policy decides on what remains
             stats = [self._drop_by_age(order[0], stats[0])]
@@ -379,7 +381,7 @@ class BudgetCache(Cache):
                 if error := blind_prefill_error(policy, live, budget):
                     raise ValueError(error)
         if due:
-            scores = self._score(order, view)
+            scores = self._score(order, stats, view, keep)
             if self.shared_block is not None:
                 self._shared_scores[order[0]] = scores  # decided in end_step, once every layer has scored
                 self._shared_keep = keep
@@ -404,14 +406,12 @@ class BudgetCache(Cache):
                          attn=stat(0), attn_sum=stat(1), attn_sq_sum=stat(2), keep=_one_or_rows(keep * L),
                          state=state if L == 1 else dict(state), live=first.live * L if L > 1 else first.live)
 
-    def _layer_views(self, order: list[int], view: LayerView) -> list[LayerView]:
-        """One view per layer of a view of the layers ``order`` (slices of its layer-major rows, each with its
-        layer's keys and values); ``[view]`` for one layer."""
+    def _layer_views(self, order: list[int], stats: list[tuple], view: LayerView, keep: list[int]) -> list[LayerView]:
+        """``view`` of the layers ``order`` as one view per layer (each layer's own positions, state, keys, values
+        and statistics ``stats``, as a step layer by layer would build it); ``[view]`` for one layer."""
         if len(order) == 1:
             return [view]
-        B = view.positions.shape[0] // len(order)
-        return [view.slice_rows(j * B, (j + 1) * B, layer=i, keys=self.layers[i].keys, values=self.layers[i].values)
-                for j, i in enumerate(order)]
+        return [self._view([i], [s], None, keep) for i, s in zip(order, stats)]
 
     @staticmethod
     def _lagged(rows: Sequence[Policy]) -> bool:
@@ -430,7 +430,7 @@ class BudgetCache(Cache):
                 for i, layer in enumerate(layers):
                     layer.state[name] = t[i * B : (i + 1) * B]
 
-    def _score(self, order: list[int], view: LayerView) -> Tensor:
+    def _score(self, order: list[int], stats: list[tuple], view: LayerView, keep: list[int]) -> Tensor:
         """The scores of the view of the layers ``order`` (see "Batching" and "Refresh" in the module docstring): the
         latest refresh's where the policy refreshes; of a view of several layers, in one call, or one per layer where
         the policy reads a layer's own keys or index; of a rowwise lagged policy's one layer, of the rows that
@@ -446,7 +446,7 @@ class BudgetCache(Cache):
                 scores[..., -unscored:] = float("inf")
             return scores
         if len(order) > 1 and policy.reads_layer:
-            return torch.cat([policy.score(v) for v in self._layer_views(order, view)])  # layer-major, as the rows
+            return torch.cat([policy.score(v) for v in self._layer_views(order, stats, view, keep)])  # layer-major
         rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
         if len(order) > 1 or not (policy.rowwise and self._lagged(rows)) or self.shared_block is not None:
             return policy.score(view)

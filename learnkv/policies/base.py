@@ -103,11 +103,6 @@ class LayerView:
         return self._rows(pick, lambda xs: [xs[r] for r in rows], layer=self.layer, keys=pick(self.keys),
                           values=pick(self.values))
 
-    def slice_rows(self, start: int, stop: int, **fields) -> LayerView:
-        """The view of rows ``start .. stop - 1`` (slices of this view's tensors, not copies); ``fields`` gives the
-        rest (layer, keys, values): of a view of several layers' rows, one layer's view."""
-        return self._rows(lambda x: x[start:stop], lambda xs: xs[start:stop], **fields)
-
     def _rows(self, tensor_rows: Callable[[Tensor], Tensor], list_rows: Callable[[list], list], **fields) -> LayerView:
         """A view of some of this view's rows: ``tensor_rows`` / ``list_rows`` pick them from each batch-first tensor
         and per-row list; ``fields`` gives the rest (layer, keys, values)."""
