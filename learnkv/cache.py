@@ -13,13 +13,22 @@ Order within a step (for every layer): append the step's keys/values -> attentio
 statistics handed to the policy (`learnkv.attention`) -> policy state update -> evict if the cache is over the
 budget. So a step's attention always sees the full pre-eviction cache, as in LazyEviction, EasyKV and kvpress.
 
-Stacked layers: a layer's eviction at a step is first read by that layer's attention at the next step, so the
-update and eviction of every layer may wait for the end of the forward pass. For a policy with
-``stacks_layers``, on the torch path, a decode step does exactly that: `end_step` hands the policy one view of
-every layer (`LayerView.layers`; the layers' positions and state are views of one stacked buffer each) and selects
-and marks dead slots once for the whole model. On a CPU at batch 1 a small tensor op costs more in dispatch than
-in arithmetic: per layer, the learned policy's ~60 ops per step cost ~20% of the decode; stacked, ~6%
-(bench/RESULTS.md, "Stacked layers"). The decisions are the same, bit for bit.
+Batching: the cache alone decides how a policy's calls are batched, from what the policy is (`Policy.rowwise`: a
+row's state and scores do not depend on which rows share its view; `Policy.reads_layer`). A layer's eviction at a
+step is first read by that layer's attention at the next step, so the update and eviction of every layer may wait
+for the end of the forward pass. For a rowwise policy that evicts at every overflow (interval 1), on the torch path,
+a decode step does exactly that ("stacked layers"): `end_step` hands the policy one view of every layer's rows (the
+layers' positions and state are views of one stacked buffer each), scores it in one call (one per layer where it
+reads a layer's keys or index) and selects and marks dead slots once for the whole model. On a CPU at batch 1 a small
+tensor op costs more in dispatch than in arithmetic: per layer, the learned policy's ~60 ops per step cost ~20% of
+the decode; stacked, ~6% (bench/RESULTS.md, "Stacked layers"). A rowwise lagged policy (interval > 1) is scored on
+the rows that evict only: its rows come due at different steps, each on its own phase, so most of a batch's
+scoring is saved (bench/RESULTS.md, "Lagged policies score only the rows that evict"). The decisions are the same,
+bit for bit, either way.
+
+Refresh: a policy whose scores are computed every ``refresh`` steps (`Policy.refresh`, the learned policy's) is
+scored by the cache at those steps, one layer at a time, every row; the scores are kept as per-token state, and
+every eviction in between uses the latest (the tokens cached since have none, and are kept).
 
 When it evicts: only at a step where a row would otherwise end over its budget, and then down to the policy's
 keep target (`Policy.keep_target`: the budget, or ``budget - interval + 1`` for a lagged policy, which thus evicts
@@ -107,6 +116,10 @@ def _gather_slots(stat: Tensor, index: Tensor) -> Tensor:
     idx = index.clamp(min=0).view(B, H, *([1] * (stat.dim() - 3)), K).expand(*stat.shape[:-1], K)
     filler = (index < 0).view(B, H, *([1] * (stat.dim() - 3)), K)
     return stat.gather(-1, idx).masked_fill(filler, 0)
+
+
+#: the state entry a refreshing policy's latest scores are kept in (`Policy.refresh`)
+_REFRESHED = "refresh.scores"
 
 
 def _one_or_rows(values: list[int]) -> int | list[int]:
@@ -208,6 +221,7 @@ class BudgetCache(Cache):
         self._stack_step = False
         self._stash: dict[int, tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
         self._stack: Link | None = None
+        self._refreshed_at: dict[int, int] = {}  # per layer: the step of its latest refresh (`Policy.refresh`)
         self.eviction_s = 0.0
         # per layer: the sliding window its attention was called with (None: full attention), and the layers whose
         # attention ran learnkv's function with this cache at the prefill (`ungoverned_layers`)
@@ -268,9 +282,9 @@ class BudgetCache(Cache):
             steps_left = None if self.last_step is None else self.last_step - self.step
             self.keep = [p.keep_target(b, steps_left) for p, b in zip(self.row_policies, self.budgets)]
         policy = self.decode_policy
-        self._stack_step = (self.step >= 1 and positions.shape[1] == 1 and policy.evicts and policy.stacks_layers
-                            and self.shared_block is None and policy.block_size_at(self.step) == 1
-                            and not kernels.use_triton(self.step_positions)
+        self._stack_step = (self.step >= 1 and positions.shape[1] == 1 and policy.evicts and policy.rowwise
+                            and not self._lagged(self.row_policies) and not self.dense
+                            and policy.block_size_at(self.step) == 1 and not kernels.use_triton(self.step_positions)
                             and self.allocation.mode == "uniform")  # fmt: skip
 
     def end_step(self) -> None:
@@ -392,7 +406,13 @@ class BudgetCache(Cache):
         policy.update(view)
         if linked is not None:
             self._store_state(layers, view.state, linked[1])
-        elif self._over_window(order[0]):
+        if policy.refresh > 1 and (_REFRESHED not in view.state or self.step % policy.refresh == 0):
+            scores = [policy.score(v) for v in self._layer_views(order, stats, view, keep)]  # every row
+            view.state[_REFRESHED] = scores[0] if len(scores) == 1 else torch.cat(scores)
+            self._refreshed_at.update(dict.fromkeys(order, self.step))
+            if linked is not None:
+                self._store_state(layers, {_REFRESHED: view.state[_REFRESHED]}, linked[1])
+        if linked is None and self._over_window(order[0]):
             # the policy saw the step's attention over every slot (at a prefill, early queries attend to tokens the
             # next query cannot see); then the window drops those, and the policy decides on what remains
             stats = [self._drop_by_age(order[0], stats[0])]
@@ -403,7 +423,7 @@ class BudgetCache(Cache):
                 if error := blind_prefill_error(policy, live, budget):
                     raise ValueError(error)
         if due:
-            scores = self._score(view)
+            scores = self._score(order, stats, view, keep)
             if self.shared_block is not None:
                 self._shared_scores[order[0]] = scores  # decided in end_step, once every layer has scored
                 self._shared_keep = keep
@@ -426,9 +446,19 @@ class BudgetCache(Cache):
         return LayerView(layer=order[0], step=self.step, keys=first.keys if L == 1 else None,
                          values=first.values if L == 1 else None, positions=positions, n_new=first.n_new,
                          attn=stat(0), attn_sum=stat(1), attn_sq_sum=stat(2), keep=_one_or_rows(keep * L),
-                         state=state if L == 1 else dict(state), live=first.live * L if L > 1 else first.live,
-                         layers=L, layer_kv=[(self.layers[i].keys, self.layers[i].values) for i in order] if L > 1
-                         else ())  # fmt: skip
+                         state=state if L == 1 else dict(state), live=first.live * L if L > 1 else first.live)
+
+    def _layer_views(self, order: list[int], stats: list[tuple], view: LayerView, keep: list[int]) -> list[LayerView]:
+        """``view`` of the layers ``order`` as one view per layer (each layer's own positions, state, keys, values
+        and statistics ``stats``, as a step layer by layer would build it); ``[view]`` for one layer."""
+        if len(order) == 1:
+            return [view]
+        return [self._view([i], [s], None, keep) for i, s in zip(order, stats)]
+
+    @staticmethod
+    def _lagged(rows: Sequence[Policy]) -> bool:
+        """Whether a row's policy is lagged (``interval > 1``): rows then come due at different steps."""
+        return any(p.interval > 1 for p in rows)
 
     @staticmethod
     def _store_state(layers: list[BudgetLayer], state: dict[str, Tensor], stacked: dict[str, Tensor]) -> None:
@@ -442,13 +472,25 @@ class BudgetCache(Cache):
                 for i, layer in enumerate(layers):
                     layer.state[name] = t[i * B : (i + 1) * B]
 
-    def _score(self, view: LayerView) -> Tensor:
-        """The policy's scores. Of the rows that evict now only (`LayerView.due_rows`; the others keep every live
-        token whatever their scores, so they get zeros) where it can score a subset of rows
-        (`Policy.scores_row_subsets`), the view is one layer's, its decision is not shared, and not every row is
-        due; else of every row."""
+    def _score(self, order: list[int], stats: list[tuple], view: LayerView, keep: list[int]) -> Tensor:
+        """The scores of the view of the layers ``order`` (see "Batching" and "Refresh" in the module docstring): the
+        latest refresh's where the policy refreshes; of a view of several layers, in one call, or one per layer where
+        the policy reads a layer's own keys or index; of a rowwise lagged policy's one layer, of the rows that
+        evict now only (`LayerView.due_rows`; the others keep every live token whatever their scores, so they get
+        zeros) unless the decision is shared or every row is due; else of every row."""
         policy = self.policy
-        if not policy.scores_row_subsets or view.layers > 1 or self.shared_block is not None:
+        if policy.refresh > 1:
+            # the tokens appended since the last refresh, one per decode step, are the last slots (the cache appends
+            # at the end and keeps the order when it compacts); they have no score yet, so they are kept
+            unscored = self.step - self._refreshed_at[order[0]]
+            scores = view.state[_REFRESHED].clone()
+            if unscored:
+                scores[..., -unscored:] = float("inf")
+            return scores
+        if len(order) > 1 and policy.reads_layer:
+            return torch.cat([policy.score(v) for v in self._layer_views(order, stats, view, keep)])  # layer-major
+        rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
+        if len(order) > 1 or not (policy.rowwise and self._lagged(rows)) or self.shared_block is not None:
             return policy.score(view)
         due = view.due_rows()
         if len(due) == view.positions.shape[0]:

@@ -28,7 +28,7 @@ from learnkv.cache import BudgetCache, kept_per_step, max_kept
 from learnkv.capture import step_attention
 from learnkv.memory import TRIM_EVERY, release_free_heap
 from learnkv.policies import Policy, make_policy
-from learnkv.settings import GRANULARITIES, Eviction, resolve_budget
+from learnkv.settings import Eviction, resolve_budget
 
 
 @dataclass
@@ -548,16 +548,10 @@ def _eviction(eviction: Eviction | None, fields: dict) -> Eviction:
 
 
 def _checked_policy(eviction: Eviction, max_new_tokens, seed, top_k) -> Policy:
-    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("block_size", eviction.block_size, 1),
-                             ("seed", seed, 0), ("top_k", top_k, 0)):
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("seed", seed, 0), ("top_k", top_k, 0)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an integer >= {low}, got {value!r}")
-    policy_obj = eviction.make()
-    if eviction.granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be 'token' or 'block', got {eviction.granularity!r}")
-    if eviction.granularity == "block" and eviction.block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {eviction.block_size}")
-    return policy_obj
+    return eviction.make()  # granularity and block size: checked when the Eviction was made
 
 
 def _batch(model, tokenizer, prompts, input_ids, attention_mask, max_new_tokens, **encode) -> tuple[Tensor, Tensor]:

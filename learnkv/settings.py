@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,16 @@ GRANULARITIES = ("token", "block")
 #: keys of a policy's parameters (a grid item's ``h2o:allocation=head:allocation_floor=0.1``) that set the
 #: allocation, not the policy, and the `Allocation` field each sets
 ALLOCATION_KEYS = {"allocation": "mode", "allocation_floor": "floor", "allocation_beta": "beta"}
+
+
+def check_granularity(granularity: str, block_size: int) -> None:
+    """The one check of how decisions are shared, which `Eviction` runs when it is made (and `learnkv.eval`'s tasks
+    for their own fields): ValueError unless ``granularity`` is one of `GRANULARITIES` and ``block_size`` an
+    integer >= 1."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+        raise ValueError(f"block size must be an integer >= 1, got {block_size!r}")
 
 
 def parse_number(text: str) -> int | float:
@@ -141,6 +152,9 @@ class Eviction:
     def resolved_allocation(self) -> Allocation:
         """The allocation as an `Allocation`."""
         return as_allocation(self.allocation)
+
+    def __post_init__(self):
+        check_granularity(self.granularity, self.block_size)
 
     @property
     def policy_params(self) -> dict:

@@ -174,19 +174,22 @@ def test_state_updated_in_place_stays_in_its_buffer_and_aligned(tiny, slack):
 
 
 def _layer_by_layer(monkeypatch, policy: str) -> None:
-    """Make ``policy`` update and evict one layer at a time, as a policy without ``stacks_layers`` does."""
+    """Make ``policy`` update and evict one layer at a time, as the cache takes a policy that is not ``rowwise``."""
     cls = type(make_policy(policy, **params_for(policy, 2)))
-    monkeypatch.setattr(cls, "stacks_layers", property(lambda self: False) if policy == "learned" else False)
-    assert not make_policy(policy, **params_for(policy, 2)).stacks_layers
+    monkeypatch.setattr(cls, "rowwise", False)
+    assert not make_policy(policy, **params_for(policy, 2)).rowwise
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova", "roco", "streaming", "learned", "knorm"])
+@pytest.mark.parametrize("policy", ["h2o", "tova", "roco", "streaming", "learned", "knorm", "learned:refresh=1"])
 @pytest.mark.parametrize("slack, prefill", [(0, None), (4, None), (3, "snapkv")])
 def test_stacked_layers_decide_as_layer_by_layer(tiny, monkeypatch, policy, slack, prefill):
-    """A policy with ``stacks_layers`` updates and evicts every layer of a decode step at once: the same tokens,
+    """A rowwise policy updates and evicts every layer of a decode step at once: the same tokens,
     the same live positions in every layer after every step, and the same policy state as layer by layer. On a
     padded batch of two prompts over the budget, with and without dead slots, and with a prefill policy (the
-    decode policy then starts its state inside a stacked step)."""
+    decode policy then starts its state inside a stacked step). ``learned:refresh=1`` scores at every eviction, one
+    layer at a time (it reads each layer's keys and scorer) within the stacked step."""
+    policy, _, refresh = policy.partition(":refresh=")
+    extra = {"refresh": int(refresh)} if refresh else {}
     ids, mask = padded_batch()
     runs = []
     for stacked in (True, False):
@@ -207,8 +210,8 @@ def test_stacked_layers_decide_as_layer_by_layer(tiny, monkeypatch, policy, slac
             states.append([{k: v.clone() for k, v in layer.state.items()} for layer in cache.layers])
 
         result = generate(tiny, input_ids=ids, attention_mask=mask, policy=policy, budget=12, max_new_tokens=16,
-                          policy_params=params_for(policy, 2), stop_at_eos=False, observer=observe, slack=slack,
-                          prefill_policy=prefill)  # fmt: skip
+                          policy_params={**params_for(policy, 2), **extra}, stop_at_eos=False, observer=observe,
+                          slack=slack, prefill_policy=prefill)  # fmt: skip
         runs.append((result, live, states, linked))
     (ours, live, states, linked), (base, base_live, base_states, base_linked) = runs
     assert linked and all(linked) and not base_linked  # every decode step stacked, none in the base run

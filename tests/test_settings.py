@@ -99,3 +99,19 @@ def test_generate_takes_an_eviction_or_its_fields_not_both(tiny):
         generate(tiny, input_ids=ids, budjet=8)
     with pytest.raises(TypeError, match="is a learnkv.Eviction"):
         generate(tiny, None, None, {"policy": "h2o"}, input_ids=ids)
+
+
+@pytest.mark.parametrize("fields, message", [({"granularity": "page"}, "granularity must be 'token' or 'block', got 'page'"),
+                                             ({"granularity": "block", "block_size": 0}, "block size must be an integer >= 1, got 0"),
+                                             ({"block_size": 2.5}, "block size must be an integer >= 1, got 2.5")])
+def test_granularity_is_checked_once_with_one_message_at_every_entry_point(tiny, fields, message):
+    """The settings object refuses a bad granularity or block size when it is made; `generate` (its keywords) and an
+    evaluation task (its own fields) say the same, from the same check."""
+    from learnkv.eval.tasks import TASKS
+
+    with pytest.raises(ValueError, match=message):
+        Eviction("h2o", budget=8, **fields)
+    with pytest.raises(ValueError, match=message):
+        generate(tiny, input_ids=random_ids(8), policy="h2o", budget=8, max_new_tokens=2, **fields)
+    with pytest.raises(ValueError, match=message):
+        TASKS["fidelity"](**fields)

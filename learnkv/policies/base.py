@@ -53,12 +53,10 @@ class LayerView:
     live : list[int] or None
         Live tokens per row (not padding, not an evicted slot awaiting compaction: both have position -1), the
         same in every KV head of a row. None: count them from ``positions`` (`live_tokens`).
-    layers : int
-        Decoder layers this view stacks along its batch axis, layer-major: rows ``l * B .. l * B + B - 1`` are
-        layer ``layer + l`` (`BudgetCache` hands a policy with ``stacks_layers`` one view of every layer per decode
-        step). Keys and values are not stacked (None then): `split_layers` gives each layer's view with its own.
-    layer_kv : sequence of (Tensor, Tensor)
-        With ``layers > 1``: each stacked layer's keys and values, ``[B, H, T, D]``.
+
+    The cache may hand a `Policy.rowwise` policy the rows of several layers in one view, layer-major along the batch
+    axis (`BudgetCache`, "Batching"): ``layer`` is then the first, and keys and values are None; `score` of a
+    policy that reads them or the layer (``reads_layer``) gets one layer's view.
     """
 
     layer: int
@@ -73,8 +71,6 @@ class LayerView:
     keep: int | list[int] = 0
     state: dict[str, Tensor] = field(default_factory=dict)
     live: list[int] | None = None
-    layers: int = 1
-    layer_kv: Sequence[tuple[Tensor, Tensor]] = ()
 
     @property
     def valid(self) -> Tensor:
@@ -118,16 +114,6 @@ class LayerView:
                          keep=self.keep if isinstance(self.keep, int) else list_rows(self.keep),
                          state={name: pick(t) for name, t in self.state.items()},
                          live=None if self.live is None else list_rows(self.live), **fields)
-
-    def split_layers(self) -> list[LayerView]:
-        """One view per stacked layer (slices of this view's tensors, each with its layer's keys and values);
-        ``[self]`` for a view of one layer."""
-        if self.layers == 1:
-            return [self]
-        B = self.positions.shape[0] // self.layers
-        return [self._rows(lambda x, l=l: x[l * B : (l + 1) * B], lambda xs, l=l: xs[l * B : (l + 1) * B],  # noqa: E741
-                           layer=self.layer + l, keys=k, values=v)
-                for l, (k, v) in enumerate(self.layer_kv)]  # noqa: E741
 
 
 def exact_map(fn: Callable[..., Tensor], *keys: Tensor) -> Tensor:
@@ -221,17 +207,12 @@ class Policy:
     #: the fields that may differ between the rows of one batch once resolved for each row's budget: the cache
     #: applies them per row (protected windows, the lagged headroom); every other field must be equal
     per_row_fields: ClassVar[tuple[str, ...]] = ("n_sink", "n_recent", "interval")
-    #: whether the cache may hand `update` and `score` every layer of a decode step in one view (`LayerView.layers`)
-    #: on the torch path: the policy then treats rows independently and reads a layer's keys, values or index only
-    #: through `LayerView.split_layers`. On a CPU a small tensor op costs more in dispatch than in arithmetic, so one
-    #: op over every layer replaces one per layer (`BudgetCache`, "stacked layers")
-    stacks_layers: ClassVar[bool] = False
-    #: whether `score` of a view of some rows (`LayerView.select_rows`) gives those rows exactly what they get in
-    #: the whole view: nothing it reads is indexed by row outside the view. The cache then scores only the rows
-    #: over their budget. It matters for a lagged policy (``interval > 1``): rows of different prompt lengths
-    #: fill up at different steps, so in a batch of 16 some row is due at most steps while each row is due once
-    #: per ``interval``
-    scores_row_subsets: ClassVar[bool] = False
+    #: whether `update` and `score` compute each row of a view from that row alone: a row's state and scores are the
+    #: same whichever rows share its view (nothing is read by row index or from another row), and `update` reads no
+    #: layer's own keys, values or index. The cache uses it to batch rows (`BudgetCache`, "Batching")
+    rowwise: ClassVar[bool] = False
+    #: whether `score` reads one layer's own keys, values or index (``view.keys``, ``view.values``, ``view.layer``)
+    reads_layer: ClassVar[bool] = False
 
     n_sink: int | float = setting(0, ge=0, fraction=True)
     n_recent: int | float = setting(0, ge=0, fraction=True)
@@ -252,6 +233,13 @@ class Policy:
     @property
     def obs_window(self) -> int:
         """How many of the step's last query rows the policy wants in ``view.attn``."""
+        return 1
+
+    @property
+    def refresh(self) -> int:
+        """How often the scores are computed: at every eviction (1), or every ``refresh`` steps, every row and layer
+        alike, and evictions in between use the latest scores (a token cached since has none, and is kept). The
+        cache runs the schedule (`BudgetCache`, "Refresh")."""
         return 1
 
     def block_size_at(self, step: int) -> int:

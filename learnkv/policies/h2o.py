@@ -26,7 +26,7 @@ class H2O(Policy):
 
     name = "h2o"
     pooling = "mean_mass"  # accumulated attention: comparable across layers and heads
-    stacks_layers = True
+    rowwise = True  # each token's score is the attention it has received
     n_recent: int | float = setting(0.5, ge=0, fraction=True)
 
     def update(self, view: LayerView) -> None:

@@ -2,7 +2,6 @@
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
@@ -18,11 +17,8 @@ class KeyNorm(Policy):
 
     name = "knorm"
     needs_attention = False
-    # one selection for every layer of a decode step (`BudgetCache`'s stacked path), as H2O: at batch 1 a step's
-    # per-layer small ops (selection, marking) were its overhead over kvpress (bench/RESULTS.md, kvpress parity)
-    stacks_layers = True
+    rowwise = True  # each token's score from its own key
+    reads_layer = True
 
     def score(self, view: LayerView) -> Tensor:
-        if view.layers == 1:
-            return -view.keys.float().norm(dim=-1)
-        return torch.cat([-k.float().norm(dim=-1) for k, _ in view.layer_kv])  # layer-major, as the stacked rows
+        return -view.keys.float().norm(dim=-1)

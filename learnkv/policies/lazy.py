@@ -55,7 +55,7 @@ class LazyEviction(Policy):
     name = "lazy"
     group_reduce = "max"
     scores_prefill = False
-    scores_row_subsets = True  # its score is a function of each token's own state
+    rowwise = True  # its score is a function of each token's own state
     per_row_fields = ("n_sink", "n_recent", "interval", "window")  # the window only sets the schedule and protection
     window: int | None = setting(None, ge=1)
     alpha: float = setting(1e-4, ge=0.0, le=1.0)
@@ -68,7 +68,7 @@ class LazyEviction(Policy):
     def update(self, view: LayerView) -> None:
         st, t = view.state, view.step
         if "ts" not in st:  # prompt tokens start at TS = 0, MRI = 0 (the code creates the state zero-filled)
-            zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
+            zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.positions.device)
             st["ts"], st["mri"] = zeros, zeros.clone()
         if t == 0:  # the prefill observes nothing
             return

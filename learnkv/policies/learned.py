@@ -28,8 +28,6 @@ class Decoding:
         The loaded artifact's per-layer MLP.
     tracker : FeatureTracker
         The online feature tracker (the same that produced the training traces).
-    refreshed_at : dict[int, int]
-        Per layer: the step of its latest refresh (the tokens appended since then have no score yet).
     fused : tuple or None
         ``(layer, step, positions, features)`` of the latest fused update on the kernel path, for the `score`
         that follows it at the same layer and step.
@@ -37,7 +35,6 @@ class Decoding:
 
     scorer: Scorer
     tracker: FeatureTracker
-    refreshed_at: dict[int, int] = field(default_factory=dict)
     fused: tuple[int, int, Tensor, Tensor] | None = None
 
 
@@ -58,11 +55,12 @@ class Learned(Policy):
     This is not the lagged schedule (``interval > 1``, as LazyEviction's and R-KV's: evict every ``interval``
     steps down to ``budget - interval + 1``), which gives up ``(interval - 1) / 2`` slots on average: on
     validation prompts (SmolLM2, 50% of the final length, n = 8) it cost the learned policy a third more KL than
-    evicting every step (bench/RESULTS.md, "The learned policy: schedule, label, traces"). On the CPU torch path the
-    cache hands it every layer of a decode step in one view (``stacks_layers``): one tracker update and one
-    selection for the whole model; the refresh stays per layer (per-layer scorers). There (budget 128, two threads,
-    ``slack=16``, bench/RESULTS.md "Stacked layers") a step costs 1.15x the full cache's at batch 1 and 1.14x at
-    batch 16; with ``slack=0`` a compaction of every layer at every step comes on top.
+    evicting every step (bench/RESULTS.md, "The learned policy: schedule, label, traces"). The cache runs that
+    schedule (`Policy.refresh`): it calls `score` at each refresh, layer by layer, and evicts by the kept scores in
+    between, for every layer of a decode step at once on the CPU torch path (one tracker update and one selection
+    for the whole model; `BudgetCache`, "Batching"). There (budget 128, two threads, ``slack=16``, bench/RESULTS.md
+    "Stacked layers") a step costs 1.15x the full cache's at batch 1 and 1.14x at batch 16; with ``slack=0`` a
+    compaction of every layer at every step comes on top.
 
     Parameters
     ----------
@@ -79,6 +77,8 @@ class Learned(Policy):
 
     name = "learned"
     group_reduce = "none"
+    rowwise = True  # the tracker's state and the features are per row, the scorer per token
+    reads_layer = True  # each layer's scorer; the features' key and value columns
     pooling = POOLING  # the rule its exported artifact records: logits compare within a row only, so ranks
     scorer: str | None = setting(None)
     n_sink: int | float = setting(4, ge=0, fraction=True)
@@ -86,12 +86,6 @@ class Learned(Policy):
     refresh: int = setting(8, ge=1)
     #: built at the first update (`Decoding`); not a parameter, and a fresh copy (`resolve`) starts without it
     decoding: Decoding | None = field(default=None, init=False, repr=False, compare=False)
-
-    @property
-    def stacks_layers(self) -> bool:
-        """Every layer in one view (`LayerView.layers`), except with ``refresh=1``, which scores each layer's
-        evicting rows at each eviction."""
-        return self.refresh > 1
 
     @property
     def obs_window(self) -> int:
@@ -121,43 +115,26 @@ class Learned(Policy):
         if self.decoding is None:
             model, manifest = load_scorer(self.scorer, expect_kv_heads=view.positions.shape[1])
             self.decoding = Decoding(model, FeatureTracker(manifest["n_layers"]))
-        if view.layer + view.layers - 1 >= self.decoding.scorer.n_layers:
+        if view.layer >= self.decoding.scorer.n_layers:
             raise ValueError(f"scorer {self.scorer!r} has {self.decoding.scorer.n_layers} layers; the model has more")
         return self.decoding
 
-    def _refresh_due(self, view: LayerView) -> bool:
-        """Whether this step recomputes the scores: every ``refresh`` steps, and whenever there are none yet (the
-        prefill, or the first decode step after a prefill policy). The same steps for every row, whether or not a
-        row evicts, so a row of a batch refreshes exactly when it would alone."""
-        return self.refresh > 1 and ("learned.score" not in view.state or view.step % self.refresh == 0)
-
     def update(self, view: LayerView) -> None:
         run = self._loaded(view)
-        run.fused = feats = None
-        if view.layers == 1 and _fused_step(view):
+        run.fused = None
+        if _fused_step(view):
             # one launch updates the state and computes the features; `score`, which the cache calls right after
-            # this update when it evicts, takes them from here (only the latest layer's are kept)
+            # this update when it evicts or refreshes, takes them from here (only the latest layer's are kept)
             feats = kernels.decode_features(view.attn, view.keys, view.values, view.positions, view.layer,
                                             run.tracker.n_layers, view.step, view.state)  # fmt: skip
             run.fused = (view.layer, view.step, view.positions, feats)
-        else:  # on a stacked view (every layer at once, torch path) one update for the whole model
+        else:
             run.tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
-        if self._refresh_due(view):
-            per_layer = view.split_layers()  # the refresh runs layer by layer: each layer has its own scorer
-            scores = [self._scores(v, feats) for v in per_layer]
-            view.state["learned.score"] = scores[0] if len(scores) == 1 else torch.cat(scores)
-            run.refreshed_at.update({v.layer: view.step for v in per_layer})
 
     def score(self, view: LayerView) -> Tensor:
-        if self.refresh == 1:
-            return self._scores(view, self._fused(view), due_rows_only=True)
-        # the tokens appended since the last refresh, one per decode step, are the last slots (the cache appends at
-        # the end and keeps the order when it compacts); they have no score yet, so they are kept
-        unscored = view.step - self._loaded(view).refreshed_at[view.layer]
-        scores = view.state["learned.score"].clone()
-        if unscored:
-            scores[..., -unscored:] = float("inf")
-        return scores
+        # at a refresh (``refresh > 1``) every row is scored, for the evictions until the next; else only the rows
+        # that evict now
+        return self._scores(view, self._fused(view), due_rows_only=self.refresh == 1)
 
     def _fused(self, view: LayerView) -> Tensor | None:
         """The features `update` computed in its fused launch for this very layer, step and cache, if any."""
@@ -206,7 +183,8 @@ def _fused_step(view: LayerView) -> bool:
     The prefill and multi-token steps stay on the torch tracker, as does everything on the torch path."""
     attn = view.attn
     return (
-        view.step >= 1
+        view.keys is not None  # a view of one layer (the cache batches layers only on the torch path)
+        and view.step >= 1
         and view.n_new == 1
         and attn is not None
         and attn.ndim == 5

@@ -31,6 +31,8 @@ class PagedEviction(Policy):
 
     name = "paged"
     needs_attention = False
+    rowwise = True  # each row from its own keys and values
+    reads_layer = True
     block_size: int = setting(16, ge=1)
     n_sink: int | float | None = setting(None, ge=0, fraction=True)
     # protects the newest token, hence its block even when that block is full

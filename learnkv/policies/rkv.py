@@ -78,7 +78,8 @@ class RKV(Policy):
     name = "rkv"
     group_reduce = "max"  # the source max-pools over the group's query heads
     needs_dense_slots = True  # the max pool and "the last similar key" read neighbouring slots
-    scores_row_subsets = True  # each row from its own keys and observed rows
+    rowwise = True  # each row from its own keys and observed rows
+    reads_layer = True
     per_row_fields = ("n_sink", "n_recent", "interval", "buffer")  # the buffer only sets the schedule
     window: int | None = setting(None, ge=1)
     buffer: int | None = setting(None, ge=1)

@@ -39,7 +39,7 @@ class RoCo(Policy):
     name = "roco"
     needs_sq_sum = True
     per_row_fields = ("interval",)  # its scope excludes the protected tokens itself, so they are one for the batch
-    stacks_layers = True
+    rowwise = True  # each row from its own statistics and windows
     recent_ratio: float = setting(0.3, ge=0.0, le=1.0)
     n_recent: int | float = setting(10, ge=0, fraction=True)
 

@@ -23,7 +23,7 @@ class StreamingLLM(Policy):
 
     name = "streaming"
     needs_attention = False
-    stacks_layers = True
+    rowwise = True  # each token's score is its position
     n_sink: int | float = setting(4, ge=0, fraction=True)
 
     def score(self, view: LayerView) -> Tensor:

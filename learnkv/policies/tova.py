@@ -18,7 +18,7 @@ class TOVA(Policy):
 
     name = "tova"
     pooling = "mean_mass"  # the current query's attention: comparable across layers and heads
-    stacks_layers = True
+    rowwise = True  # each row from its own latest query
 
     def score(self, view: LayerView) -> Tensor:
         return reduce_heads(view.attn[:, :, -1, :])

@@ -95,6 +95,10 @@ class OnPolicyRecorder(Policy):
         return self.acting.scores_prefill
 
     @property
+    def refresh(self) -> int:
+        return self.acting.refresh
+
+    @property
     def pooling(self) -> str:
         return self.acting.pooling
 

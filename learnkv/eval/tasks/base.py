@@ -23,7 +23,7 @@ import torch
 
 from learnkv.decode import GenerationResult, encode_prompts, generate
 from learnkv.policies import POLICIES
-from learnkv.settings import GRANULARITIES, Eviction
+from learnkv.settings import Eviction, check_granularity
 
 
 @dataclass
@@ -155,10 +155,7 @@ class Task:
     def __post_init__(self):
         if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
             raise ValueError(f"{self.name}: max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
-        if int(self.block_size) != self.block_size or self.block_size < 1:
-            raise ValueError(f"block size must be an integer >= 1, got {self.block_size!r}")
+        check_granularity(self.granularity, self.block_size)
 
     def decode(self, model, tokenizer, sample: Sample, policy: str, budget: int | None, params: dict,
                **options) -> GenerationResult:
