@@ -147,14 +147,12 @@ class Eviction:
             allocation = dataclasses.replace(as_allocation(mode), **moved) if moved else mode
             object.__setattr__(self, "allocation", allocation)
         as_allocation(self.allocation)  # a bad mode fails here, in one line
+        check_granularity(self.granularity, self.block_size)
 
     @property
     def resolved_allocation(self) -> Allocation:
         """The allocation as an `Allocation`."""
         return as_allocation(self.allocation)
-
-    def __post_init__(self):
-        check_granularity(self.granularity, self.block_size)
 
     @property
     def policy_params(self) -> dict:
