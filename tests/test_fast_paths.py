@@ -269,3 +269,51 @@ def test_decode_marks_the_same_slots_without_a_kept_index(tiny, monkeypatch, pol
     assert len(fast) == len(before) == 24
     assert all(torch.equal(a, b) for step_a, step_b in zip(fast, before) for a, b in zip(step_a, step_b))
     assert bool(calls) == (slack > 0), "slack 0 compacts at every eviction; with slack the marking must run"
+
+
+def update_decode_before(attn, positions, step, state):
+    """`FeatureTracker._update_decode` before the window's row-by-row shift (commit 27bd051), verbatim."""
+    valid = positions >= 0
+    m = attn[:, :, :, -1, :].mean(dim=2)  # [B, H, T]
+    state["f.acc"].add_(m)
+    state["f.acc_sq"].addcmul_(m, m)
+    state["f.count"].add_(valid & valid[..., -1:])  # the query is the newest slot: it sees every live one
+    win = state["f.win"]
+    win[:, :, :-1] = win[:, :, 1:].clone()
+    win[:, :, -1] = m
+    if step == 0:
+        return
+    n_visible = valid.sum(-1, keepdim=True).clamp(min=1)
+    high = attn[:, :, :, -1, :].amax(dim=2) * n_visible >= 1.0
+    last = state["f.last_high"]
+    last[..., -1] = step - 1  # a new token counts as seen the step before it arrived
+    gap = step - last
+    returns = high & (gap >= 2)  # came back after at least one low step
+    state["f.n_returns"].add_(returns)
+    state["f.sum_interval"].add_(gap * returns)
+    torch.where(returns, gap, state["f.last_interval"], out=state["f.last_interval"])
+    torch.maximum(state["f.max_interval"], gap * high, out=state["f.max_interval"])
+    last.masked_fill_(high, float(step))
+
+
+@pytest.mark.parametrize("B, H, G, T", [(1, 1, 1, 1), (2, 3, 3, 17), (4, 2, 2, 130)])
+def test_tracker_decode_update_equals_the_replaced_shift(B, H, G, T):
+    """The tracker's decode update shifts its window row by row (no temporary copy): every state entry bit for bit
+    as the replaced code, over several steps, on a view of a larger buffer as the cache hands it."""
+    from learnkv.features import STATE, WINDOW
+
+    g = torch.Generator().manual_seed(B * 100 + T)
+    pos = torch.arange(T).expand(B, H, T).clone()
+    pos[0, :, : T // 3] = -1
+    ours = {}
+    for name in STATE:
+        shape = (B, H, WINDOW, T + 5) if name == "f.win" else (B, H, T + 5)
+        ours[name] = (torch.rand(*shape, generator=g) * 3).floor()[..., :T]  # views with room, like the cache's
+    theirs = {k: v.clone() for k, v in ours.items()}
+    tracker = FeatureTracker(n_layers=2)
+    for step in range(1, 6):
+        attn = torch.rand(B, H, G, 1, T, generator=g) / T
+        tracker._update_decode(attn, pos, step, ours)
+        update_decode_before(attn, pos, step, theirs)
+        for name in STATE:
+            assert torch.equal(ours[name], theirs[name]), f"step {step}: {name}"

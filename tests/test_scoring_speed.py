@@ -1,4 +1,5 @@
-"""The cheaper R-KV redundancy and SnapKV pooling (issue 43, item 2) give the same bits, hence the same kept tokens.
+"""The cheaper R-KV redundancy and SnapKV pooling and window update (issue 43, item 2) give the same bits, hence the
+same kept tokens.
 
 Each fast path is compared with the code it replaced, kept here verbatim as the reference: on parametrised shapes
 (padding, near-duplicates, thresholds, kernel sizes, -0.0) the scores must be bit-identical, and a decode on the
@@ -41,6 +42,14 @@ def avg_pool_before(x, k):
     """SnapKV's pooling before the change: the pooling call."""
     B, H, n = x.shape
     return F.avg_pool1d(x.reshape(B * H, 1, n), kernel_size=k, stride=1, padding=k // 2)[..., :n].reshape(B, H, n)
+
+
+def snapkv_update_before(self, view):
+    """`SnapKV.update` before the in-place shift of a full window (commit 27bd051), verbatim."""
+    rows = view.attn  # [B, H, W, T]; the cache zero-padded old rows for new slots (causally exact)
+    window = view.state.get("window_attn")
+    window = rows if window is None else torch.cat([window, rows], dim=2)
+    view.state["window_attn"] = window[:, :, -self.obs_window :, :]
 
 
 def same_bits(a, b):
@@ -94,6 +103,7 @@ def test_decode_keeps_the_same_slots(tiny, monkeypatch, policy, params):
     fast = kept_slots(tiny, policy, 48, **params)
     monkeypatch.setattr(rkv, "redundancy", redundancy_before)
     monkeypatch.setattr(snapkv, "avg_pool", avg_pool_before)
+    monkeypatch.setattr(snapkv.SnapKV, "update", snapkv_update_before)
     before = kept_slots(tiny, policy, 48, **params)
     assert len(fast) == len(before) == 70  # the prefill and 69 decode steps
     assert all(torch.equal(a, b) for step_a, step_b in zip(fast, before) for a, b in zip(step_a, step_b))

@@ -62,6 +62,13 @@ class SnapKV(Policy):
     def update(self, view: LayerView) -> None:
         rows = view.attn  # [B, H, W, T]; the cache zero-padded old rows for new slots (causally exact)
         window = view.state.get("window_attn")
+        if window is not None and rows.shape[2] == 1 and window.shape[2] == self.obs_window:
+            # a decode step on a full window: shift it in place, row by row (no overlap), into the cache's buffer;
+            # concatenating made a new [B, H, W + 1, T] tensor that the cache then copied back (bench/RESULTS.md)
+            for j in range(window.shape[2] - 1):
+                window[:, :, j] = window[:, :, j + 1]
+            window[:, :, -1] = rows[:, :, 0]
+            return
         window = rows if window is None else torch.cat([window, rows], dim=2)
         view.state["window_attn"] = window[:, :, -self.obs_window :, :]
 
