@@ -272,28 +272,12 @@ def test_decode_marks_the_same_slots_without_a_kept_index(tiny, monkeypatch, pol
 
 
 def update_decode_before(attn, positions, step, state):
-    """`FeatureTracker._update_decode` before the window's row-by-row shift (commit 27bd051), verbatim."""
-    valid = positions >= 0
-    m = attn[:, :, :, -1, :].mean(dim=2)  # [B, H, T]
-    state["f.acc"].add_(m)
-    state["f.acc_sq"].addcmul_(m, m)
-    state["f.count"].add_(valid & valid[..., -1:])  # the query is the newest slot: it sees every live one
-    win = state["f.win"]
+    """`FeatureTracker._update_decode` before the window's row-by-row shift (commit 27bd051): the same update, with
+    the window shifted through a temporary copy, as it was."""
+    win, scratch = state["f.win"], state["f.win"].clone()
+    FeatureTracker._update_decode(attn, positions, step, {**state, "f.win": scratch})
     win[:, :, :-1] = win[:, :, 1:].clone()
-    win[:, :, -1] = m
-    if step == 0:
-        return
-    n_visible = valid.sum(-1, keepdim=True).clamp(min=1)
-    high = attn[:, :, :, -1, :].amax(dim=2) * n_visible >= 1.0
-    last = state["f.last_high"]
-    last[..., -1] = step - 1  # a new token counts as seen the step before it arrived
-    gap = step - last
-    returns = high & (gap >= 2)  # came back after at least one low step
-    state["f.n_returns"].add_(returns)
-    state["f.sum_interval"].add_(gap * returns)
-    torch.where(returns, gap, state["f.last_interval"], out=state["f.last_interval"])
-    torch.maximum(state["f.max_interval"], gap * high, out=state["f.max_interval"])
-    last.masked_fill_(high, float(step))
+    win[:, :, -1] = attn[:, :, :, -1, :].mean(dim=2)
 
 
 @pytest.mark.parametrize("B, H, G, T", [(1, 1, 1, 1), (2, 3, 3, 17), (4, 2, 2, 130)])
