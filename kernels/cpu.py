@@ -12,13 +12,44 @@ from torch import Tensor
 from kernels.reference import per_row, protected_slots
 
 
+def one_drop_victims(scores: Tensor, positions: Tensor, keep, n_sink, n_recent,
+                     live) -> tuple[Tensor, list[int]] | None:
+    """The slot each ``(b, h)`` row drops when no row drops more than one live slot: ``victim [B, H, 1]`` and each
+    row's drop (0 or 1), or None in the cases `select_keep_one_drop` leaves to the reference.
+
+    The victim is the argmin of the reference's priorities over the live slots (protected and dead ones +inf; the
+    first among ties, so the older slot goes, as the reference's preference for recent slots does). A row that
+    drops nothing keeps every live slot whatever its victim. Marking the victims dead (position -1) leaves the
+    live slots `select_keep_reference` keeps, without building its kept index (`learnkv.cache.BudgetCache` marks
+    them so when it does not compact): at a stacked decode step of 30 layers x 8 rows x ~800 slots the index and
+    the mask made back from it cost ~3x this argmin.
+    """
+    B, H, T = scores.shape
+    keeps = [keep] * B if isinstance(keep, int) else list(keep)
+    lives = [live] * B if isinstance(live, int) else list(live)
+    drops = [n - k for n, k in zip(lives, keeps)]
+    if B * H == 0 or any(d not in (0, 1) for d in drops) or max(keeps) > T:
+        return None
+    valid = positions >= 0
+    # the reference's priorities on live slots (protected ones +inf; a protected slot is never dead), dead ones +inf
+    # here so that the argmin finds the lowest live one
+    live_prio = scores.float().masked_fill(protected_slots(positions, n_sink, n_recent), float("inf"))
+    live_prio = live_prio.masked_fill(~valid, float("inf"))
+    victim = live_prio.argmin(dim=-1, keepdim=True)  # [B, H, 1]: the lowest live priority, the oldest among ties
+    # one synchronisation for every case the argmin would not reproduce (NaN > -inf is False too): a NaN or -inf
+    # priority on a live slot, or a row whose every live slot is +inf (the argmin then lands on a dead slot)
+    if bool((~(live_prio > float("-inf"))).any() | (~valid.gather(-1, victim)).any()):
+        return None
+    return victim, drops
+
+
 def select_keep_one_drop(scores: Tensor, positions: Tensor, keep, n_sink, n_recent, live) -> Tensor | None:
     """`select_keep_reference` (token granularity) when no row drops more than one live slot, else None.
 
     That is every decode step of a policy that evicts at each overflow: the new token puts a row one over its
     budget. The reference ranks every slot with two sorts per step; here the one slot that goes is the argmin of
-    the same priorities (the first one, so ties drop the older slot, as the reference's preference for recent
-    slots does), dead and padding slots go with it, and the kept slots are listed by a cumulative sum.
+    the same priorities (`one_drop_victims`), dead and padding slots go with it, and the kept slots are listed by a
+    cumulative sum.
 
     Parameters
     ----------
@@ -32,25 +63,15 @@ def select_keep_one_drop(scores: Tensor, positions: Tensor, keep, n_sink, n_rece
     with, or rank among, the dead slots' -inf), or a row whose lowest live priority is not below every dead slot's
     masked one (all of its live slots +inf).
     """
+    found = one_drop_victims(scores, positions, keep, n_sink, n_recent, live)
+    if found is None:
+        return None
+    victim, drops = found
     B, H, T = scores.shape
     keeps = [keep] * B if isinstance(keep, int) else list(keep)
-    lives = [live] * B if isinstance(live, int) else list(live)
-    drops = [n - k for n, k in zip(lives, keeps)]
-    if B * H == 0 or any(d not in (0, 1) for d in drops) or max(keeps) > T:
-        return None
     device = scores.device
-    valid = positions >= 0
-    # the reference's priorities on live slots (protected ones +inf; a protected slot is never dead), dead ones +inf
-    # here so that the argmin finds the lowest live one
-    live_prio = scores.float().masked_fill(protected_slots(positions, n_sink, n_recent), float("inf"))
-    live_prio = live_prio.masked_fill(~valid, float("inf"))
-    victim = live_prio.argmin(dim=-1, keepdim=True)  # [B, H, 1]: the lowest live priority, the oldest among ties
-    victim_live = valid.gather(-1, victim)
-    # one synchronisation for every case the argmin would not reproduce (NaN > -inf is False too)
-    if bool((~(live_prio > float("-inf"))).any() | (~victim_live).any()):
-        return None
     dropping = torch.tensor(drops, dtype=torch.bool, device=device).view(B, 1, 1).expand(B, H, 1)
-    kept = valid.scatter(-1, victim, victim_live & ~dropping)
+    kept = (positions >= 0).scatter(-1, victim, ~dropping)
     K = max(keeps)
     # a row that keeps k < K slots lists them after K - k entries of -1, as the reference does
     first = (K - per_row(keeps, B, device)) - 1

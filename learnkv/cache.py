@@ -64,6 +64,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 import kernels
+from kernels.cpu import one_drop_victims
 from kernels.reference import protected_slots
 from learnkv.allocation import (Allocation, allocate, as_allocation, head_budgets, keep_slots, normalisation_for,
                                 normalise_scores)
@@ -116,6 +117,15 @@ def _gather_slots(stat: Tensor, index: Tensor) -> Tensor:
     idx = index.clamp(min=0).view(B, H, *([1] * (stat.dim() - 3)), K).expand(*stat.shape[:-1], K)
     filler = (index < 0).view(B, H, *([1] * (stat.dim() - 3)), K)
     return stat.gather(-1, idx).masked_fill(filler, 0)
+
+
+def mark_victims(positions: Tensor, victim: Tensor, drops: list[int]) -> None:
+    """Mark the slot ``victim [B, H, 1]`` of every row whose drop is 1 dead (position -1), in place."""
+    if all(drops):
+        positions.scatter_(-1, victim, -1)
+    elif any(drops):
+        dropping = torch.tensor(drops, dtype=torch.bool, device=victim.device).view(-1, 1, 1)
+        positions.scatter_(-1, victim, positions.gather(-1, victim).masked_fill(dropping, -1))
 
 
 #: the state entry a refreshing policy's latest scores are kept in (`Policy.refresh`)
@@ -499,14 +509,16 @@ class BudgetCache(Cache):
         return some.new_zeros(view.positions.shape).index_copy_(0, torch.tensor(due, device=some.device), some)
 
     def _evict(self, layers: list[BudgetLayer], positions: Tensor, scores: Tensor | list[Tensor], keep: list[int],
-               sinks: list[int], recents: list[int], block: int, pooling: str | None = None) -> tuple[Tensor, bool]:
+               sinks: list[int], recents: list[int], block: int,
+               pooling: str | None = None) -> tuple[Tensor | None, bool]:
         """The one eviction of the cache: ``scores`` -> the slots each row keeps -> compact or mark dead.
 
         ``layers`` decide as rows of one selection, layer-major (one layer, or a stacked step's every layer:
         ``positions`` and ``scores`` ``[L * B, H, T]``), or, with ``pooling``, share one decision whose scores are
         one tensor per layer pooled into one score per slot (`learnkv.pooling.shared_keep_slots`). ``keep``,
-        ``sinks`` and ``recents`` are per row of one layer. Returns the kept slots and whether the layers were
-        compacted (else the evicted slots were marked dead in place)."""
+        ``sinks`` and ``recents`` are per row of one layer. Returns the kept slots (None where a one-drop step
+        marked its victims without listing them, `_mark_one_drop`) and whether the layers were compacted (else the
+        evicted slots were marked dead in place)."""
         if self.allocation.mode in ("head", "global") and pooling is None:
             return self._evict_per_head(layers[0], positions, scores, sinks, recents)
         if pooling is not None:
@@ -514,9 +526,29 @@ class BudgetCache(Cache):
                                       _one_or_rows(recents), block, pooling)
             return index, self._keep_slots(layers, index, positions, None)
         L = len(layers)
+        if block == 1 and self._mark_one_drop(layers, positions, scores, keep, sinks, recents):
+            return None, False
         index = kernels.select_keep(scores, positions, _one_or_rows(keep * L), _one_or_rows(sinks * L),
                                     _one_or_rows(recents * L), block, live=layers[0].live * L)
         return index, self._keep_slots(layers, index, positions, keep if block == 1 else None)
+
+    def _mark_one_drop(self, layers: list[BudgetLayer], positions: Tensor, scores: Tensor, keep: list[int],
+                       sinks: list[int], recents: list[int]) -> bool:
+        """A token eviction that drops at most one live slot per row and does not compact (`_compacts`): mark each
+        dropping row's victim dead in place (`kernels.cpu.one_drop_victims`), without the kept index
+        `kernels.select_keep` would build and `mark_dead` turn back into a mask; the same live slots, bit for bit.
+        Returns whether it did (else the caller selects and keeps slots as usual)."""
+        L, first = len(layers), layers[0]
+        if max(keep) > first.n_slots or self._compacts(first, max(keep)) or kernels.use_triton(scores, positions):
+            return False
+        found = one_drop_victims(scores, positions, _one_or_rows(keep * L), _one_or_rows(sinks * L),
+                                 _one_or_rows(recents * L), first.live * L)
+        if found is None:
+            return False
+        mark_victims(positions, *found)  # a stacked view writes through to every layer's positions
+        for layer in layers:
+            layer.live = list(keep)
+        return True
 
     def _compacts(self, layer: BudgetLayer, kept: int) -> bool:
         """Whether an eviction that keeps ``kept`` slots (the widest row's) compacts rather than marks the evicted

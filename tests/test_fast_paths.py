@@ -202,3 +202,102 @@ def test_state_buffers_are_zero_past_the_slots_in_use(tiny, policy, slack):
              observer=observe, policy_params=params_for(policy, 2),
              **({"prefill_policy": "snapkv"} if policy == "lazy" else {}))
     assert checked
+
+
+@pytest.mark.parametrize("B, H, T", [(1, 1, 1), (1, 3, 17), (2, 2, 33), (4, 3, 129), (16, 3, 40)])
+@pytest.mark.parametrize("kind", ["randn", "ties", "special", "over"])
+@pytest.mark.parametrize("one_keep", [False, True])
+def test_marking_the_victims_leaves_the_reference_slots(B, H, T, kind, one_keep):
+    """A one-drop step that does not compact marks each dropping row's victim dead (`kernels.cpu.one_drop_victims`,
+    `learnkv.cache.mark_victims`) instead of listing the kept slots and marking the rest: the same positions as
+    `mark_dead` of the reference's kept slots, and no decision where the shortcut of the selection has none."""
+    from kernels.cpu import one_drop_victims, select_keep_one_drop
+    from learnkv.cache import mark_victims
+    from learnkv.slots import mark_dead
+
+    g = torch.Generator().manual_seed(B * 1000 + T + 7)
+    taken = 0
+    for trial in range(20):
+        scores, pos, keeps, lives = one_drop_case(B, H, T, g, kind)
+        if kind == "over" and lives[0] < 2:
+            continue
+        if one_keep:
+            keeps, lives = [keeps[0]] * B, [lives[0]] * B
+            pos[:] = pos[:1]
+        keep, live = (keeps[0], lives[0]) if one_keep else (keeps, lives)
+        n_sink, n_recent = trial % 3, trial % 5
+        found = one_drop_victims(scores, pos, keep, n_sink, n_recent, live)
+        assert (found is None) == (select_keep_one_drop(scores, pos, keep, n_sink, n_recent, live) is None)
+        if found is None:
+            continue
+        taken += 1
+        expected = pos.clone()
+        mark_dead(expected, ref.select_keep_reference(scores, pos, keep, n_sink, n_recent))
+        marked = pos.clone()
+        mark_victims(marked, *found)
+        assert torch.equal(marked, expected), f"trial {trial}"
+    if kind == "over":
+        assert taken == 0
+    elif kind != "special":
+        assert taken >= 15, f"the shortcut decided only {taken} of 20 steps"
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "knorm", "streaming", "learned", "random"])
+@pytest.mark.parametrize("slack", [0, 4])
+def test_decode_marks_the_same_slots_without_a_kept_index(tiny, monkeypatch, policy, slack):
+    """The cache's one-drop marking (`BudgetCache._mark_one_drop`) leaves every layer's slot positions after every
+    step of a padded batch-2 decode as selecting the kept slots and marking the rest did (the shortcut off)."""
+    import learnkv.cache
+
+    ids = torch.cat([random_ids(30, seed=11), random_ids(30, seed=12)])
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+
+    def run():
+        seen = []
+        generate(tiny, input_ids=ids, attention_mask=mask, policy=policy, budget=20, max_new_tokens=24, slack=slack,
+                 stop_at_eos=False, policy_params=params_for(policy, 2), prefill_policy="snapkv",
+                 observer=lambda cache: seen.append([layer.positions.clone() for layer in cache.layers]))
+        return seen
+
+    calls = []
+    real = learnkv.cache.one_drop_victims
+    monkeypatch.setattr(learnkv.cache, "one_drop_victims", lambda *a: calls.append(1) or real(*a))
+    fast = run()
+    monkeypatch.setattr(learnkv.cache, "one_drop_victims", lambda *a: None)
+    before = run()
+    assert len(fast) == len(before) == 24
+    assert all(torch.equal(a, b) for step_a, step_b in zip(fast, before) for a, b in zip(step_a, step_b))
+    assert bool(calls) == (slack > 0), "slack 0 compacts at every eviction; with slack the marking must run"
+
+
+def update_decode_before(attn, positions, step, state):
+    """`FeatureTracker._update_decode` before the window's row-by-row shift (commit 27bd051): the same update, with
+    the window shifted through a temporary copy, as it was."""
+    win, scratch = state["f.win"], state["f.win"].clone()
+    FeatureTracker._update_decode(attn, positions, step, {**state, "f.win": scratch})
+    win[:, :, :-1] = win[:, :, 1:].clone()
+    win[:, :, -1] = attn[:, :, :, -1, :].mean(dim=2)
+
+
+@pytest.mark.parametrize("B, H, G, T", [(1, 1, 1, 1), (2, 3, 3, 17), (4, 2, 2, 130)])
+def test_tracker_decode_update_equals_the_replaced_shift(B, H, G, T):
+    """The tracker's decode update shifts its window row by row (no temporary copy): every state entry bit for bit
+    as the replaced code, over several steps, on a view of a larger buffer as the cache hands it."""
+    from learnkv.features import STATE, WINDOW
+
+    g = torch.Generator().manual_seed(B * 100 + T)
+    pos = torch.arange(T).expand(B, H, T).clone()
+    pos[0, :, : T // 3] = -1
+    ours = {}
+    for name in STATE:
+        shape = (B, H, WINDOW, T + 5) if name == "f.win" else (B, H, T + 5)
+        ours[name] = (torch.rand(*shape, generator=g) * 3).floor()[..., :T]  # views with room, like the cache's
+    theirs = {k: v.clone() for k, v in ours.items()}
+    tracker = FeatureTracker(n_layers=2)
+    for step in range(1, 6):
+        attn = torch.rand(B, H, G, 1, T, generator=g) / T
+        tracker._update_decode(attn, pos, step, ours)
+        update_decode_before(attn, pos, step, theirs)
+        for name in STATE:
+            assert torch.equal(ours[name], theirs[name]), f"step {step}: {name}"

@@ -1,4 +1,5 @@
-"""The cheaper R-KV redundancy and SnapKV pooling (issue 43, item 2) give the same bits, hence the same kept tokens.
+"""The cheaper R-KV redundancy and SnapKV pooling and window update (issue 43, item 2) give the same bits, hence the
+same kept tokens.
 
 Each fast path is compared with the code it replaced, kept here verbatim as the reference: on parametrised shapes
 (padding, near-duplicates, thresholds, kernel sizes, -0.0) the scores must be bit-identical, and a decode on the
@@ -41,6 +42,25 @@ def avg_pool_before(x, k):
     """SnapKV's pooling before the change: the pooling call."""
     B, H, n = x.shape
     return F.avg_pool1d(x.reshape(B * H, 1, n), kernel_size=k, stride=1, padding=k // 2)[..., :n].reshape(B, H, n)
+
+
+def snapkv_update_before(self, view):
+    """`SnapKV.update` before the in-place shift of a full window (commit 27bd051), verbatim."""
+    rows = view.attn  # [B, H, W, T]; the cache zero-padded old rows for new slots (causally exact)
+    window = view.state.get("window_attn")
+    window = rows if window is None else torch.cat([window, rows], dim=2)
+    view.state["window_attn"] = window[:, :, -self.obs_window :, :]
+
+
+def snapkv_score_before(window_attn, window, k):
+    """`SnapKV._score` before it pooled live slots only (commit 27bd051), verbatim, with ``avg_pool``'s pooling."""
+    s = window_attn.mean(dim=2)  # [B, H, T]
+    B, H, T = s.shape
+    n_prefix = T - min(window, T)  # the window's own keys are kept, and not pooled into neighbours
+    pooled = snapkv.avg_pool(s[..., :n_prefix], k)
+    # like kvpress, the window gets the highest prefix score (it is protected by the cache anyway)
+    top = pooled.amax(dim=-1, keepdim=True) if n_prefix else s.new_zeros(B, H, 1)
+    return torch.cat([pooled, top.expand(B, H, T - n_prefix)], dim=-1)
 
 
 def same_bits(a, b):
@@ -94,7 +114,86 @@ def test_decode_keeps_the_same_slots(tiny, monkeypatch, policy, params):
     fast = kept_slots(tiny, policy, 48, **params)
     monkeypatch.setattr(rkv, "redundancy", redundancy_before)
     monkeypatch.setattr(snapkv, "avg_pool", avg_pool_before)
+    monkeypatch.setattr(snapkv.SnapKV, "update", snapkv_update_before)
     before = kept_slots(tiny, policy, 48, **params)
     assert len(fast) == len(before) == 70  # the prefill and 69 decode steps
     assert all(torch.equal(a, b) for step_a, step_b in zip(fast, before) for a, b in zip(step_a, step_b))
     assert any(layer.shape[-1] < 60 + 70 for layer in fast[-1])  # it did evict
+
+
+def compacted(x, positions):
+    """``x [B, H, T]`` as a compacted cache holds it: each row's live slots in order at the right of the widest row's
+    count, +0.0 before them (filler slots); and the compacted positions."""
+    B, H, T = x.shape
+    K = int((positions >= 0).sum(-1).max())
+    out = torch.zeros(B, H, K, dtype=x.dtype)
+    pos = torch.full((B, H, K), -1, dtype=torch.int64)
+    for b in range(B):
+        for h in range(H):
+            live = (positions[b, h] >= 0).nonzero().view(-1)
+            out[b, h, K - len(live) :] = x[b, h, live]
+            pos[b, h, K - len(live) :] = positions[b, h, live]
+    return out, pos
+
+
+@pytest.mark.parametrize("B,H,T", [(1, 1, 16), (2, 3, 40), (3, 2, 129)])
+@pytest.mark.parametrize("window,k", [(1, 5), (4, 5), (8, 7), (30, 3), (128, 5)])
+@pytest.mark.parametrize("dead", [0.0, 0.2, 0.6, "oldest"])
+def test_snapkv_scores_live_slots_as_in_the_compacted_cache(B, H, T, window, k, dead):
+    """SnapKV pools each live slot with its live neighbours (`snapkv.live_order`): with dead slots anywhere, every
+    live slot's score is bit for bit the one it gets in the compacted cache; without dead slots between live ones
+    the scores are the replaced code's, every slot's."""
+    g = torch.Generator().manual_seed(B * 100 + T + window)
+    window = min(window, T // 4)  # SnapKV scores a row over its budget, which is over its window
+    policy = snapkv.SnapKV(kernel_size=k, window=window)
+    attn = torch.rand(B, H, 6, T, generator=g) ** 4 / 30
+    pos = torch.arange(T).expand(B, H, T).clone()
+    pos[0, :, : T // 4] = -1  # left padding
+    attn[0, :, :, : T // 4] = 0.0  # as the cache holds it: no attention to a padding slot
+    assert same_bits(policy._score(attn, window, pos), snapkv_score_before(attn, window, k))
+    # dead slots anywhere before each row's newest `window` (never among them: those are protected)
+    if dead == "oldest":  # the oldest live slots die: the live ones still sit together at the right
+        die = (pos >= 0) & (pos < 3)
+    else:
+        die = (torch.rand(B, H, T, generator=g) < dead) & (pos >= 0)
+    die[..., max(T - window, 0) :] = False
+    pos = pos.masked_fill(die, -1)
+    attn = attn.masked_fill(die[:, :, None], 0.5)  # a dead slot's old attention must not reach its neighbours
+    ours = policy._score(attn, window, pos)
+    packed, packed_pos = compacted(attn.mean(dim=2), pos)
+    if packed.shape[-1] <= window:  # no row over its window: SnapKV would not score it
+        return
+    expected = policy._score(packed[:, :, None], window, packed_pos)  # a one-row window whose mean is the row
+    live = pos >= 0
+    for b in range(B):
+        for h in range(H):
+            got = ours[b, h, live[b, h]]
+            want = expected[b, h, packed_pos[b, h] >= 0]
+            assert same_bits(got, want), f"row {b}, head {h}"
+
+
+@pytest.mark.parametrize("params", [{}, {"window": 5, "kernel_size": 7}])
+@pytest.mark.parametrize("slack", [1, 5])
+def test_snapkv_with_dead_slots_keeps_the_compacted_tokens(tiny, monkeypatch, params, slack):
+    """What pooling live slots only buys: SnapKV could let evicted slots stay dead (``slack``) instead of compacting
+    at every eviction. Run so (its ``needs_dense_slots`` switched off here; the flag itself is the policies'), a
+    padded batch-2 decode keeps the same live positions in every layer after every step as the compacting cache."""
+    ids = torch.cat([random_ids(60, seed=5), random_ids(60, seed=6)])
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+
+    def run(slack):
+        live = []
+
+        def observe(cache):
+            live.append([[sorted(p[p >= 0].tolist()) for p in layer.positions.flatten(0, 1)] for layer in cache.layers])
+
+        out = generate(tiny, input_ids=ids, attention_mask=mask, policy="snapkv", budget=48, max_new_tokens=40,
+                       stop_at_eos=False, policy_params=params, slack=slack, observer=observe)
+        return out.tokens.tolist(), live
+
+    compacting = run(0)
+    monkeypatch.setattr(snapkv.SnapKV, "needs_dense_slots", False)
+    dead_slots = run(slack)
+    assert dead_slots[0] == compacting[0]
+    assert dead_slots[1] == compacting[1]

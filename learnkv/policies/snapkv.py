@@ -62,28 +62,57 @@ class SnapKV(Policy):
     def update(self, view: LayerView) -> None:
         rows = view.attn  # [B, H, W, T]; the cache zero-padded old rows for new slots (causally exact)
         window = view.state.get("window_attn")
+        if window is not None and rows.shape[2] == 1 and window.shape[2] == self.obs_window:
+            # a decode step on a full window: shift it in place, row by row (no overlap), into the cache's buffer;
+            # concatenating made a new [B, H, W + 1, T] tensor that the cache then copied back (bench/RESULTS.md)
+            for j in range(window.shape[2] - 1):
+                window[:, :, j] = window[:, :, j + 1]
+            window[:, :, -1] = rows[:, :, 0]
+            return
         window = rows if window is None else torch.cat([window, rows], dim=2)
         view.state["window_attn"] = window[:, :, -self.obs_window :, :]
 
     def score(self, view: LayerView) -> Tensor:
-        attn = view.state["window_attn"]
+        attn, positions = view.state["window_attn"], view.positions
         if not self.row_windows:
-            return self._score(attn, self.obs_window)
+            return self._score(attn, self.obs_window, positions)
         scores = attn.new_empty(attn.shape[0], attn.shape[1], attn.shape[3])
         for w in sorted(set(self.row_windows)):  # each row exactly as alone: its own last w query rows
             rows = [b for b, x in enumerate(self.row_windows) if x == w]
-            scores[rows] = self._score(attn[rows][:, :, -w:], w)
+            scores[rows] = self._score(attn[rows][:, :, -w:], w, positions[rows])
         return scores
 
-    def _score(self, window_attn: Tensor, window: int) -> Tensor:
+    def _score(self, window_attn: Tensor, window: int, positions: Tensor) -> Tensor:
         s = window_attn.mean(dim=2)  # [B, H, T]
         B, H, T = s.shape
+        s, dest = live_order(s, positions)
         n_prefix = T - min(window, T)  # the window's own keys are kept, and not pooled into neighbours
         k = self.kernel_size
         pooled = avg_pool(s[..., :n_prefix], k)
         # like kvpress, the window gets the highest prefix score (it is protected by the cache anyway)
         top = pooled.amax(dim=-1, keepdim=True) if n_prefix else s.new_zeros(B, H, 1)
-        return torch.cat([pooled, top.expand(B, H, T - n_prefix)], dim=-1)
+        scores = torch.cat([pooled, top.expand(B, H, T - n_prefix)], dim=-1)
+        return scores if dest is None else scores.gather(-1, dest.clamp(max=T - 1))
+
+
+def live_order(s: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``s [B, H, T]`` laid out as a compacted cache would hold it: each row's live slots (position >= 0) in order
+    at its right end, +0.0 before them (what a padding or filler slot holds), and ``dest``, each slot's index there
+    (``T`` for a dead one), to map the scores back; ``(s, None)`` where every row already is so (a dense cache).
+
+    The pool then sees each live slot's live neighbours, never a dead slot between them: a live slot's pooled score
+    is the one it gets in the compacted cache, bit for bit (the same values summed in the same order; extra zeros at
+    the left are the pooling's own padding), so slots may be marked dead instead of compacted at every eviction. A
+    dead slot's score is meaningless (the cache never keeps a dead slot)."""
+    T = s.shape[-1]
+    valid = positions >= 0
+    s = s.masked_fill(~valid, 0.0)  # in a compacted cache already so; a slot marked dead keeps its old attention
+    n = valid.sum(-1, keepdim=True)
+    slot = torch.arange(T, device=s.device)
+    if bool((valid | (slot < T - n)).all()):
+        return s, None
+    dest = torch.where(valid, valid.cumsum(-1) - 1 + (T - n), T)
+    return s.new_zeros(*s.shape[:-1], T + 1).scatter_(-1, dest, s)[..., :T], dest
 
 
 def avg_pool(x: Tensor, k: int) -> Tensor:
