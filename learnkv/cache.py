@@ -158,9 +158,9 @@ class BudgetCache(Cache):
         Slots a layer may leave dead in every row before it compacts (see `BudgetLayer`). 0 compacts whenever a
         slot is free in every row. The kept tokens are the same for any slack; memory grows by ``slack`` slots per
         layer and the compaction runs once per ``slack + 1`` evicted tokens instead of at every eviction. Ignored
-        wherever neighbouring slots are grouped: block eviction (the block mode, PagedEviction), SnapKV's average
-        pool and R-KV's max pool (``needs_dense_slots``): there every eviction compacts (``dense``), also one
-        that only a narrower row makes.
+        wherever neighbouring slots are grouped: block eviction (the block mode, PagedEviction) and R-KV's max pool
+        (``needs_dense_slots``): there every eviction compacts (``dense``), also one that only a narrower row makes.
+        (SnapKV's average pool reads live neighbours only, `policies.snapkv.live_order`, so slack applies to it.)
     capacity : int, optional
         Slots to preallocate per layer; by default what the budget needs (`slots_to_allocate`).
     prefill_policy : Policy or sequence of Policy, optional

@@ -194,7 +194,7 @@ def test_roco_and_paged_equal_state_equal_scores(T):
 def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw, lengths, budgets, monkeypatch):
     """Two prompts with different budgets: each row keeps, step by step, what it keeps alone. Of different lengths
     (the second left-padded), or of one length with the narrower budget first: that row then evicts at steps where
-    the wider one keeps every token, so no slot is free in every row; where slots must stay dense (SnapKV, R-KV,
+    the wider one keeps every token, so no slot is free in every row; where slots must stay dense (R-KV,
     blocks) that eviction compacts all the same, and no row ever holds a dead slot between live ones.
     ``snapkv-own-windows``: SnapKV's default window (a quarter of the budget) differs between the rows (5 and 4).
     A lagged policy that scores a subset of rows (LazyEviction, R-KV) is scored on the due row alone at some steps."""
@@ -238,7 +238,7 @@ def test_rows_with_their_own_budgets_decode_as_alone(tiny, policy, kw, lengths, 
     lagged = make_policy(policy, **params).resolve(min(budgets)).interval > 1
     if cls.rowwise and lagged:  # scored on the due rows: the two rows' schedules differ, so some steps had one due
         assert 1 in scored_in_batch
-    if policy in ("snapkv", "rkv", "paged") or kw.get("granularity") == "block":  # dense: dead slots only at the left
+    if policy in ("rkv", "paged") or kw.get("granularity") == "block":  # dense: dead slots only at the left
         for step in kept_batch:
             for p in step:
                 live = (p >= 0).int()

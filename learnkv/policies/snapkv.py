@@ -37,7 +37,7 @@ class SnapKV(Policy):
 
     name = "snapkv"
     pooling = "mean_mass"  # the window's attention: comparable across layers and heads
-    needs_dense_slots = True  # its 1-D average pool mixes neighbouring slots; a dead slot between would change it
+    # its 1-D average pool mixes neighbouring slots, but only live ones (`live_order`): dead slots may stay (slack)
     per_row_fields = ("n_sink", "n_recent", "interval", "window")  # the window: see `for_batch`
     window: int | None = setting(None, ge=1)
     kernel_size: int = setting(5, ge=1)
