@@ -142,3 +142,14 @@ def test_content_gate_reads_the_value_vectors(tiny, tmp_path):
     for h in range(2):  # after the prefill's compression: the newest token and the 11 largest first components
         best = full[0][0, h, :29, 0].topk(11).indices.tolist()
         assert held[0][h].tolist() == sorted(best) + [29]
+
+
+def test_the_same_scorer_exports_the_same_bytes(tmp_path):
+    """An artifact's digest (``weights_sha256``, which evaluation records and resumes check) depends on the weights
+    alone: safetensors writes a metadata dict in hash order, which differs from one write to the next when it has
+    more than one key, so two trainings with bit-identical weights once gave two digests."""
+    torch.manual_seed(0)
+    scorer = Scorer(n_layers=2, hidden=8)
+    digests = {json.loads((export_scorer(scorer, tmp_path / f"art{i}", model="tiny", n_kv_heads=2) / "manifest.json")
+                          .read_text())["weights_sha256"] for i in range(12)}
+    assert len(digests) == 1

@@ -47,7 +47,9 @@ def export_scorer(scorer: Scorer, out: str | Path, *, model: str, n_kv_heads: in
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     tensors = {k: v.detach().cpu().contiguous() for k, v in scorer.state_dict().items()}
-    save_file(tensors, tmp / WEIGHTS, metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+    # one metadata key: safetensors writes its metadata in hash order, so two keys made the file's bytes (and so
+    # ``weights_sha256``) differ between two writes of the same weights; the manifest holds the format checked on load
+    save_file(tensors, tmp / WEIGHTS, metadata={"format": f"{FORMAT}/{FORMAT_VERSION}"})
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
