@@ -93,7 +93,8 @@ def _check_interpreter() -> None:
 
     if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
         raise RuntimeError(f"Triton {triton.__version__}'s interpreter does not run with numpy {numpy.__version__} "
-                           "(TRITON_INTERPRET=1 needs triton>=3.7 or numpy<2.4); compiled kernels on CUDA are unaffected")
+                           "(TRITON_INTERPRET=1 needs triton>=3.7 or numpy<2.4); compiled kernels on CUDA are "
+                           "unaffected")
 
 
 def use_triton(*tensors) -> bool:

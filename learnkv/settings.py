@@ -3,8 +3,8 @@
 A decode's eviction is set by a policy and its parameters, a budget, how decisions are shared (granularity, block
 size), how often the cache compacts (slack), what compresses a prompt over the budget (the prefill policy) and the
 learned policy's scorer artifact and the allocation (issue 42: how a row's budget is shared by layers and KV
-heads, `learnkv.allocation`). `Eviction` holds them; `Eviction.check` is the one feasibility check every entry point calls before any
-model loads (the command line, ``evaluate.py``'s grid, ``train.py``'s config, trace collection), and
+heads, `learnkv.allocation`). `Eviction` holds them; `Eviction.check` is the one feasibility check every entry point
+calls before any model loads (the command line, ``evaluate.py``'s grid, ``train.py``'s config, trace collection), and
 `Eviction.resolve` the one place a policy is resolved for each row's budget, which `learnkv.generate` and the
 evaluation runner call again with the prompts' lengths before they decode.
 
@@ -235,5 +235,5 @@ def batch_groups(settings: Eviction, budgets: Sequence[int | None]) -> list[list
     return list(keys.values())
 
 
-__all__ = ["ALLOCATION_KEYS", "Eviction", "GRANULARITIES", "batch_groups", "parse_number", "resolve_budget", "resolve_policy",
-           "resolve_policy_rows"]
+__all__ = ["ALLOCATION_KEYS", "Eviction", "GRANULARITIES", "batch_groups", "parse_number", "resolve_budget",
+           "resolve_policy", "resolve_policy_rows"]

@@ -32,15 +32,15 @@ from learnkv.eval.checkpoint import scorer_identity
 from learnkv.eval.stats import bootstrap_ci, paired_difference
 from learnkv.eval.tasks import TASKS, Sample, Task, make_task
 from learnkv.eval.tasks.base import RunConfig, cost_row, evicts
-from learnkv.policies import POLICIES, make_policy
+from learnkv.policies import POLICIES
 from learnkv.policies.params import parse_policy, parse_policy_list
 from learnkv.progress import redraw_seconds, token_counter
 from learnkv.settings import ALLOCATION_KEYS, Eviction, batch_groups, parse_number, resolve_budget
 
 DEFAULT_POLICIES = ("full", "streaming", "h2o", "tova", "snapkv", "roco", "lazy", "paged")
 DEFAULT_BUDGETS = (0.25, 0.5)
-COST_METRICS = ("budget_tokens", "peak_kv_bytes", "live_kv_bytes", "full_kv_bytes", "kv_share", "kept_share", "tokens_per_s",
-                "eviction_share")
+COST_METRICS = ("budget_tokens", "peak_kv_bytes", "live_kv_bytes", "full_kv_bytes", "kv_share", "kept_share",
+                "tokens_per_s", "eviction_share")
 
 
 @dataclass(frozen=True)
