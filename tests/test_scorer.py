@@ -8,7 +8,8 @@ import torch
 from conftest import random_ids
 from learnkv import generate
 from learnkv.features import N_FEATURES
-from learnkv.scorer.artifact import ArtifactError, export_scorer, load_scorer
+from learnkv.scorer.artifact import (ArtifactError, check_binding, export_scorer, load_scorer, read_artifact_manifest,
+                                     trained_allocation)
 from learnkv.scorer.model import Scorer
 
 
@@ -33,6 +34,23 @@ def test_round_trip_identical_scores(exported):
     mixed = loaded(x[0, :3, :4], layers)
     assert torch.allclose(mixed, torch.stack([loaded(x[0, i, :4], int(layers[i])) for i in range(3)]), atol=1e-6)
     assert manifest["metrics"] == {"val/recall@25": 0.5} and manifest["n_kv_heads"] == 2
+
+
+def test_the_artifact_records_the_allocation_it_was_trained_for(exported, tmp_path):
+    _, path = exported  # exported without saying: a per-head scorer, as every artifact before the field
+    _, manifest = load_scorer(path, expect_allocation="uniform")
+    assert trained_allocation(manifest) == "uniform"
+    with pytest.raises(ArtifactError, match="trained for allocation 'uniform', not 'global'"):
+        load_scorer(path, expect_allocation="global")
+    glob = export_scorer(Scorer(n_layers=3, hidden=8), tmp_path / "global", model="tiny", n_kv_heads=2,
+                         allocation="global")
+    assert trained_allocation(load_scorer(glob, expect_allocation="global")[1]) == "global"
+    with pytest.raises(ArtifactError, match="not 'uniform'"):
+        check_binding(read_artifact_manifest(glob), glob, allocation="uniform")
+    check_binding(read_artifact_manifest(glob), glob)  # not asked: the decode loop may run it under any allocation
+    old = dict(read_artifact_manifest(path))
+    del old["allocation"]
+    assert trained_allocation(old) == "uniform"  # artifacts written before the field
 
 
 def test_per_layer_weights_differ(exported):

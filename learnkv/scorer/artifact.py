@@ -37,8 +37,9 @@ class ArtifactError(ValueError):
 
 
 def export_scorer(scorer: Scorer, out: str | Path, *, model: str, n_kv_heads: int, config_digest: str = "",
-                  metrics: dict | None = None, extra: dict | None = None) -> Path:
-    """Write the artifact directory atomically (a temporary directory renamed into place)."""
+                  metrics: dict | None = None, extra: dict | None = None, allocation: str = "uniform") -> Path:
+    """Write the artifact directory atomically (a temporary directory renamed into place). ``allocation`` is the
+    budget allocation the scorer was trained for (`trained_allocation`; issue 42)."""
     bad = _non_finite(scorer.state_dict())
     if bad:
         raise ArtifactError(f"refusing to export a scorer with non-finite weights ({bad}): training diverged; "
@@ -59,6 +60,7 @@ def export_scorer(scorer: Scorer, out: str | Path, *, model: str, n_kv_heads: in
         "n_layers": scorer.n_layers,
         "n_kv_heads": n_kv_heads,
         "pooling": POOLING,  # how layers and heads share one block decision in serving (`learnkv.pooling`)
+        "allocation": allocation,
         "architecture": scorer.config(),
         "normalization": {"mean": scorer.mean.tolist(), "std": scorer.std.tolist()},
         "config_digest": config_digest,
@@ -124,18 +126,31 @@ def cached_kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def trained_allocation(manifest: dict) -> str:
+    """The budget allocation a scorer was trained for (`learnkv.allocation.ALLOCATIONS`): ``uniform`` for a scorer
+    whose scores rank tokens within one head (every artifact before the field), ``global`` for one trained to rank
+    every layer's and head's tokens on one scale."""
+    return str(manifest.get("allocation", "uniform"))
+
+
 def check_binding(manifest: dict, path: str | Path, *, model: str | None = None, n_layers: int | None = None,
-                  n_kv_heads: int | None = None) -> None:
-    """Refuse (`ArtifactError`) an artifact trained for another model: another name, layer or KV-head count.
+                  n_kv_heads: int | None = None, allocation: str | None = None) -> None:
+    """Refuse (`ArtifactError`) an artifact trained for another model (another name, layer or KV-head count) or,
+    where ``allocation`` is given, for another budget allocation than the one asked for.
 
     Each given fact is checked; None skips it (a model without a name, such as a test model, cannot be bound by
-    name, but its shape still is)."""
+    name, but its shape still is; the decode loop may run a scorer under any allocation as an experiment, serving
+    may not)."""
     if model and not same_model(str(manifest.get("model")), model):
         raise ArtifactError(f"{path}: scorer was trained for model {manifest.get('model')!r}, not {model!r}")
     if n_layers is not None and manifest.get("n_layers") != n_layers:
         raise ArtifactError(f"{path}: scorer has {manifest.get('n_layers')} layers, the model has {n_layers}")
     if n_kv_heads is not None and manifest.get("n_kv_heads") != n_kv_heads:
         raise ArtifactError(f"{path}: scorer has {manifest.get('n_kv_heads')} KV heads, the model has {n_kv_heads}")
+    if allocation is not None and trained_allocation(manifest) != allocation:
+        raise ArtifactError(f"{path}: scorer was trained for allocation {trained_allocation(manifest)!r}, "
+                            f"not {allocation!r}; export one trained for it or serve with "
+                            f"allocation={trained_allocation(manifest)!r}")
 
 
 def _non_finite(tensors: dict) -> str:
@@ -144,7 +159,7 @@ def _non_finite(tensors: dict) -> str:
 
 
 def load_scorer(path: str | Path, expect_model: str | None = None, expect_layers: int | None = None,
-                expect_kv_heads: int | None = None) -> tuple[Scorer, dict]:
+                expect_kv_heads: int | None = None, expect_allocation: str | None = None) -> tuple[Scorer, dict]:
     """(scorer in eval mode, manifest); refuses a wrong version, a tampered or inconsistent weights file, non-finite
     weights, or another model (`check_binding`)."""
     path = Path(path)
@@ -155,7 +170,8 @@ def load_scorer(path: str | Path, expect_model: str | None = None, expect_layers
     digest = sha256_file(weights)
     if digest != manifest.get("weights_sha256"):
         raise ArtifactError(f"{weights}: sha256 {digest[:12]}… does not match the manifest's {str(manifest.get('weights_sha256'))[:12]}…; the file was altered")
-    check_binding(manifest, path, model=expect_model, n_layers=expect_layers, n_kv_heads=expect_kv_heads)
+    check_binding(manifest, path, model=expect_model, n_layers=expect_layers, n_kv_heads=expect_kv_heads,
+                  allocation=expect_allocation)
     arch = manifest.get("architecture")
     try:
         scorer = Scorer(int(arch["n_layers"]), int(arch["n_features"]), int(arch["hidden"]),
