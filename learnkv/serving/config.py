@@ -11,6 +11,16 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 MODES = ("shadow", "evict")
+#: the budget allocations (`learnkv.allocation.ALLOCATIONS`) serving takes; docs/allocation.md, "Serving"
+ALLOCATIONS = ("uniform", "pyramid")
+#: the others, and why a paged engine cannot hold them
+REFUSED_ALLOCATIONS = {
+    "head": "a paged engine's blocks are shared by a layer's KV heads, so a per-head budget frees no block; it needs "
+            "a per-head paged layout (Ada-KV's vLLM port replaces the block manager and kernels)",
+    "global": "it ranks tokens of every layer and KV head together, per head within a layer (see 'head'); a layer-level "
+              "variant (whole blocks ranked across layers, per-layer block tables resized every step) is not built "
+              "and no scorer is trained for it; serve 'pyramid' (fixed per-layer budgets)",
+}
 
 #: environment variable -> config key
 ENV = {
@@ -22,6 +32,7 @@ ENV = {
     "LEARNKV_MODE": "mode",
     "LEARNKV_EXPECT_MODEL": "expect_model",
     "LEARNKV_LOG": "log",
+    "LEARNKV_ALLOCATION": "allocation",
 }
 
 
@@ -47,6 +58,10 @@ class ServingConfig:
         The model name the artifact must be bound to; empty = the served model's name or folder name.
     log : str
         JSONL file for the decisions (shadow mode logs every decision; evict mode too); empty = the vLLM logger.
+    allocation : str
+        How a request's budget is shared by layers (`ALLOCATIONS`): "uniform" (every layer holds the same blocks) or
+        "pyramid" (per-layer budgets in whole blocks, `learnkv.serving.runtime.pyramid_block_budgets`; the runtime
+        and the paged simulator only). The scorer must have been trained for it (the artifact's ``allocation``).
     """
 
     scorer: str
@@ -57,6 +72,7 @@ class ServingConfig:
     mode: str = "shadow"
     expect_model: str = ""
     log: str = ""
+    allocation: str = "uniform"
 
     @property
     def n_sink(self) -> int:
@@ -100,7 +116,16 @@ def parse_config(raw: dict) -> ServingConfig:
         )
     if cfg.mode not in MODES:
         raise ValueError(f"learnkv serving: mode must be one of {', '.join(MODES)}, got {cfg.mode!r}")
+    check_allocation(cfg.allocation)
     return cfg
+
+
+def check_allocation(allocation: str) -> None:
+    """Refuse, in one line, an allocation serving does not take (`ALLOCATIONS`), saying why."""
+    if allocation in REFUSED_ALLOCATIONS:
+        raise ValueError(f"learnkv serving: allocation {allocation!r} is not served: {REFUSED_ALLOCATIONS[allocation]}")
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"learnkv serving: allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
 
 
 def merge_config(extra: dict | None, environ: dict | None = None) -> ServingConfig | None:

@@ -20,6 +20,14 @@ one batched `FeatureTracker` update per engine step covers every decoding reques
 can show a layer's attention for all of them at once (`observe_batch`), or every layer's (`observe_step`). Only a
 decision (a request over its budget, about once per block of new tokens) reads a request on its own.
 
+Allocation (``allocation``, `learnkv.serving.config.ALLOCATIONS`; docs/allocation.md, "Serving"): ``uniform`` (the
+default) keeps one set of blocks for every layer, as above. ``pyramid`` gives each layer its own budget in whole
+blocks (`pyramid_block_budgets`): a layer over its budget keeps its own top blocks, by its own heads' pooled scores
+(`shared_keep_slots` over that layer alone), among the blocks it still holds. A block leaves the request (`Decision.blocks`)
+once every layer has dropped it; `Decision.layer_blocks` says what each layer dropped, for an engine with one block
+table per layer (the paged simulator). The runtime keeps the union of the layers' blocks and is shown each layer's
+attention over its own blocks (`observe`); the batched paths (`observe_batch`, `observe_step`) are ``uniform`` only.
+
 Shapes: H KV heads, G query heads per KV head, q new tokens this step, T resident tokens, D head dim, F features,
 L layers, R requests.
 """
@@ -33,11 +41,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from learnkv.allocation import pyramid_budgets
 from learnkv.features import FEATURES, FeatureTracker
 from learnkv.pooling import shared_keep_slots
 from learnkv.policies.learned import Learned
 from learnkv.scorer.artifact import load_scorer, read_artifact_manifest
 from learnkv.serving.batch import DecodeBatch
+from learnkv.serving.config import check_allocation
 
 
 @dataclass
@@ -60,6 +70,9 @@ class _Request:
     last_row: list[Tensor | None] = field(default_factory=list)  # per layer: this step's attention [1, H, G, 1, T]
     evicted: list[int] = field(default_factory=list)  # logical blocks freed so far
     full_context_tokens: int | None = None  # tokens written before the first eviction (prefix-cache rule)
+    layer_budgets: list[int] | None = None  # pyramid: each layer's budget in tokens (whole blocks); None: uniform
+    dropped: list[set[int]] = field(default_factory=list)  # pyramid, per layer: blocks it dropped, others still hold
+    layer_blocks: list[list[int]] | None = None  # pyramid: what each layer dropped at the latest decision
 
     @property
     def positions(self) -> Tensor | None:
@@ -82,6 +95,7 @@ class Decision:
     resident_tokens: int  # tokens left after freeing them
     budget: int
     n_tokens: int = 0  # tokens the request has written (its logical length)
+    layer_blocks: list[list[int]] | None = None  # pyramid: logical blocks each layer drops now (None: uniform)
 
 
 class ServingRuntime:
@@ -91,7 +105,7 @@ class ServingRuntime:
     ----------
     scorer : str or Path
         Exported scorer directory; refused (`ArtifactError`) if its format, feature version, weights checksum,
-        pooling rule, model, layer or KV-head count does not match.
+        pooling rule, model, layer or KV-head count, or the allocation it was trained for does not match.
     budget : int
         Default per-request budget in tokens (per layer and KV head).
     block_size, sink_blocks, recent_blocks : int
@@ -102,14 +116,22 @@ class ServingRuntime:
         The served model's shape; refuse an artifact trained for another.
     device : str or torch.device
         Where scoring runs (the engine's device; state follows the attention it is shown).
+    allocation : str
+        "uniform" or "pyramid" (module docstring); "head" and "global" are refused in one line saying why.
+    beta : float
+        ``pyramid``: PyramidKV's beta (`learnkv.allocation.pyramid_budgets`).
     """
 
     def __init__(self, scorer: str | Path, budget: int, *, block_size: int = 16, sink_blocks: int = 1,
                  recent_blocks: int = 1, expect_model: str | None = None, n_layers: int | None = None,
-                 n_kv_heads: int | None = None, device: str | torch.device = "cpu"):
-        # the same checks as the decode loop's `learned` policy (`learnkv.scorer.artifact.check_binding`)
+                 n_kv_heads: int | None = None, device: str | torch.device = "cpu", allocation: str = "uniform",
+                 beta: float = 20.0):
+        check_allocation(allocation)
+        # the same checks as the decode loop's `learned` policy (`learnkv.scorer.artifact.check_binding`), and the
+        # allocation the scorer was trained for, which the decode loop leaves free as an experiment
         self.model, self.manifest = load_scorer(scorer, expect_model=expect_model, expect_layers=n_layers,
-                                                expect_kv_heads=n_kv_heads)
+                                                expect_kv_heads=n_kv_heads, expect_allocation=allocation)
+        self.allocation, self.beta = allocation, beta
         self.model = self.model.to(device)
         # a scorer with content features reads each token's value vector; a value never changes, so the runtime
         # keeps its content term (one number per token, layer and KV head, as the norms) from when it is written
@@ -124,6 +146,8 @@ class ServingRuntime:
                                  n_recent=recent_blocks * block_size, block_size=block_size, refresh=1)
         self._resolved: dict[int, object] = {}
         self.policy = self._policy(budget)  # refuses an infeasible default budget at start-up
+        if allocation == "pyramid":
+            self._layer_budgets(budget)  # and every layer's share of it
         self.requests: dict[str, _Request] = {}
         self.batch = DecodeBatch(self.tracker, self.n_layers, self._device)
         self.decide_s = 0.0  # host time spent deciding (overhead accounting)
@@ -140,9 +164,21 @@ class ServingRuntime:
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already tracked")
         budget = self.budget if budget is None else int(budget)
+        layers = self._layer_budgets(budget) if self.allocation == "pyramid" else None
         self.requests[req_id] = _Request(req_id, policy=self._policy(budget), budget=budget,
                                          state=[{} for _ in range(self.n_layers)],
-                                         last_row=[None] * self.n_layers)
+                                         last_row=[None] * self.n_layers, layer_budgets=layers,
+                                         dropped=[set() for _ in range(self.n_layers)] if layers else [])
+
+    def _layer_budgets(self, budget: int) -> list[int]:
+        """``pyramid``: each layer's budget in tokens (whole blocks), each checked as the decode loop checks one."""
+        p = self._template
+        blocks = pyramid_block_budgets(budget, self.n_layers, self.block_size, p.n_sink // self.block_size,
+                                       p.n_recent // self.block_size, self.beta)
+        budgets = [b * self.block_size for b in blocks]
+        for b in set(budgets):
+            self._policy(b)
+        return budgets
 
     def finish(self, req_id: str) -> None:
         """Forget a finished or aborted request entirely (unknown ids are ignored: aborts may race finishes)."""
@@ -194,7 +230,7 @@ class ServingRuntime:
         if req.prefilled:
             if q != 1:
                 raise ValueError(f"request {req_id!r} layer {layer}: a decode step has one query, got {q}")
-            self.batch.observe_one(layer, req_id, attn[:, :, 0], keys[:, 0].float().norm(dim=-1),
+            self.batch.observe_one(layer, req_id, self._widen(req, layer, attn[:, :, 0]), keys[:, 0].float().norm(dim=-1),
                                    values[:, 0].float().norm(dim=-1), self._content(values[None], layer)[0, :, 0]
                                    if self.reads_values else None)
             return
@@ -220,6 +256,26 @@ class ServingRuntime:
         state.update(tracker_state)
         req.last_row[layer] = a[:, :, :, -1:, :]
 
+    def _widen(self, req: _Request, layer: int, attn: Tensor) -> Tensor:
+        """``pyramid``: a decoding layer's attention ``[H, G, T_l]`` over the blocks it holds -> over the request's
+        resident tokens (the union over layers), zero where this layer dropped the block. As is under ``uniform``."""
+        if not req.dropped or not req.dropped[layer]:
+            return attn
+        pos = self.batch.resident_positions(req.req_id)
+        held = ~torch.isin(pos // self.block_size, torch.tensor(sorted(req.dropped[layer]), device=pos.device))
+        held = torch.cat([held, held.new_ones(1)]).to(attn.device)  # the step's new token, appended at `fold`
+        if attn.shape[-1] != int(held.sum()):
+            raise ValueError(f"request {req.req_id!r} layer {layer}: attention over {attn.shape[-1]} tokens, the layer "
+                             f"holds {int(held.sum())}")
+        wide = attn.new_zeros(*attn.shape[:-1], held.numel())
+        wide[..., held] = attn
+        return wide
+
+    def _uniform_only(self, what: str) -> None:
+        if self.allocation != "uniform":
+            raise ValueError(f"{what} shows every layer over one set of blocks: allocation 'uniform' only; show "
+                             f"allocation {self.allocation!r} one layer at a time (observe)")
+
     def observe_batch(self, layer: int, req_ids: list[str], attn: Tensor, k_norm: Tensor, v_norm: Tensor,
                       lens: Tensor | None = None, values: Tensor | None = None) -> None:
         """One layer's view of several decoding requests at once (each past its prompt, one new token).
@@ -236,6 +292,7 @@ class ServingRuntime:
         values : Tensor, optional
             ``[R, H, D]`` the new tokens' values: needed when the scorer reads them (`reads_values`).
         """
+        self._uniform_only("observe_batch")
         content = self._content(values[:, :, None], layer)[:, :, 0] if self._needs(values) else None
         self.batch.observe(layer, req_ids, attn, k_norm, v_norm, lens, content)
 
@@ -243,6 +300,7 @@ class ServingRuntime:
                      lens: Tensor | None = None, values: Tensor | None = None) -> None:
         """`observe_batch` for every layer at once: ``attn [L, R, H, G, Tb]``, ``k_norm, v_norm [L, R, H]``,
         ``values [L, R, H, D]`` (when the scorer reads them)."""
+        self._uniform_only("observe_step")
         content = None
         if self._needs(values):  # every layer's gate in one einsum: [L, R, H, D] -> [L, H, R] -> [L, R, H]
             layers = torch.arange(self.n_layers, device=self._device)
@@ -274,11 +332,14 @@ class ServingRuntime:
         decisions = []
         for rid in req_ids:
             req = self.requests[rid]
+            if req.layer_budgets is not None:
+                req.layer_blocks = [[] for _ in range(self.n_layers)]
             if req.prefilled:
                 blocks = self._decide_decoding(rid, req)
             else:
                 blocks = self._decide_prefill(rid, req)
-            decisions.append(Decision(rid, blocks, self._n_resident(rid, req), req.budget, req.n_tokens))
+            decisions.append(Decision(rid, blocks, self._n_resident(rid, req), req.budget, req.n_tokens,
+                                      req.layer_blocks))
         self.decide_s += time.perf_counter() - t0
         return decisions
 
@@ -291,7 +352,7 @@ class ServingRuntime:
         if any(row is None for row in req.last_row):
             raise RuntimeError(f"request {rid!r}: every layer must be observed before deciding")
         blocks = []
-        if req.final and req.positions.shape[-1] > req.budget:
+        if req.final and self._over(req, req.positions.shape[-1]):
             scores = []
             for layer in range(self.n_layers):
                 state = req.state[layer]
@@ -318,7 +379,7 @@ class ServingRuntime:
     def _decide_decoding(self, rid: str, req: _Request) -> list[int]:
         """A decoding request over its budget: score its resident tokens in every layer and keep `_keep` of them
         (for a lagged scorer, ``budget - interval + 1``: the decode loop's overflow rule, `Policy.keep_target`)."""
-        if self.batch.n_resident(rid) <= req.budget:
+        if not self._over(req, self.batch.n_resident(rid)):
             return []
         positions, state, attn, step = self.batch.extract(rid)  # layers on the batch axis
         norms = state.pop("norm.k")[..., None], state.pop("norm.v")[..., None]
@@ -337,15 +398,54 @@ class ServingRuntime:
             self.batch.compact(rid, index)
         return blocks
 
+    def _over(self, req: _Request, n_resident: int) -> bool:
+        """Whether a layer holds more than its budget (a dropped block is whole and still resident elsewhere)."""
+        if req.layer_budgets is None:
+            return n_resident > req.budget
+        return any(n_resident - len(d) * self.block_size > b for d, b in zip(req.dropped, req.layer_budgets))
+
     @staticmethod
     def _keep(req: _Request) -> int:
         return req.policy.keep_target(req.budget)
 
     def _keep_index(self, req: _Request, scores: list[Tensor], positions: Tensor) -> Tensor:
         """``[K]`` kept slots (ascending) of the per-layer ``[1, H, T]`` scores over ``positions [1, H, T]``."""
+        if req.layer_budgets is not None:
+            return self._pyramid_keep(req, scores, positions)
         p = req.policy
         return shared_keep_slots(scores, positions, self._keep(req), p.n_sink, p.n_recent, self.block_size,
                                  p.pooling)[0, 0]
+
+    def _pyramid_keep(self, req: _Request, scores: list[Tensor], positions: Tensor) -> Tensor:
+        """``pyramid``: every layer over its budget keeps its top whole blocks (its own heads' pooled scores) among
+        those it holds, down to its keep target; returns the slots some layer still holds (``[K]``, ascending) and
+        records each layer's drops (``req.dropped``, ``req.layer_blocks``)."""
+        p, bs = req.policy, self.block_size
+        pos = positions[0, 0]
+        block = pos // bs
+        for layer, (budget, dropped) in enumerate(zip(req.layer_budgets, req.dropped)):
+            cols = (~torch.isin(block, torch.tensor(sorted(dropped), dtype=block.dtype, device=block.device))
+                    ).nonzero().flatten()
+            if cols.numel() <= budget:
+                continue
+            keep = self._policy(budget).keep_target(budget)
+            kept = shared_keep_slots([scores[layer][..., cols.to(scores[layer].device)]], positions[..., cols], keep,
+                                     p.n_sink, p.n_recent, bs, p.pooling)[0, 0]
+            lost = torch.ones(cols.numel(), dtype=torch.bool, device=cols.device)
+            lost[kept.to(cols.device)] = False
+            gone = pos[cols[lost]]
+            new = torch.unique(gone // bs)
+            if gone.numel() != new.numel() * bs:
+                raise RuntimeError(f"layer {layer}: eviction of {gone.numel()} tokens is not whole blocks of {bs}")
+            dropped.update(new.tolist())
+            req.layer_blocks[layer] = new.tolist()
+            if req.full_context_tokens is None:  # later blocks are computed against this layer's pruned context
+                req.full_context_tokens = req.n_tokens
+        everywhere = set.intersection(*req.dropped)
+        for dropped in req.dropped:
+            dropped -= everywhere
+        gone = torch.tensor(sorted(everywhere), dtype=block.dtype, device=block.device)
+        return (~torch.isin(block, gone)).nonzero().flatten()
 
     def _dropped_blocks(self, req: _Request, positions: Tensor, index: Tensor) -> list[int]:
         """Logical blocks of the slots not in ``index``; records them as evicted."""
@@ -367,8 +467,8 @@ class ServingRuntime:
 
     # -- queries for engines and tests -----------------------------------------------------------------------
 
-    def resident_blocks(self, req_id: str) -> list[int]:
-        """Logical blocks of ``req_id`` still holding tokens."""
+    def resident_blocks(self, req_id: str, layer: int | None = None) -> list[int]:
+        """Logical blocks of ``req_id`` still holding tokens (in some layer), or in ``layer`` (``pyramid``)."""
         req = self.requests[req_id]
         if req_id in self.batch:
             positions = self.batch.resident_positions(req_id)
@@ -376,7 +476,10 @@ class ServingRuntime:
             return []
         else:
             positions = req.positions[0, 0]
-        return torch.unique(positions // self.block_size).tolist()
+        blocks = torch.unique(positions // self.block_size).tolist()
+        if layer is None or not req.dropped:
+            return blocks
+        return [b for b in blocks if b not in req.dropped[layer]]
 
     def resident_positions(self, req_id: str) -> Tensor:
         """``[T]`` positions of ``req_id``'s resident tokens, ascending."""
@@ -407,7 +510,25 @@ def runtime_for(config, *, n_layers: int | None = None, n_kv_heads: int | None =
         expect = _bound_name(config.scorer, served_model)
     return ServingRuntime(config.scorer, config.budget, block_size=config.block_size, sink_blocks=config.sink_blocks,
                           recent_blocks=config.recent_blocks, expect_model=expect, n_layers=n_layers,
-                          n_kv_heads=n_kv_heads, device=device)
+                          n_kv_heads=n_kv_heads, device=device, allocation=config.allocation)
+
+
+def pyramid_block_budgets(budget: int, n_layers: int, block_size: int, sink_blocks: int, recent_blocks: int,
+                          beta: float = 20.0) -> list[int]:
+    """``pyramid``'s per-layer budgets in whole blocks, largest at layer 0.
+
+    PyramidKV's schedule (`learnkv.allocation.pyramid_budgets`, exact by largest remainder) over ``budget //
+    block_size`` blocks per layer, each layer at least ``sink_blocks + recent_blocks + 1`` (the protected blocks
+    and one evictable block, the least a block decision fits). Rounded down to whole blocks first, so a request's
+    total, ``sum x block_size`` tokens, is ``n_layers x block_size x (budget // block_size)``: never more than
+    ``uniform``'s ``n_layers x budget``, and short of it by ``n_layers x (budget mod block_size)`` tokens.
+    """
+    least = sink_blocks + recent_blocks + 1
+    if budget // block_size < least:
+        raise ValueError(f"allocation 'pyramid': a budget of {budget} tokens is {budget // block_size} whole blocks of "
+                         f"{block_size} per layer, fewer than the {least} a layer needs (sink and recent blocks and "
+                         "one evictable block); raise the budget")
+    return pyramid_budgets(budget // block_size, n_layers, beta, min_budget=least)
 
 
 def _bound_name(scorer: str, served_model: str) -> str:

@@ -8,6 +8,10 @@ runtime (`learnkv.serving.runtime.ServingRuntime`) is shown each request's atten
 answers which logical blocks to free. The prefix-cache rule is simulated too: a full block is published only if
 it was written before the request's first eviction.
 
+Under the runtime's ``pyramid`` allocation each layer has its own pool and block table (what vLLM would need to
+hold per-layer budgets: one KV-cache group per layer, which stock vLLM does not form for a standard decoder), and a
+layer frees the blocks the runtime's `Decision.layer_blocks` names for it.
+
 The model is any Hugging Face causal LM run through learnkv's attention function (`learnkv.attention`), so the
 attention a request sees here is computed by the same code as in the decode loop. Needs transformers.
 
@@ -61,11 +65,13 @@ class SimRequest:
     prompt: Tensor  # [L] token ids
     max_new_tokens: int
     table: list[int] = field(default_factory=list)  # logical block -> physical block (NULL_BLOCK once evicted)
+    tables: list[list[int]] = field(default_factory=list)  # pyramid: one table per layer (``table`` unused)
     n_tokens: int = 0  # tokens written to the cache
     tokens: list[int] = field(default_factory=list)  # generated token ids
     evicted_per_step: list[list[int]] = field(default_factory=list)  # logical blocks freed after each forward
     published: int = 0  # leading full blocks published to the (simulated) prefix cache
-    peak_blocks: int = 0  # most physical blocks held at once (within a step, before eviction)
+    peak_blocks: int = 0  # most physical blocks held at once (within a step, before eviction; pyramid: layer-blocks)
+    held_per_step: list[list[int]] = field(default_factory=list)  # blocks each layer holds after each step
     done: bool = False
 
 
@@ -82,7 +88,8 @@ class _PagedLayer(DynamicLayer):
         sim, req = self.owner.sim, self.owner.req
         pos = self.owner.step_positions[0]  # [q]
         k_pool, v_pool = sim.k_pool[self.layer_idx], sim.v_pool[self.layer_idx]
-        blocks = torch.tensor([req.table[p // sim.block_size] for p in pos.tolist()])
+        table = self.owner.table(self.layer_idx)
+        blocks = torch.tensor([table[p // sim.block_size] for p in pos.tolist()])
         offsets = pos % sim.block_size
         k_pool[blocks, :, offsets] = key_states[0].transpose(0, 1).to(k_pool.dtype)
         v_pool[blocks, :, offsets] = value_states[0].transpose(0, 1).to(v_pool.dtype)
@@ -94,9 +101,9 @@ class _PagedLayer(DynamicLayer):
     def gather(self, n_tokens: int) -> None:
         """Resident K/V in logical order: every non-null block, the last one cut at ``n_tokens``."""
         sim, req = self.owner.sim, self.owner.req
-        bs = sim.block_size
-        logical = [i for i, b in enumerate(req.table) if b != NULL_BLOCK and i * bs < n_tokens]
-        phys = torch.tensor([req.table[i] for i in logical])
+        bs, table = sim.block_size, self.owner.table(self.layer_idx)
+        logical = [i for i, b in enumerate(table) if b != NULL_BLOCK and i * bs < n_tokens]
+        phys = torch.tensor([table[i] for i in logical])
         pos = torch.cat([torch.arange(i * bs, min((i + 1) * bs, n_tokens)) for i in logical])
         slots = torch.cat([torch.arange(len(range(i * bs, min((i + 1) * bs, n_tokens)))) + j * bs
                            for j, i in enumerate(logical)])
@@ -116,6 +123,10 @@ class _RequestCache(Cache):
         self.sim, self.req = sim, req
         self.policy = sim.runtime.policy  # the attention function reads how to hand attention over
         self.step_positions: Tensor | None = None
+
+    def table(self, layer_idx: int) -> list[int]:
+        """The block table ``layer_idx`` reads: the request's one table, or the layer's own (``pyramid``)."""
+        return self.req.tables[layer_idx] if self.req.tables else self.req.table
 
     def layer_positions(self, layer_idx: int) -> Tensor:
         return self.layers[layer_idx].positions
@@ -159,7 +170,9 @@ class PagedSimulator:
         shape = (num_blocks, H, self.block_size, D)
         self.k_pool = [torch.zeros(shape, dtype=dtype) for _ in range(self.n_layers)]
         self.v_pool = [torch.zeros(shape, dtype=dtype) for _ in range(self.n_layers)]
-        self.pool = BlockPool(num_blocks)
+        self.per_layer = getattr(runtime, "allocation", "uniform") == "pyramid"
+        self.pool = None if self.per_layer else BlockPool(num_blocks)
+        self.pools = [BlockPool(num_blocks) for _ in range(self.n_layers)] if self.per_layer else []  # pyramid
         self.requests: dict[str, SimRequest] = {}
         self.caches: dict[str, _RequestCache] = {}
         self.published: set[tuple[str, int]] = set()  # (request, logical block) in the simulated prefix cache
@@ -167,6 +180,8 @@ class PagedSimulator:
     def add_request(self, req_id: str, prompt: Tensor, max_new_tokens: int, budget: int | None = None) -> None:
         self.runtime.add_request(req_id, budget)
         req = SimRequest(req_id, prompt.reshape(-1), max_new_tokens)
+        if self.per_layer:
+            req.tables = [[] for _ in range(self.n_layers)]
         self.requests[req_id] = req
         self.caches[req_id] = _RequestCache(self, req)
 
@@ -176,6 +191,11 @@ class PagedSimulator:
         self.caches.pop(req_id)
 
     def _release(self, req: SimRequest) -> None:
+        for pool, table in zip(self.pools, req.tables):
+            for b in table:
+                if b != NULL_BLOCK:
+                    pool.release(b)
+        req.tables = [[NULL_BLOCK] * len(t) for t in req.tables]
         for b in req.table:
             if b != NULL_BLOCK:
                 self.pool.release(b)
@@ -191,12 +211,18 @@ class PagedSimulator:
             self._forward(req, ids)
         for d in self.runtime.decide([r.req_id for r in live]):
             req = self.requests[d.req_id]
-            for block in d.blocks:
+            if self.per_layer:
+                for pool, table, blocks in zip(self.pools, req.tables, d.layer_blocks):
+                    for block in blocks:
+                        pool.release(table[block])
+                        table[block] = NULL_BLOCK
+            for block in (() if self.per_layer else d.blocks):
                 self.pool.release(req.table[block])
                 req.table[block] = NULL_BLOCK
             req.evicted_per_step.append(d.blocks)
+            req.held_per_step.append([len(self.resident_blocks(req.req_id, layer)) for layer in range(self.n_layers)])
             self._publish(req)
-            if d.blocks:
+            if d.blocks or (self.per_layer and any(d.layer_blocks)):
                 self.caches[req.req_id].gather_all(req.n_tokens)
             if len(req.tokens) >= req.max_new_tokens:
                 req.done = True
@@ -209,9 +235,11 @@ class PagedSimulator:
 
     def _forward(self, req: SimRequest, ids: Tensor) -> None:
         q = ids.numel()
-        while len(req.table) * self.block_size < req.n_tokens + q:  # allocate before the forward, as vLLM does
-            req.table.append(self.pool.allocate())
-        req.peak_blocks = max(req.peak_blocks, sum(b != NULL_BLOCK for b in req.table))
+        for pool, table in zip(self.pools, req.tables) if self.per_layer else [(self.pool, req.table)]:
+            while len(table) * self.block_size < req.n_tokens + q:  # allocate before the forward, as vLLM does
+                table.append(pool.allocate())
+        held = sum(b != NULL_BLOCK for table in (req.tables or [req.table]) for b in table)
+        req.peak_blocks = max(req.peak_blocks, held)
         cache = self.caches[req.req_id]
         pos = torch.arange(req.n_tokens, req.n_tokens + q)[None]
         cache.step_positions = pos
@@ -228,5 +256,7 @@ class PagedSimulator:
             self.published.add((req.req_id, block))
         req.published = max(req.published, n)
 
-    def resident_blocks(self, req_id: str) -> list[int]:
-        return [i for i, b in enumerate(self.requests[req_id].table) if b != NULL_BLOCK]
+    def resident_blocks(self, req_id: str, layer: int = 0) -> list[int]:
+        """Logical blocks ``req_id`` holds (in ``layer``: under ``pyramid`` each layer has its own table)."""
+        req = self.requests[req_id]
+        return [i for i, b in enumerate(req.tables[layer] if req.tables else req.table) if b != NULL_BLOCK]

@@ -111,12 +111,21 @@ def refuse_impl(impl, model_config=None) -> None:
                            "over resident blocks does not compute; unset LEARNKV_SCORER to serve it stock")
 
 
-def refusals(vllm_config, mode: str, device_type: str | None = None) -> list[str]:
+#: why the plugin serves ``uniform`` only (the config refuses ``head`` and ``global`` for every engine)
+PER_LAYER_REFUSAL = (
+    "allocation 'pyramid' (per-layer budgets): vLLM keeps one block table for all of a standard decoder's layers "
+    "(one KV-cache group), so a block is freed only when every layer drops it and per-layer budgets free no memory "
+    "(its layer 0 holds up to twice the uniform budget); it runs in learnkv's runtime and paged simulator, which "
+    "keep one block table per layer"
+)
+
+
+def refusals(vllm_config, mode: str, device_type: str | None = None, allocation: str = "uniform") -> list[str]:
     """What the configured engine uses that the adapter cannot handle (empty = fine).
 
     Reads only plain attributes, so tests pass a `types.SimpleNamespace` shaped like a ``VllmConfig``.
     """
-    out = []
+    out = [PER_LAYER_REFUSAL] if allocation == "pyramid" else []
     model, cache, parallel, sched = (vllm_config.model_config, vllm_config.cache_config,
                                      vllm_config.parallel_config, vllm_config.scheduler_config)
     if vllm_config.speculative_config is not None:
@@ -143,8 +152,8 @@ def refusals(vllm_config, mode: str, device_type: str | None = None) -> list[str
     return out
 
 
-def refuse(vllm_config, mode: str, device_type: str | None = None) -> None:
+def refuse(vllm_config, mode: str, device_type: str | None = None, allocation: str = "uniform") -> None:
     """Raise RuntimeError listing every unsupported feature at once."""
-    problems = refusals(vllm_config, mode, device_type)
+    problems = refusals(vllm_config, mode, device_type, allocation)
     if problems:
         raise RuntimeError("learnkv vLLM plugin (mode=%s) cannot run with:\n  - %s" % (mode, "\n  - ".join(problems)))

@@ -78,7 +78,7 @@ class LearnKVConnector(KVConnectorBase_V1):
         if self.config is None:
             raise RuntimeError("LearnKVConnector needs a scorer: LEARNKV_SCORER or kv_connector_extra_config.scorer")
         compat.refuse_model(vllm_config.model_config)  # one line naming the model, before the engine's own checks
-        compat.refuse(vllm_config, self.config.mode, device_type)
+        compat.refuse(vllm_config, self.config.mode, device_type, self.config.allocation)
         block_size = vllm_config.cache_config.block_size
         if block_size != self.config.block_size:
             raise RuntimeError(f"learnkv block_size {self.config.block_size} differs from vLLM's --block-size "
