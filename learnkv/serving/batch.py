@@ -50,6 +50,9 @@ class DecodeBatch:
         self.next_pos: Tensor | None = None  # [R] int64, the position the row's next token gets
         self.state: dict[str, Tensor] = {}
         self.last_attn: Tensor | None = None  # [L, R, H, G, C] the latest step's attention, right-aligned
+        # [L, R, C] True where a layer dropped the column's block while another layer holds it (the runtime's
+        # pyramid allocation): the column is padding to that layer. None until a row has one
+        self.dead: Tensor | None = None
         self.clock = 0
         self._stepping: list[str] = []
         # a step's observations; ``consts`` are the new token's constants in `TOKEN_CONSTANTS` order
@@ -88,6 +91,8 @@ class DecodeBatch:
         self.rows.append(req_id)
         self.lens.append(T)
         self.offset.append(self.clock)
+        if self.dead is not None:
+            self.dead = torch.cat([_right(self.dead, C, fill=False), self.dead.new_zeros(self.n_layers, 1, C)], 1)
         if self.last_attn is not None:  # the new row has no step yet: zeros until its first fold
             self.last_attn = torch.cat([self.last_attn, self.last_attn.new_zeros(self.last_attn[:, :1].shape)], 1)
 
@@ -101,13 +106,14 @@ class DecodeBatch:
         if req_id in self._stepping:
             self._stepping.remove(req_id)
         if not self.rows:
-            self.positions = self.next_pos = self.last_attn = None
+            self.positions = self.next_pos = self.last_attn = self.dead = None
             self.state = {}
             return
         keep = torch.tensor([j for j in range(len(self.rows) + 1) if j != i], device=self.device)
         self.state = {name: t.index_select(1, keep) for name, t in self.state.items()}
         self.positions, self.next_pos = self.positions[keep], self.next_pos[keep]
         self.last_attn = None if self.last_attn is None else self.last_attn.index_select(1, keep)
+        self.dead = None if self.dead is None else self.dead.index_select(1, keep)
 
     def _grow(self, needed: int) -> None:
         """Make the batch at least ``needed`` columns wide (left-padding, so the tokens stay right-aligned)."""
@@ -118,6 +124,7 @@ class DecodeBatch:
         self.state = {name: _right(t, new) for name, t in self.state.items()}
         self.positions = _right(self.positions, new, fill=-1)
         self.last_attn = None if self.last_attn is None else _right(self.last_attn, new)
+        self.dead = None if self.dead is None else _right(self.dead, new, fill=False)
 
     # -- one engine step ---------------------------------------------------------------------------------------
 
@@ -188,9 +195,17 @@ class DecodeBatch:
         positions = _shift(self.positions if everyone else self.positions[sel], new_pos[:, None])
         self.clock += 1
         flat = {name: t.reshape(L * S, *t.shape[2:]) for name, t in state.items() if not name.startswith("norm.")}
-        self.tracker.update(right.reshape(L * S, H, G, 1, C), positions[None, :, None, :].expand(L, S, H, C)
-                            .reshape(L * S, H, C), 1, self.clock, flat)
+        layer_pos = positions[None, :, None, :].expand(L, S, H, C)
+        dead = None if self.dead is None else _shift(take(self.dead))
+        if dead is not None:  # a layer's dropped columns are padding to it
+            layer_pos = layer_pos.masked_fill(dead[:, :, None, :], -1)
+        self.tracker.update(right.reshape(L * S, H, G, 1, C), layer_pos.reshape(L * S, H, C), 1, self.clock, flat)
         state.update({name: t.view(L, S, *t.shape[1:]) for name, t in flat.items()})
+        if dead is not None:
+            if everyone:
+                self.dead = dead
+            else:
+                self.dead.index_copy_(1, sel, dead)
         if everyone:
             self.state, self.positions, self.last_attn = state, positions, right
             self.next_pos = self.next_pos + 1
@@ -264,7 +279,7 @@ class DecodeBatch:
     def extract(self, req_id: str) -> tuple[Tensor, dict[str, Tensor], Tensor, int]:
         """One request's resident tokens, layers on the batch axis, as the decode loop holds them per layer.
 
-        Returns ``positions [L, H, T]``, the state (``[L, H, T]``, ``f.win`` ``[L, H, W, T]``, norms included,
+        Returns ``positions [L, H, T]`` (-1 where the layer dropped the token, `set_dead`), the state (``[L, H, T]``, ``f.win`` ``[L, H, W, T]``, norms included,
         ``f.last_high`` in the request's own steps), the latest attention ``[L, H, G, 1, T]`` and the request's
         step. Contiguous copies, so reductions over them run exactly as over the decode loop's tensors.
         """
@@ -274,6 +289,8 @@ class DecodeBatch:
         state["f.last_high"] = state["f.last_high"] - self.offset[i]
         H = state["norm.k"].shape[1]
         positions = self.positions[i, C - T:][None, None, :].expand(self.n_layers, H, T).contiguous()
+        if self.dead is not None:
+            positions.masked_fill_(self.dead[:, i, None, C - T:], -1)
         attn = self.last_attn[:, i, ..., C - T:].unsqueeze(-2).contiguous()
         return positions, state, attn, self.clock - self.offset[i]
 
@@ -289,7 +306,20 @@ class DecodeBatch:
         kept = self.positions[i, C - T:].index_select(0, keep)
         self.positions[i, :C - K] = -1
         self.positions[i, C - K:] = kept
+        if self.dead is not None:
+            kept = self.dead[:, i, C - T:].index_select(-1, keep)
+            self.dead[:, i, :C - K] = False
+            self.dead[:, i, C - K:] = kept
         self.lens[i] = K
+
+    def set_dead(self, req_id: str, dead: Tensor) -> None:
+        """``dead [L, T]``: which of the request's resident tokens each layer no longer holds (padding to it)."""
+        if self.dead is None:
+            if not bool(dead.any()):
+                return
+            self.dead = torch.zeros(self.n_layers, len(self.rows), self.width, dtype=torch.bool, device=self.device)
+        i = self.index[req_id]
+        self.dead[:, i, self.width - self.lens[i]:] = dead.to(self.device)
 
     def resident_positions(self, req_id: str) -> Tensor:
         i = self.index[req_id]

@@ -17,9 +17,9 @@ ALLOCATIONS = ("uniform", "pyramid")
 REFUSED_ALLOCATIONS = {
     "head": "a paged engine's blocks are shared by a layer's KV heads, so a per-head budget frees no block; it needs "
             "a per-head paged layout (Ada-KV's vLLM port replaces the block manager and kernels)",
-    "global": "it ranks tokens of every layer and KV head together, per head within a layer (see 'head'); a layer-level "
-              "variant (whole blocks ranked across layers, per-layer block tables resized every step) is not built "
-              "and no scorer is trained for it; serve 'pyramid' (fixed per-layer budgets)",
+    "global": "it ranks tokens of every layer and KV head together, per head within a layer (see 'head'); a "
+              "layer-level variant (whole blocks ranked across layers, per-layer block tables resized every step) is "
+              "not built and no scorer is trained for it; serve 'pyramid' (fixed per-layer budgets)",
 }
 
 #: environment variable -> config key

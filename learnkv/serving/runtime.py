@@ -23,9 +23,9 @@ decision (a request over its budget, about once per block of new tokens) reads a
 Allocation (``allocation``, `learnkv.serving.config.ALLOCATIONS`; docs/allocation.md, "Serving"): ``uniform`` (the
 default) keeps one set of blocks for every layer, as above. ``pyramid`` gives each layer its own budget in whole
 blocks (`pyramid_block_budgets`): a layer over its budget keeps its own top blocks, by its own heads' pooled scores
-(`shared_keep_slots` over that layer alone), among the blocks it still holds. A block leaves the request (`Decision.blocks`)
-once every layer has dropped it; `Decision.layer_blocks` says what each layer dropped, for an engine with one block
-table per layer (the paged simulator). The runtime keeps the union of the layers' blocks and is shown each layer's
+(`shared_keep_slots` over that layer alone), among the blocks it still holds. A block leaves the request
+(`Decision.blocks`) once every layer has dropped it; `Decision.layer_blocks` says what each layer dropped, for an
+engine with one block table per layer (the paged simulator). The runtime keeps the union of the layers' blocks and is shown each layer's
 attention over its own blocks (`observe`); the batched paths (`observe_batch`, `observe_step`) are ``uniform`` only.
 
 Shapes: H KV heads, G query heads per KV head, q new tokens this step, T resident tokens, D head dim, F features,
@@ -230,9 +230,9 @@ class ServingRuntime:
         if req.prefilled:
             if q != 1:
                 raise ValueError(f"request {req_id!r} layer {layer}: a decode step has one query, got {q}")
-            self.batch.observe_one(layer, req_id, self._widen(req, layer, attn[:, :, 0]), keys[:, 0].float().norm(dim=-1),
-                                   values[:, 0].float().norm(dim=-1), self._content(values[None], layer)[0, :, 0]
-                                   if self.reads_values else None)
+            self.batch.observe_one(layer, req_id, self._widen(req, layer, attn[:, :, 0]),
+                                   keys[:, 0].float().norm(dim=-1), values[:, 0].float().norm(dim=-1),
+                                   self._content(values[None], layer)[0, :, 0] if self.reads_values else None)
             return
         if q != req.n_new or T != req.positions.shape[-1]:
             raise ValueError(f"request {req_id!r} layer {layer}: attention {tuple(attn.shape)} does not match "
@@ -373,6 +373,7 @@ class ServingRuntime:
         if req.final:
             req.prefilled = True
             self.batch.add(rid, req.positions[0, 0], req.state, req.n_tokens)
+            self._mark_dead(rid, req)
             req.positions, req.state, req.last_row, req.batch = None, [], [], self.batch
         return blocks
 
@@ -392,11 +393,24 @@ class ServingRuntime:
         with torch.no_grad():
             scores = [self.model(feats[i:i + 1], i, content=None if content is None else content[i:i + 1])
                       for i in range(self.n_layers)]
+        if req.layer_budgets is not None:  # the union's positions: ``positions`` has -1 where a layer dropped a token
+            positions = self.batch.resident_positions(rid)[None, None].expand(1, *positions.shape[1:]).contiguous()
         index = self._keep_index(req, scores, positions[:1])
         blocks = self._dropped_blocks(req, positions[:1], index)
         if blocks:
             self.batch.compact(rid, index)
+        self._mark_dead(rid, req)
         return blocks
+
+    def _mark_dead(self, rid: str, req: _Request) -> None:
+        """``pyramid``: show the batch which resident tokens each layer dropped, so that layer's features and
+        tracker statistics count only the tokens it holds, as if it held them alone."""
+        if req.layer_budgets is None:
+            return
+        block = self.batch.resident_positions(rid) // self.block_size
+        self.batch.set_dead(rid, torch.stack([torch.isin(block, torch.tensor(sorted(d), dtype=block.dtype,
+                                                                             device=block.device))
+                                              for d in req.dropped]))
 
     def _over(self, req: _Request, n_resident: int) -> bool:
         """Whether a layer holds more than its budget (a dropped block is whole and still resident elsewhere)."""

@@ -85,7 +85,7 @@ class _PagedLayer(DynamicLayer):
         self.new_keys = self.new_values = None
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        sim, req = self.owner.sim, self.owner.req
+        sim = self.owner.sim
         pos = self.owner.step_positions[0]  # [q]
         k_pool, v_pool = sim.k_pool[self.layer_idx], sim.v_pool[self.layer_idx]
         table = self.owner.table(self.layer_idx)
@@ -100,7 +100,7 @@ class _PagedLayer(DynamicLayer):
 
     def gather(self, n_tokens: int) -> None:
         """Resident K/V in logical order: every non-null block, the last one cut at ``n_tokens``."""
-        sim, req = self.owner.sim, self.owner.req
+        sim = self.owner.sim
         bs, table = sim.block_size, self.owner.table(self.layer_idx)
         logical = [i for i, b in enumerate(table) if b != NULL_BLOCK and i * bs < n_tokens]
         phys = torch.tensor([table[i] for i in logical])
