@@ -111,3 +111,62 @@ def test_vllm_plugin_refuses_pyramid():
     assert compat.refusals(ok, "evict", allocation="uniform") == []
     with pytest.raises(RuntimeError, match="one block table for all of a standard decoder's layers"):
         compat.refuse(ok, "shadow", allocation="pyramid")
+
+
+def test_pyramid_layer_statistics_count_only_the_tokens_it_holds(tmp_path):
+    """Under pyramid the runtime keeps the union of the layers' tokens; a layer's features must still be those of a
+    layer that holds only its own tokens. Reference: one `FeatureTracker` per layer over that layer's tokens alone,
+    compacted by the runtime's own per-layer decisions, as the decode loop's cache holds a layer."""
+    from learnkv.features import FeatureTracker  # only this test builds a reference tracker
+
+    L, H, D, bs, n = 2, 2, 4, 4, 30
+    rt = ServingRuntime(scorer(tmp_path, "pyramid"), 24, block_size=bs, allocation="pyramid")  # 9 and 3 blocks
+    tracker = FeatureTracker(L)
+    gen = torch.Generator().manual_seed(0)
+    ref = []  # per layer: positions [1, H, T], tracker state, key and value norms [1, H, T], latest attention
+
+    def drop(decision):
+        for layer, blocks in enumerate(decision.layer_blocks):
+            pos, state, kn, vn, last = ref[layer]
+            keep = ~torch.isin(pos[0, 0] // bs, torch.tensor(blocks, dtype=torch.long))
+            ref[layer] = [pos[..., keep], {k: t[..., keep] for k, t in state.items()}, kn[..., keep], vn[..., keep],
+                          last[..., keep]]
+
+    rt.add_request("r")
+    rt.begin_step("r", n)
+    for layer in range(L):
+        future = torch.ones(n, n).triu(1).bool()
+        attn = torch.softmax(torch.rand(H, 1, n, n, generator=gen).masked_fill(future, -1e9), -1)
+        k, v = torch.rand(H, n, D, generator=gen), torch.rand(H, n, D, generator=gen)
+        rt.observe("r", layer, attn, k, v)
+        pos, state = torch.arange(n)[None, None].expand(1, H, n), {}
+        tracker.update(attn[None], pos, n, 0, state)
+        ref.append([pos, state, k.norm(dim=-1)[None], v.norm(dim=-1)[None], attn[None, :, :, -1:]])
+    drop(rt.decide(["r"])[0])
+    compared = 0
+    for step in range(1, 30):
+        rt.begin_step("r", 1)
+        for layer in range(L):
+            pos, state, kn, vn, _ = ref[layer]
+            T = pos.shape[-1] + 1
+            attn = torch.softmax(torch.rand(H, 1, 1, T, generator=gen) * 4, -1)
+            k, v = torch.rand(H, 1, D, generator=gen), torch.rand(H, 1, D, generator=gen)
+            rt.observe("r", layer, attn, k, v)
+            state = {name: torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], -1) for name, t in state.items()}
+            pos = torch.cat([pos, torch.full((1, H, 1), n + step - 1)], -1)
+            tracker.update(attn[None], pos, 1, step, state)
+            kn, vn = torch.cat([kn, k.norm(dim=-1)[None]], -1), torch.cat([vn, v.norm(dim=-1)[None]], -1)
+            ref[layer] = [pos, state, kn, vn, attn[None]]
+        rt.batch.fold()  # what `decide` does first: compare what it scores, before it compacts
+        positions, state, last, own_step = rt.batch.extract("r")
+        kn, vn = state.pop("norm.k"), state.pop("norm.v")
+        feats = tracker.features(last, kn[..., None], vn[..., None], positions, 0, own_step, state)
+        for layer in range(L):
+            held = positions[layer, 0] >= 0
+            pos, rstate, rkn, rvn, rlast = ref[layer]
+            assert positions[layer, 0, held].tolist() == pos[0, 0].tolist()
+            expected = tracker.features(rlast, rkn[..., None], rvn[..., None], pos, 0, step, rstate)[0]
+            torch.testing.assert_close(feats[layer][:, held], expected)
+            compared += int((~held).any())
+        drop(rt.decide(["r"])[0])
+    assert compared, "no layer ever dropped a token another layer holds: the test proves nothing"

@@ -25,8 +25,10 @@ default) keeps one set of blocks for every layer, as above. ``pyramid`` gives ea
 blocks (`pyramid_block_budgets`): a layer over its budget keeps its own top blocks, by its own heads' pooled scores
 (`shared_keep_slots` over that layer alone), among the blocks it still holds. A block leaves the request
 (`Decision.blocks`) once every layer has dropped it; `Decision.layer_blocks` says what each layer dropped, for an
-engine with one block table per layer (the paged simulator). The runtime keeps the union of the layers' blocks and is shown each layer's
-attention over its own blocks (`observe`); the batched paths (`observe_batch`, `observe_step`) are ``uniform`` only.
+engine with one block table per layer (the paged simulator). The runtime keeps the union of the layers' blocks, with
+each layer's dropped tokens as padding to that layer (`DecodeBatch.set_dead`), so a layer's features count only the
+tokens it holds. It is shown each layer's attention over its own blocks (`observe`); the batched paths
+(`observe_batch`, `observe_step`) are ``uniform`` only.
 
 Shapes: H KV heads, G query heads per KV head, q new tokens this step, T resident tokens, D head dim, F features,
 L layers, R requests.
