@@ -170,3 +170,15 @@ def test_make_policy_lists_known_names():
 def test_budget_fraction_resolves_against_full_length(tiny):
     result = generate(tiny, input_ids=random_ids(30), policy="streaming", budget=0.5, max_new_tokens=10)
     assert result.budget == 20 and result.max_kept_tokens == 20
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_docstring_names_the_normalisation_across_heads_and_layers(name):
+    """Issue 42: each evicting policy says how its scores compare across heads and layers, the rule
+    `learnkv.allocation.normalisation_for` applies to it."""
+    from learnkv.allocation import normalisation_for  # only this test reads the allocation rules
+
+    rule = normalisation_for(make_policy(name, **({"scorer": "unused"} if name == "learned" else {})))
+    doc = " ".join(POLICIES[name].__doc__.split())
+    assert f"are ``{rule}``" in doc or f"would be ``{rule}``" in doc, f"{name}'s docstring does not name ``{rule}``"
+    assert "normalisation_for" in doc

@@ -17,6 +17,8 @@ class H2O(Policy):
     A token's score is the attention it has received, summed over every query that has seen it (the prompt's
     queries included), averaged over the query heads of its KV head. The budget is split between heavy hitters
     and a window of recent tokens; the paper's default is an even split.
+    Compared across heads and layers (``allocation=head|global``) its scores are ``mass``
+    (`learnkv.allocation.normalisation_for`): each head's divided by its live total.
 
     Parameters
     ----------

@@ -13,6 +13,9 @@ class KeyNorm(Policy):
 
     A low key norm correlates with high attention, so score = -||k|| (keys as cached, after RoPE). Needs no
     attention at all.
+    Compared across heads and layers (``allocation=head|global``) its scores are ``rank``
+    (`learnkv.allocation.normalisation_for`): key norms share no scale across heads, so rank percentiles within the
+    head.
     """
 
     name = "knorm"

@@ -41,6 +41,9 @@ class LazyEviction(Policy):
     distinct state, `exact_map`), and the cache keeps ``budget - W + 1`` tokens at each eviction so it never
     exceeds the budget between evictions (the official cache keeps B and grows to B + W).
 
+    Compared across heads and layers (``allocation=head|global``) its scores are ``rank``
+    (`learnkv.allocation.normalisation_for`).
+
     Parameters
     ----------
     window : int or None

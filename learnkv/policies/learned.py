@@ -62,6 +62,10 @@ class Learned(Policy):
     "Stacked layers") a step costs 1.15x the full cache's at batch 1 and 1.14x at batch 16; with ``slack=0`` a
     compaction of every layer at every step comes on top.
 
+    Compared across heads and layers (``allocation=head|global``) its scores are ``logit``
+    (`learnkv.allocation.normalisation_for`: a softmax per head, what its listwise loss fits), or ``raw`` for a scorer
+    trained for ``global`` (one scale throughout).
+
     Parameters
     ----------
     scorer : str

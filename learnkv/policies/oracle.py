@@ -22,6 +22,8 @@ class Oracle(Policy):
     keeps the better output (docs/long-chain.md, "The long table"). It needs the future: `generate`
     first decodes with the full cache (or is handed that run's attention, as the fidelity task's reference holds
     it), then replays the same tokens (teacher forcing) under the budget with this policy.
+    Compared across heads and layers (``allocation=head|global``) its scores are ``mass``
+    (`learnkv.allocation.normalisation_for`): each head's divided by its live total.
 
     Parameters
     ----------

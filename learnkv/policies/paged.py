@@ -20,6 +20,8 @@ class PagedEviction(Policy):
     first ``block_size`` tokens) is kept as a sink and the newest block (partly filled or just filled) is never
     evicted, as in the HF prototype, which always keeps the last page, so the
     cache holds between ``budget - block_size + 1`` and ``budget`` tokens once full.
+    Its scores would be ``rank`` across heads and layers (`learnkv.allocation.normalisation_for`), but as a block policy
+    it runs ``allocation=uniform`` only.
 
     Parameters
     ----------

@@ -29,6 +29,8 @@ class RandomEviction(Policy):
     A token's score is a hash of (seed, layer, decode step, KV head, token position): a fresh uniform draw for
     each token at each step, but a function of the token, not of its slot or row. So a row draws the same in a batch
     as alone, and the same whatever the slack leaves dead around it (a generator's stream would depend on both).
+    Compared across heads and layers (``allocation=head|global``) its scores are ``rank``
+    (`learnkv.allocation.normalisation_for`).
 
     Parameters
     ----------

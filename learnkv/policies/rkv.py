@@ -59,6 +59,9 @@ class RKV(Policy):
     Cost: the redundancy is O(T^2 D) per KV head and batch row and a [B, T, T] fp32 matrix per KV head at a
     time, only when the cache evicts (every ``buffer`` steps).
 
+    Compared across heads and layers (``allocation=head|global``) its scores are ``rank``
+    (`learnkv.allocation.normalisation_for`).
+
     Parameters
     ----------
     window : int or None

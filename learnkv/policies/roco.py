@@ -27,6 +27,9 @@ class RoCo(Policy):
     budget counts the prompt too (EasyKV's decode mode never evicts the prompt and budgets generated tokens
     only), and prefill attention seeds the statistics (EasyKV's ``keep_attention=True``), because a prompt
     over the budget is compressed in one shot rather than by EasyKV's chunked sliding prefill.
+    Compared across heads and layers (``allocation=head|global``) its scores are ``rank``
+    (`learnkv.allocation.normalisation_for`): a mean attention within a std-selected scope is no common scale, so rank
+    percentiles within the head.
 
     Parameters
     ----------

@@ -24,6 +24,8 @@ class SnapKV(Policy):
     At prefill the window is the prompt's last queries. During decoding the window slides: the attention rows
     of the last ``window`` queries are kept as state and the cache is rescored whenever it overflows (how
     kvpress's DecodingPress applies SnapKV at decode time).
+    Compared across heads and layers (``allocation=head|global``) its scores are ``mass``
+    (`learnkv.allocation.normalisation_for`): each head's divided by its live total.
 
     Parameters
     ----------

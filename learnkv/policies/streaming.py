@@ -14,6 +14,8 @@ class StreamingLLM(Policy):
 
     Keeps the first ``n_sink`` tokens (attention sinks) and fills the rest of the budget with the most recent
     tokens. Positions are not re-rotated (as in kvpress's StreamingLLMPress).
+    Compared across heads and layers (``allocation=head|global``) its scores are ``rank``
+    (`learnkv.allocation.normalisation_for`): positions, as percentiles within the head.
 
     Parameters
     ----------

@@ -14,6 +14,8 @@ class TOVA(Policy):
     A token's score is the attention of the latest query only, averaged over all heads of the layer, so every
     KV head of a layer keeps the same tokens (as in the paper and kvpress's TOVAPress). No recent window: the
     newest token competes like any other.
+    Compared across heads and layers (``allocation=head|global``) its scores are ``mass``
+    (`learnkv.allocation.normalisation_for`): each head's divided by its live total.
     """
 
     name = "tova"
