@@ -68,6 +68,7 @@ def test_pyramid_layers_hold_their_budgets_at_every_step(tiny, tmp_path):
                 continue
             held = [sim.resident_blocks(rid, layer) for layer in range(L)]
             assert held == [rt.resident_blocks(rid, layer) for layer in range(L)]  # engine and runtime agree
+            assert set().union(*held) == set(rt.resident_blocks(rid))  # the runtime keeps the union, no more
             assert all(len(h) <= b for h, b in zip(held, layer_blocks[rid]))  # each layer within its budget
             assert sum(map(len, held)) <= L * math.ceil(budgets[rid] / bs)  # never more than uniform's blocks
             n = req.n_tokens

@@ -330,7 +330,8 @@ class DecodeBatch:
         """State bytes one resident token costs (positions included)."""
         R, C = len(self.rows), self.width
         per = sum(t.numel() // (R * C) * t.element_size() for t in self.state.values())
-        return per + self.positions.element_size()
+        dead = 0 if self.dead is None else self.n_layers * self.dead.element_size()  # pyramid's per-layer mask
+        return per + self.positions.element_size() + dead
 
 
 def _consts(k_norm: Tensor, v_norm: Tensor, content: Tensor | None) -> tuple[Tensor, ...]:
