@@ -211,14 +211,14 @@ class PagedSimulator:
             self._forward(req, ids)
         for d in self.runtime.decide([r.req_id for r in live]):
             req = self.requests[d.req_id]
-            if self.per_layer:
-                for pool, table, blocks in zip(self.pools, req.tables, d.layer_blocks):
-                    for block in blocks:
-                        pool.release(table[block])
-                        table[block] = NULL_BLOCK
-            for block in (() if self.per_layer else d.blocks):
-                self.pool.release(req.table[block])
-                req.table[block] = NULL_BLOCK
+            if self.per_layer:  # each layer frees what it dropped; else every layer frees the same blocks
+                per_table = zip(self.pools, req.tables, d.layer_blocks)
+            else:
+                per_table = [(self.pool, req.table, d.blocks)]
+            for pool, table, blocks in per_table:
+                for block in blocks:
+                    pool.release(table[block])
+                    table[block] = NULL_BLOCK
             req.evicted_per_step.append(d.blocks)
             req.held_per_step.append([len(self.resident_blocks(req.req_id, layer)) for layer in range(self.n_layers)])
             self._publish(req)
