@@ -56,8 +56,9 @@ class RKV(Policy):
     - fp32 throughout (the source: the model's bf16), per batch row (the source at d15c976 uses row 0's keys
       for every row), padding excluded, ties to the more recent token (the source's topk is unordered).
 
-    Cost: the redundancy is O(T^2 D) per KV head and batch row and a [B, T, T] fp32 matrix per KV head at a
-    time, only when the cache evicts (every ``buffer`` steps).
+    Cost: only when the cache evicts (every ``buffer`` steps). The redundancy is O(T D) for the column sums plus
+    the search for each key's newest near-duplicate, newest slots first (`redundancy`): O(T * 64 * D) per KV head
+    and batch row where near-duplicates are recent (most of SmolLM2's keys), O(T^2 D) where a key has none.
 
     Parameters
     ----------
@@ -134,16 +135,16 @@ def redundancy(keys: Tensor, valid: Tensor, threshold: float, block: int = 64) -
       of the valid keys less its own square (O(T D), float64);
     - each row's newest near-duplicate (the entry the source zeroes, then subtracted from its column) is looked for
       among the newest ``block`` slots for every row in one matmul, then among the next older ``2 * block``, ``4 *
-      block``... for the rows that have not found one yet (`_newest_near`). With near-duplicates among recent keys,
-      as R-KV assumes (SmolLM2's keys at 1k tokens: over 86% of rows find one within the newest 128 slots,
-      bench/RESULTS.md), most rows stop in the first block; a row with none anywhere is compared with every slot,
-      as in the dense matrix.
+      block``... slots for the rows that have not found one yet (`_newest_near`). With near-duplicates among recent
+      keys, as R-KV assumes, most rows stop in the first block (SmolLM2's keys after a batch-8 prefill of ~1k
+      tokens: 97.6% of the valid rows, bench/RESULTS.md); a row with none anywhere is compared with every slot, as
+      in the dense matrix.
 
-    The cosines that decide "near" are the dense matrix's entries (the same fp32 products, tests/test_scoring_speed.py
-    checks the same slots are zeroed), so the same entries are taken out; the column sums are another summation
-    (float64 dot products instead of a fp32 column sum), so the scores differ from the dense code's (kept in that
-    test file) by rounding, relative < 1e-6 (its tolerance; ~3e-7 on SmolLM2's keys), with the same kept slots.
-    Peak memory: ``[B, R, C]`` fp32 for the R rows still looking in a block of C slots (at most ``[B, T, T / 2]``).
+    The cosines that decide "near" are fp32 products of the same unit keys as the dense matrix's (the same entries
+    are zeroed: tests/test_scoring_speed.py); the column sums are another summation (float64 dot products instead of
+    a fp32 column sum), so the scores differ from the dense code's (kept in that test file) by rounding, relative
+    < 1e-6 (its tolerance), with the same kept slots. Peak memory: ``[B, R, C]`` fp32 for the R rows still looking
+    in a block of C slots, instead of ``[B, T, T]`` and two bool masks of that size.
     """
     B, H, T, D = keys.shape
     k = keys.float()
