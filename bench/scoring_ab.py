@@ -2,6 +2,10 @@
 
     python bench/scoring_ab.py
     python bench/scoring_ab.py --step      # a decode step's marking, tracker window and SnapKV window instead
+    python bench/scoring_ab.py --rkv       # R-KV's redundancy: the dense [B, T, T] code against the blockwise one
+    python bench/scoring_ab.py --refresh   # the learned policy's refresh of one layer: torch.std's window std or not
+    python bench/scoring_ab.py --profile   # where those two spend their time (torch.profiler, per op)
+    python bench/scoring_ab.py --rkv-model # R-KV's redundancy on SmolLM2's own keys (a batch-8 prefill; minutes)
 
 "Before" is the replaced code, kept verbatim in tests/test_scoring_speed.py (which proves both give the same bits);
 "after" is `learnkv.policies.rkv.redundancy` and `learnkv.policies.snapkv.avg_pool`. Shapes: R-KV's redundancy at
@@ -15,6 +19,17 @@ marking one dead slot per row (`kernels.cpu.select_keep_one_drop` + `learnkv.slo
 argmin and one scatter after), the learned tracker's window shift ([240, 3, 16, 790], a temporary copy before, row by
 row after; tests/test_fast_paths.py keeps the replaced code) and SnapKV's 64-row window update for 30 layers
 (concatenation, then the cache's copy back into its buffer before; an in-place shift after).
+
+``--rkv`` and ``--refresh`` (issue 43 item 2, second pass), at a long decode's shapes (batch 8, SmolLM2's 3 KV heads
+of 64 dims, 1,500 cached slots): R-KV's redundancy of one layer, dense (`test_scoring_speed.redundancy_dense`, the
+replaced code) and blockwise (`learnkv.policies.rkv.redundancy`), with keys that have a shared direction (most rows
+find a near-duplicate among the newest slots, as SmolLM2's keys do) and with independent keys (none do: the worst
+case); the learned policy's refresh of one layer (`FeatureTracker.features` and a random-init `Scorer`), with the
+window std by `Tensor.std` (before) and by `learnkv.features.window_std` (after). ``--rkv-model``: the keys R-KV
+scores when it compresses a batch of 8 held-out chain prompts (~1k tokens, left-padded) after the prefill in the
+bundled SmolLM2 (budget 50%), all 30 layers per round; it also prints the share of valid rows whose newest
+near-duplicate is among the newest 64 slots (the blockwise search's first block). Each line also gives the mean of
+the per-round ratios with its 95% bootstrap interval (`learnkv.eval.stats.bootstrap_ci`).
 """
 
 from __future__ import annotations
@@ -31,13 +46,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo root before bench/ (`import kernels`); tests: the references
 
 from test_fast_paths import update_decode_before  # noqa: E402
-from test_scoring_speed import avg_pool_before, redundancy_before, snapkv_update_before  # noqa: E402
+from test_scoring_speed import (avg_pool_before, near_keys, redundancy_before, redundancy_dense,  # noqa: E402
+                                snapkv_update_before)
+
+import learnkv.features as features  # noqa: E402
 
 from kernels.cpu import one_drop_victims, select_keep_one_drop  # noqa: E402
 from learnkv.cache import mark_victims  # noqa: E402
+from learnkv.eval.stats import bootstrap_ci  # noqa: E402
 from learnkv.features import STATE, WINDOW, FeatureTracker  # noqa: E402
+from learnkv.scorer.model import Scorer  # noqa: E402
 from learnkv.policies.snapkv import SnapKV  # noqa: E402
-from learnkv.policies.rkv import redundancy  # noqa: E402
+from learnkv.policies import rkv  # noqa: E402
 from learnkv.policies.snapkv import avg_pool  # noqa: E402
 from learnkv.slots import mark_dead  # noqa: E402
 
@@ -88,15 +108,152 @@ def step_cases(g) -> list:
             (f"snapkv window update {L} x [{B}, {H}, 64, {T}]", snapkv_before, snapkv_after, 3)]
 
 
+LONG = (8, 3, 1500, 64)  # batch, KV heads, cached slots, head dim: SmolLM2 at ~1.5k tokens, batch 8
+
+
+def rkv_cases(g) -> list:
+    """The ``--rkv`` cases: R-KV's redundancy of one layer, dense and blockwise, two kinds of keys."""
+    B, H, T, D = LONG
+    valid = torch.ones(B, H, T, dtype=torch.bool)
+    cases = []
+    for shared, what in ((2.0, "a shared direction"), (0.0, "independent keys")):
+        keys = near_keys(B, H, T, D, g, shared)
+        cases.append((f"rkv redundancy {list(LONG)}, {what}", lambda k=keys: redundancy_dense(k, valid, 0.5),
+                      lambda k=keys: rkv.redundancy(k, valid, 0.5), 1))
+    return cases
+
+
+def model_keys_cases() -> list:
+    """The ``--rkv-model`` case: R-KV's redundancy of every layer as it compresses SmolLM2's prefill."""
+    from learnkv import generate, load_model  # the model only in this mode (transformers: seconds to import)
+    from learnkv.decode import encode_prompts
+    from learnkv.prompts import load_prompts
+
+    model, tok = load_model("smollm2-135m-instruct")
+    ids, mask = encode_prompts(tok, [x.text for x in load_prompts("chain", n=8, split="test")])
+    seen, fast = [], rkv.redundancy
+
+    def record(keys, valid, threshold):
+        seen.append((keys.clone(), valid.clone(), threshold))
+        return fast(keys, valid, threshold)
+
+    rkv.redundancy = record
+    try:
+        generate(model, input_ids=ids, attention_mask=mask, policy="rkv", budget=0.5, max_new_tokens=1,
+                 stop_at_eos=False)
+    finally:
+        rkv.redundancy = fast
+    first = newest = 0
+    for keys, valid, threshold in seen:
+        k = keys.float()
+        k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+        cos = k @ k[..., -64:, :].transpose(-1, -2)  # every row against the newest 64 slots
+        cos[..., -64:, :].diagonal(dim1=-2, dim2=-1).zero_()
+        hit = (cos.masked_fill(~valid[..., None, -64:], 0.0) > threshold).any(dim=-1)
+        first, newest = first + int((hit & valid).sum()), newest + int(valid.sum())
+    lengths = mask.sum(-1).tolist()
+    print(f"SmolLM2, batch {len(lengths)} of prompts of {min(lengths)}-{max(lengths)} tokens, {len(seen)} layers: "
+          f"{first / newest:.1%} of valid rows have a near-duplicate among the newest 64 slots")
+
+    def every_layer(fn):
+        return lambda: [fn(keys, valid, threshold) for keys, valid, threshold in seen]
+
+    shape = list(seen[0][0].shape)
+    return [(f"rkv redundancy of SmolLM2's {len(seen)} layers {shape}", every_layer(redundancy_dense),
+             every_layer(rkv.redundancy), 1)]
+
+
+def refresh_inputs(g) -> tuple:
+    """A learned refresh's inputs for one layer at `LONG`: the tracker's state mid-decode, a one-row attention, keys,
+    values, positions; and the tracker and a random-init scorer."""
+    B, H, T, D = LONG
+    state = {n: torch.rand(B, H, T, generator=g) for n in STATE}
+    state["f.win"] = torch.rand(B, H, WINDOW, T, generator=g) / T
+    attn = torch.rand(B, H, 3, 1, T, generator=g) / T
+    keys, values = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    pos = torch.arange(T).expand(B, H, T).clone()
+    pos[:, :, 5:20] = -1  # dead slots (slack)
+    return attn, keys, values, pos, state, FeatureTracker(30), Scorer(30)
+
+
+def torch_std(win):
+    return win.std(dim=2, unbiased=False)
+
+
+def refresh_cases(g) -> list:
+    """The ``--refresh`` case: one layer's features and scores, the window std by `Tensor.std` or `window_std`."""
+    attn, keys, values, pos, state, tracker, scorer = refresh_inputs(g)
+    fast = features.window_std
+
+    def refresh(std):
+        features.window_std = std
+        try:
+            with torch.no_grad():
+                return scorer(tracker.features(attn, keys, values, pos, 3, 100, state), 3)
+        finally:
+            features.window_std = fast
+
+    assert torch.equal(refresh(torch_std), refresh(fast))
+    return [(f"learned refresh of one layer {list(LONG[:3])}", lambda: refresh(torch_std), lambda: refresh(fast), 3)]
+
+
+def profile(g) -> None:
+    """``--profile``: the ops R-KV's redundancy (dense, blockwise) and the learned refresh spend their time in."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile  # only this mode profiles
+
+    B, H, T, D = LONG
+    keys, valid = near_keys(B, H, T, D, g, 2.0), torch.ones(B, H, T, dtype=torch.bool)
+    attn, k, v, pos, state, tracker, scorer = refresh_inputs(g)
+
+    def refresh():
+        with torch.no_grad():
+            f = tracker.features(attn, k, v, pos, 3, 100, state)
+            with torch.profiler.record_function("Scorer.forward"):
+                return scorer(f, 3)
+
+    def refresh_before():
+        features.window_std = torch_std
+        try:
+            return refresh()
+        finally:
+            features.window_std = window_std
+
+    window_std = features.window_std
+    for name, fn in (("rkv redundancy, dense", lambda: redundancy_dense(keys, valid, 0.5)),
+                     ("rkv redundancy, blockwise", lambda: rkv.redundancy(keys, valid, 0.5)),
+                     ("learned refresh, Tensor.std", refresh_before), ("learned refresh, window_std", refresh)):
+        fn()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                fn()
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in ops)
+        scope = [e.cpu_time_total for e in ops if e.key == "Scorer.forward"]
+        split = f", of which the scorer {scope[0] / 3e3:.1f} ms" if scope else ""
+        print(f"\n{name} {list(LONG)}: {total / 3e3:.1f} ms per call (self time, 3 calls){split}")
+        for e in [e for e in ops if e.key != "Scorer.forward"][:8]:
+            print(f"  {e.key:28s} {e.self_cpu_time_total / 3e3:7.2f} ms  {e.self_cpu_time_total / total:4.0%}  "
+                  f"{e.count // 3} calls")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    if "--step" in sys.argv[1:]:
-        run(step_cases(g))
+    args = sys.argv[1:]
+    if "--profile" in args:
+        profile(g)
+        return
+    if "--rkv-model" in args:
+        run(model_keys_cases())
+        return
+    if "--step" in args or "--rkv" in args or "--refresh" in args:
+        run([*(step_cases(g) if "--step" in args else []), *(rkv_cases(g) if "--rkv" in args else []),
+             *(refresh_cases(g) if "--refresh" in args else [])])
         return
     keys, valid = torch.randn(4, 3, 900, 64, generator=g), torch.ones(4, 3, 900, dtype=torch.bool)
     cases = [("rkv redundancy [4, 3, 900, 64]", lambda: redundancy_before(keys, valid, 0.5),
-              lambda: redundancy(keys, valid, 0.5), 2)]
+              lambda: rkv.redundancy(keys, valid, 0.5), 2)]
     for B in (1, 4, 16):  # batch 1: fewer than 4 rows, `avg_pool` makes the pooling call itself
         x = torch.rand(B, 3, 516, generator=g)
         cases.append((f"snapkv pooling [{B}, 3, 516], kernel 5", lambda x=x: avg_pool_before(x, 5),
@@ -117,9 +274,11 @@ def run(cases: list) -> None:
                 a = clock(old, n)
             rounds.append((a, b))
         ratio = [b / a for a, b in rounds]
+        lo, hi = bootstrap_ci(ratio)
         print(f"{name}: before {statistics.median(a for a, _ in rounds):.2f} ms, after "
               f"{statistics.median(b for _, b in rounds):.2f} ms, after / before {statistics.median(ratio):.2f} "
-              f"[{min(ratio):.2f}, {max(ratio):.2f}] over {len(rounds)} rounds")
+              f"[{min(ratio):.2f}, {max(ratio):.2f}] over {len(rounds)} rounds; mean {statistics.mean(ratio):.3f} "
+              f"[{lo:.3f}, {hi:.3f}] 95%")
 
 
 if __name__ == "__main__":

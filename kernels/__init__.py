@@ -19,6 +19,7 @@ The one switch is the environment variable ``LEARNKV_KERNELS``, read at every ca
   triton is imported: it exists so CI can run the whole Triton path of the decode loop in the interpreter.
 """
 
+import functools
 import os
 
 # imports inside functions: an implementation is imported on its first call (this package stays cheap to import, and
@@ -85,16 +86,25 @@ def _version(text: str) -> tuple[int, int]:
 
 
 def _check_interpreter() -> None:
-    """Refuse a Triton interpreter that cannot run with this numpy: before 3.7 it reads loop bounds and scalar
-    arguments with ``int()`` of 1-element arrays, which numpy 2.4 turned from a warning into an error (seen with
-    triton 3.6.0 and numpy 2.4.6: every kernel with a ``range`` over a runtime value fails inside the interpreter)."""
+    """Refuse a Triton interpreter that cannot run with this numpy (`_interpreter_error`)."""
+    error = _interpreter_error()
+    if error is not None:
+        raise RuntimeError(error)
+
+
+@functools.cache
+def _interpreter_error() -> str | None:
+    """Why the Triton interpreter cannot run with this numpy, or None; decided once per process (the versions do not
+    change; tests swap in a fresh cache). Before 3.7 the interpreter reads loop bounds and scalar arguments with
+    ``int()`` of 1-element arrays, which numpy 2.4 turned from a warning into an error (seen with triton 3.6.0 and
+    numpy 2.4.6: every kernel with a ``range`` over a runtime value fails inside the interpreter)."""
     import numpy
     import triton
 
     if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
-        raise RuntimeError(f"Triton {triton.__version__}'s interpreter does not run with numpy {numpy.__version__} "
-                           "(TRITON_INTERPRET=1 needs triton>=3.7 or numpy<2.4); compiled kernels on CUDA are "
-                           "unaffected")
+        return (f"Triton {triton.__version__}'s interpreter does not run with numpy {numpy.__version__} "
+                "(TRITON_INTERPRET=1 needs triton>=3.7 or numpy<2.4); compiled kernels on CUDA are unaffected")
+    return None
 
 
 def use_triton(*tensors) -> bool:

@@ -12,7 +12,7 @@ import torch
 from conftest import params_for, random_ids
 from kernels import reference as ref
 from learnkv import generate
-from learnkv.features import FeatureTracker
+from learnkv.features import FeatureTracker, window_std
 from learnkv.policies import make_policy
 from learnkv.policies.base import LayerView, exact_map
 
@@ -301,3 +301,26 @@ def test_tracker_decode_update_equals_the_replaced_shift(B, H, G, T):
         update_decode_before(attn, pos, step, theirs)
         for name in STATE:
             assert torch.equal(ours[name], theirs[name]), f"step {step}: {name}"
+
+
+@pytest.mark.parametrize("B, H, W, T", [(1, 1, 1, 1), (2, 3, 2, 17), (1, 3, 5, 130), (8, 3, 16, 300), (3, 1, 16, 1)])
+@pytest.mark.parametrize("kind", ["attention", "wide", "zeros"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_window_std_equals_torch_std(B, H, W, T, kind, threads):
+    """The learned policy's `win_std` feature (`learnkv.features.window_std`): ``torch.std``'s own arithmetic on
+    whole slices, bit for bit, at one and two threads (the reduction must not be split across threads)."""
+    g = torch.Generator().manual_seed(B * 100 + W * 10 + T)
+    win = torch.rand(B, H, W, T, generator=g) ** 4 / max(T, 1)  # attention-like: small, many near zero
+    if kind == "wide":
+        win = win * 10.0 ** torch.randint(-30, 30, (B, H, W, T), generator=g)
+    elif kind == "zeros":
+        win[..., ::2] = 0.0
+        win[..., 1::3] = -0.0  # Welford starts from +0.0: a signed zero must come out as torch.std's does
+        win[:, :, : W // 2, 1::4] = win[:, :, -1:, 1::4]  # repeated values: a zero variance
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, want = window_std(win), win.std(dim=2, unbiased=False)
+    finally:
+        torch.set_num_threads(old)
+    assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))

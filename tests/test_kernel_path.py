@@ -8,6 +8,7 @@ On a GPU run (``TRITON_INTERPRET=0``, bench/gpu_all.sh) the same decode-loop cas
 the tests of the interpreter's switch and subprocesses are skipped.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -130,14 +131,20 @@ def test_interpreter_that_cannot_run_with_this_numpy_is_refused(monkeypatch):
     x = torch.zeros(3)
     monkeypatch.setenv("LEARNKV_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    verdict = functools.cache(kernels._interpreter_error.__wrapped__)  # decided once per process: a fresh cache
+    monkeypatch.setattr(kernels, "_interpreter_error", verdict)
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setattr(numpy, "__version__", "2.4.6")
     with pytest.raises(RuntimeError, match=r"needs triton>=3.7 or numpy<2.4"):
         kernels.use_triton(x)
     monkeypatch.setattr(numpy, "__version__", "2.3.5")
+    with pytest.raises(RuntimeError, match=r"needs triton>=3.7 or numpy<2.4"):
+        kernels.use_triton(x)  # the verdict is not read again
+    verdict.cache_clear()
     assert kernels.use_triton(x)
     monkeypatch.setattr(triton, "__version__", "3.7.1")
     monkeypatch.setattr(numpy, "__version__", "2.5.2")
+    verdict.cache_clear()
     assert kernels.use_triton(x)
 
 

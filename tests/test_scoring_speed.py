@@ -1,18 +1,22 @@
-"""The cheaper R-KV redundancy and SnapKV pooling and window update (issue 43, item 2) give the same bits, hence the
-same kept tokens.
+"""The cheaper R-KV redundancy and SnapKV pooling and window update (issue 43, item 2) keep the same tokens.
 
 Each fast path is compared with the code it replaced, kept here verbatim as the reference: on parametrised shapes
-(padding, near-duplicates, thresholds, kernel sizes, -0.0) the scores must be bit-identical, and a decode on the
-tiny model must keep the same slots at every step of every layer with either implementation.
+(padding, near-duplicates, thresholds, kernel sizes, -0.0) the scores must be bit-identical, except R-KV's blockwise
+redundancy (its column sums are another summation: the same zeroed entries, scores within relative 1e-6, the same
+kept slots), and a decode on the tiny model must keep the same slots at every step of every layer with either
+implementation.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
+import kernels
 from conftest import random_ids
 from learnkv import generate
 from learnkv.policies import rkv, snapkv
+from learnkv.policies.base import LayerView
 
 
 def redundancy_before(keys, valid, threshold):
@@ -31,6 +35,42 @@ def redundancy_before(keys, valid, threshold):
         near = (cos > threshold).flip(-1)
         last = T - 1 - near.view(torch.uint8).argmax(dim=-1)
         last = torch.where(near.any(dim=-1), last, first[:, h, None])
+        del near
+        cos.scatter_(-1, last[..., None], 0.0)
+        mean = cos.sum(dim=1) / n_valid[:, h, None]
+        out[:, h] = mean.masked_fill(~v, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    return out
+
+
+def redundancy_dense(keys: Tensor, valid: Tensor, threshold: float) -> Tensor:
+    """`learnkv.policies.rkv.redundancy` before it dropped the ``[B, T, T]`` matrix (commit 152dfe3), verbatim.
+
+    ``[B, H, T]`` R-KV redundancy of each cached key (a distribution over the valid slots; 0 on padding).
+
+    keys ``[B, H, T, D]``, valid ``[B, H, T]`` bool, threshold in [0, 1]. Peak memory: one ``[B, T, T]`` fp32
+    cosine matrix and two bool masks of that size, one KV head at a time.
+
+    Cost: the ``[B, T, T]`` matmul and five passes over its result (compare, flip, argmax, column sum, and the
+    padding masks only where a row has padding); the row's "has a near-duplicate" test reads the one entry the
+    argmax found instead of a sixth pass (``any``). The same bits as doing all of them (tests/test_rkv.py).
+    """
+    B, H, T, _ = keys.shape
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    first = valid.int().argmax(dim=-1)  # [B, H] the oldest cached slot (the source's fallback index 0)
+    n_valid = valid.sum(dim=-1).clamp_min(1)
+    padded = not bool(valid.all())  # one synchronisation per call; without padding the masks change nothing
+    out = torch.empty(B, H, T, device=keys.device)
+    for h in range(H):
+        v = valid[:, h]
+        cos = k[:, h] @ k[:, h].transpose(-1, -2)  # [B, T, T]
+        cos.diagonal(dim1=-2, dim2=-1).zero_()
+        if padded:
+            cos.masked_fill_(~v[:, :, None], 0.0).masked_fill_(~v[:, None, :], 0.0)  # padding: 0, never near
+        near = (cos > threshold).flip(-1)  # newest slot first
+        found = near.view(torch.uint8).argmax(dim=-1, keepdim=True)  # the first True, or 0 if the row has none
+        last = T - 1 - found[..., 0]  # the newest near-duplicate of each row
+        last = torch.where(near.gather(-1, found)[..., 0], last, first[:, h, None])
         del near
         cos.scatter_(-1, last[..., None], 0.0)
         mean = cos.sum(dim=1) / n_valid[:, h, None]
@@ -67,23 +107,82 @@ def same_bits(a, b):
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@pytest.mark.parametrize("B,H,T,D", [(1, 1, 1, 4), (1, 1, 2, 4), (2, 3, 9, 4), (3, 2, 130, 8), (1, 3, 257, 64)])
+def dense_zeroed(keys, valid, threshold):
+    """``[B, H, T]`` the column `redundancy_dense` zeroes in each row (the newest near-duplicate, else the oldest
+    valid slot), as it computes it."""
+    B, H, T, _ = keys.shape
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    cos = k @ k.transpose(-1, -2)
+    cos.diagonal(dim1=-2, dim2=-1).zero_()
+    cos.masked_fill_(~valid[..., None], 0.0).masked_fill_(~valid[..., None, :], 0.0)
+    near = (cos > threshold).flip(-1)
+    found = near.view(torch.uint8).argmax(dim=-1, keepdim=True)
+    first = valid.int().argmax(dim=-1, keepdim=True).expand(B, H, T)
+    return torch.where(near.gather(-1, found)[..., 0], T - 1 - found[..., 0], first)
+
+
+def near_keys(B, H, T, D, g, shared):
+    """Random keys plus ``shared`` times a common direction per head (real keys are anisotropic: with 2, most rows
+    have a near-duplicate among the newest slots; with 0, few have one anywhere)."""
+    keys = torch.randn(B, H, T, D, generator=g) + shared * torch.randn(1, H, 1, D, generator=g)
+    keys[:, :, T // 2] = keys[:, :, 0] * 2  # an exact duplicate (cosine 1, or just above by rounding)
+    return keys
+
+
+@pytest.mark.parametrize("B,H,T,D", [(1, 1, 1, 4), (1, 1, 2, 4), (2, 3, 9, 4), (3, 2, 130, 8), (1, 3, 257, 64),
+                                     (2, 2, 300, 64)])
 @pytest.mark.parametrize("pad", [0, 1, 5])
 @pytest.mark.parametrize("threshold", [0.0, 0.5, 0.9, 1.0])
-def test_redundancy_bits_unchanged(B, H, T, D, pad, threshold):
+@pytest.mark.parametrize("block,shared", [(1, 0.0), (4, 2.0), (64, 0.0), (64, 2.0)])
+def test_redundancy_matches_the_dense_code(B, H, T, D, pad, threshold, block, shared):
+    """The blockwise redundancy zeroes the dense code's entries (the same fp32 cosines decide "near"), and its scores
+    differ from the dense code's by the column sums' rounding only: relative < 1e-6 (~3e-7 seen)."""
     g = torch.Generator().manual_seed(B * 1000 + T * 10 + D)
-    keys = torch.randn(B, H, T, D, generator=g)  # D = 4: many pairs over any threshold below 1
-    keys[:, :, T // 2] = keys[:, :, 0] * 2  # an exact duplicate (cosine 1, or just above by rounding)
+    keys = near_keys(B, H, T, D, g, shared)
     valid = torch.ones(B, H, T, dtype=torch.bool)
     valid[0, :, : min(pad, T - 1)] = False  # left padding in the first row only (others unpadded)
-    assert same_bits(rkv.redundancy(keys, valid, threshold), redundancy_before(keys, valid, threshold))
+    if B > 2:
+        valid[2] = False  # a row with nothing cached
+    new, dense = rkv.redundancy(keys, valid, threshold, block=block), redundancy_dense(keys, valid, threshold)
+    torch.testing.assert_close(new, dense, rtol=1e-6, atol=0.0)
+    assert same_bits(redundancy_dense(keys, valid, threshold), redundancy_before(keys, valid, threshold))
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    want, first = dense_zeroed(keys, valid, threshold), valid.int().argmax(dim=-1)
+    padded = not bool(valid.all())
+    for h in range(H):
+        got, _ = rkv._newest_near(k[:, h], valid[:, h] if padded else None, threshold, block, first[:, h])
+        v = valid[:, h]
+        assert torch.equal(got[v], want[:, h][v]), f"head {h}"
 
 
-def test_redundancy_bits_unchanged_with_all_padding_rows():
-    keys = torch.randn(2, 2, 6, 4, generator=torch.Generator().manual_seed(1))
-    valid = torch.ones(2, 2, 6, dtype=torch.bool)
-    valid[1] = False  # a row with nothing cached
-    assert same_bits(rkv.redundancy(keys, valid, 0.5), redundancy_before(keys, valid, 0.5))
+@pytest.mark.parametrize("T,D", [(40, 8), (300, 64), (700, 64)])
+@pytest.mark.parametrize("shared", [0.0, 0.7, 2.0])
+@pytest.mark.parametrize("window", [1, 8])
+def test_rkv_keeps_the_dense_codes_slots(monkeypatch, T, D, shared, window):
+    """R-KV's scores with the blockwise and the dense redundancy keep the same slots: batch rows with different
+    budgets, one left-padded, a shared direction in the keys of 0 (few near-duplicates), 0.7 or 2 (most rows have
+    one among the newest slots)."""
+    B, H = 3, 2
+    g = torch.Generator().manual_seed(T + D + window)
+    keys = near_keys(B, H, T, D, g, shared)
+    pos = torch.arange(T).expand(B, H, T).clone()
+    pos[0, :, : T // 5] = -1
+    rows = torch.rand(B, H, window, T, generator=g) ** 4 * (pos >= 0)[:, :, None]
+    policy = rkv.RKV(window=window, buffer=window)
+
+    def kept(redundancy):
+        monkeypatch.setattr(rkv, "redundancy", redundancy)
+        view = LayerView(layer=0, step=1, keys=keys, values=keys, positions=pos, n_new=1, attn=rows,
+                         attn_sum=rows.sum(2), state={"obs_attn": rows})
+        scores = policy.score(view)
+        return scores, kernels.select_keep(scores, pos, [T // 2, T // 3, T - 10], 0, window)
+
+    (new, kept_new), (dense, kept_dense) = kept(rkv.redundancy), kept(redundancy_dense)
+    assert torch.equal(kept_new, kept_dense)
+    # a score is lambda * importance - (1 - lambda) * redundancy: the redundancy's relative 1e-6, as an absolute error
+    torch.testing.assert_close(new, dense, rtol=0.0, atol=1e-6 * float(dense.abs().max()))
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 7, 9])

@@ -56,8 +56,9 @@ class RKV(Policy):
     - fp32 throughout (the source: the model's bf16), per batch row (the source at d15c976 uses row 0's keys
       for every row), padding excluded, ties to the more recent token (the source's topk is unordered).
 
-    Cost: the redundancy is O(T^2 D) per KV head and batch row and a [B, T, T] fp32 matrix per KV head at a
-    time, only when the cache evicts (every ``buffer`` steps).
+    Cost: only when the cache evicts (every ``buffer`` steps). The redundancy is O(T D) for the column sums plus
+    the search for each key's newest near-duplicate, newest slots first (`redundancy`): O(T * 64 * D) per KV head
+    and batch row where near-duplicates are recent (most of SmolLM2's keys), O(T^2 D) where a key has none.
 
     Compared across heads and layers (``allocation=head|global``) its scores are ``rank``
     (`learnkv.allocation.normalisation_for`).
@@ -128,35 +129,81 @@ class RKV(Policy):
         return torch.cat([s, top.expand(B, H, T - n)], dim=-1)
 
 
-def redundancy(keys: Tensor, valid: Tensor, threshold: float) -> Tensor:
+def redundancy(keys: Tensor, valid: Tensor, threshold: float, block: int = 64) -> Tensor:
     """``[B, H, T]`` R-KV redundancy of each cached key (a distribution over the valid slots; 0 on padding).
 
-    keys ``[B, H, T, D]``, valid ``[B, H, T]`` bool, threshold in [0, 1]. Peak memory: one ``[B, T, T]`` fp32
-    cosine matrix and two bool masks of that size, one KV head at a time.
+    keys ``[B, H, T, D]``, valid ``[B, H, T]`` bool, threshold in [0, 1]. Without the ``[B, T, T]`` cosine matrix:
 
-    Cost: the ``[B, T, T]`` matmul and five passes over its result (compare, flip, argmax, column sum, and the
-    padding masks only where a row has padding); the row's "has a near-duplicate" test reads the one entry the
-    argmax found instead of a sixth pass (``any``). The same bits as doing all of them (tests/test_rkv.py).
+    - the column sum of the cosines over the valid rows, diagonal excluded, is each key's dot product with the sum
+      of the valid keys less its own square (O(T D), float64);
+    - each row's newest near-duplicate (the entry the source zeroes, then subtracted from its column) is looked for
+      among the newest ``block`` slots for every row in one matmul, then among the next older ``2 * block``, ``4 *
+      block``... slots for the rows that have not found one yet (`_newest_near`). With near-duplicates among recent
+      keys, as R-KV assumes, most rows stop in the first block (SmolLM2's keys after a batch-8 prefill of ~1k
+      tokens: 97.6% of the valid rows, bench/RESULTS.md); a row with none anywhere is compared with every slot, as
+      in the dense matrix.
+
+    The cosines that decide "near" are fp32 products of the same unit keys as the dense matrix's (the same entries
+    are zeroed: tests/test_scoring_speed.py); the column sums are another summation (float64 dot products instead of
+    a fp32 column sum), so the scores differ from the dense code's (kept in that test file) by rounding, relative
+    < 1e-6 (its tolerance), with the same kept slots. Peak memory: ``[B, R, C]`` fp32 for the R rows still looking
+    in a block of C slots, instead of ``[B, T, T]`` and two bool masks of that size.
     """
-    B, H, T, _ = keys.shape
+    B, H, T, D = keys.shape
     k = keys.float()
-    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    norm = k.norm(dim=-1, keepdim=True)
+    k = k / (norm + 1e-8)
+    square = (norm / (norm + 1e-8))[..., 0].double() ** 2  # each unit key's own cosine (0 for a zero key)
     first = valid.int().argmax(dim=-1)  # [B, H] the oldest cached slot (the source's fallback index 0)
     n_valid = valid.sum(dim=-1).clamp_min(1)
     padded = not bool(valid.all())  # one synchronisation per call; without padding the masks change nothing
     out = torch.empty(B, H, T, device=keys.device)
     for h in range(H):
-        v = valid[:, h]
-        cos = k[:, h] @ k[:, h].transpose(-1, -2)  # [B, T, T]
-        cos.diagonal(dim1=-2, dim2=-1).zero_()
-        if padded:
-            cos.masked_fill_(~v[:, :, None], 0.0).masked_fill_(~v[:, None, :], 0.0)  # padding: 0, never near
-        near = (cos > threshold).flip(-1)  # newest slot first
-        found = near.view(torch.uint8).argmax(dim=-1, keepdim=True)  # the first True, or 0 if the row has none
-        last = T - 1 - found[..., 0]  # the newest near-duplicate of each row
-        last = torch.where(near.gather(-1, found)[..., 0], last, first[:, h, None])
-        del near
-        cos.scatter_(-1, last[..., None], 0.0)
-        mean = cos.sum(dim=1) / n_valid[:, h, None]
+        kh, v = k[:, h], valid[:, h]
+        last, value = _newest_near(kh, v if padded else None, threshold, block, first[:, h])
+        k64 = kh.double()
+        total = v.double()[:, None, :] @ k64  # [B, 1, D] the sum of the valid keys
+        col = (k64 @ total.transpose(-1, -2))[..., 0] - square[:, h]  # the column sums, diagonal excluded
+        col.scatter_add_(-1, last, -(value.double() * v))  # less each valid row's zeroed entry
+        mean = (col / n_valid[:, h, None]).float()
         out[:, h] = mean.masked_fill(~v, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
     return out
+
+
+def _newest_near(k: Tensor, valid: Tensor | None, threshold: float, block: int, first: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's entry R-KV zeroes in the cosine matrix of ``k [B, T, D]`` (unit rows; ``valid [B, T]``, or None
+    without padding): the column of the newest other valid key with cosine > ``threshold``, else the oldest valid
+    slot ``first [B]`` (the source's fallback); and that cosine (0 on the diagonal). ``[B, T]`` long and float.
+
+    Blocks of slots from the newest (``block``, then doubling), each compared with the rows that have found nothing
+    newer: the first with every row, later ones with the rows left, gathered (one synchronisation per block)."""
+    B, T, D = k.shape
+    rows = torch.arange(T, device=k.device).expand(B, T)  # the rows compared with the next block
+    last, value = torch.zeros(B, T, dtype=torch.long, device=k.device), torch.zeros(B, T, device=k.device)
+    left = torch.ones(B, T, dtype=torch.bool, device=k.device) if valid is None else valid.clone()
+    c1, size = T, block
+    while c1 > 0:
+        c0 = max(c1 - size, 0)
+        q = k if c1 == T else k.gather(1, rows[..., None].expand(*rows.shape, D))
+        cos = q @ k[:, c0:c1].transpose(-1, -2)  # [B, rows, c1 - c0]
+        own = (rows - c0).clamp(0, c1 - c0 - 1)[..., None]
+        cos.scatter_(-1, own, cos.gather(-1, own) * ((rows < c0) | (rows >= c1))[..., None])  # the diagonal: 0
+        if valid is not None:
+            cos.masked_fill_(~valid[:, None, c0:c1], 0.0)  # padding: 0, never near (threshold >= 0)
+        near = (cos > threshold).flip(-1)  # newest slot first
+        found = near.view(torch.uint8).argmax(dim=-1, keepdim=True)  # the first True, or 0 if the row has none
+        hit = near.gather(-1, found)[..., 0] & left.gather(1, rows)  # rows no longer looking were gathered as padding
+        col = c1 - c0 - 1 - found
+        last.scatter_(1, rows, torch.where(hit, col[..., 0] + c0, last.gather(1, rows)))
+        value.scatter_(1, rows, torch.where(hit, cos.gather(-1, col)[..., 0], value.gather(1, rows)))
+        left.scatter_(1, rows, left.gather(1, rows) & ~hit)
+        c1, size = c0, size * 2
+        n = int(left.sum(dim=-1).max()) if c1 > 0 else 0  # one synchronisation per block
+        if n == 0:
+            break
+        rows = torch.sort((~left).to(torch.uint8), dim=-1, stable=True).indices[:, :n]  # the rows left first
+    # no near-duplicate anywhere: the oldest valid slot (the diagonal's 0 for that slot itself)
+    nobody = left if valid is None else left & valid
+    fallback = (k @ k.gather(1, first[:, None, None].expand(B, 1, D)).transpose(-1, -2))[..., 0]  # [B, T]
+    fallback[torch.arange(B, device=k.device), first] = 0.0
+    return torch.where(nobody, first[:, None], last), torch.where(nobody, fallback, value)
