@@ -47,6 +47,7 @@ def test_the_artifact_records_the_allocation_it_was_trained_for(exported, tmp_pa
     assert trained_allocation(load_scorer(glob, expect_allocation="global")[1]) == "global"
     with pytest.raises(ArtifactError, match="not 'uniform'"):
         check_binding(read_artifact_manifest(glob), glob, allocation="uniform")
+    check_binding(read_artifact_manifest(path), path, allocation="pyramid")  # compared within a head, as uniform
     check_binding(read_artifact_manifest(glob), glob)  # not asked: the decode loop may run it under any allocation
     old = dict(read_artifact_manifest(path))
     del old["allocation"]

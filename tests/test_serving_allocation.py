@@ -93,12 +93,13 @@ def test_pyramid_refuses_an_infeasible_budget_and_the_batched_paths(tmp_path):
 def test_runtime_refuses_a_scorer_trained_for_another_allocation(tmp_path):
     uniform, pyramid, glob = (scorer(tmp_path, a) for a in ("uniform", "pyramid", "global"))
     ServingRuntime(uniform, 32, block_size=8)  # uniform scorer, uniform serving: the default
-    with pytest.raises(ArtifactError, match="trained for allocation 'uniform', not 'pyramid'"):
-        ServingRuntime(uniform, 32, block_size=8, allocation="pyramid")
-    with pytest.raises(ArtifactError, match="trained for allocation 'pyramid', not 'uniform'"):
-        ServingRuntime(pyramid, 32, block_size=8)
+    # pyramid only sizes each layer's budget: its scores are compared within a head, as a uniform scorer's are
+    ServingRuntime(uniform, 32, block_size=8, allocation="pyramid")
+    ServingRuntime(pyramid, 32, block_size=8)
     with pytest.raises(ArtifactError, match="trained for allocation 'global', not 'uniform'"):
         runtime_for(parse_config({"scorer": str(glob), "budget": 32, "block_size": 8}))
+    with pytest.raises(ArtifactError, match="trained for allocation 'global', not 'pyramid'"):
+        ServingRuntime(glob, 32, block_size=8, allocation="pyramid")
     with pytest.raises(ValueError, match="allocation 'head' is not served"):
         ServingRuntime(uniform, 32, block_size=8, allocation="head")
 

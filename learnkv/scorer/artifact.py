@@ -126,6 +126,13 @@ def cached_kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+# what each allocation compares scores across (`learnkv.allocation`): a scorer serves the allocations that compare
+# its scores across what it was trained to rank together. ``uniform`` and ``pyramid`` rank within one head (pyramid
+# only sizes each layer's budget), ``head`` across a layer's heads, ``global`` across every layer and head.
+COMPARES_ACROSS = {"uniform": "a head", "pyramid": "a head", "head": "a layer's heads",
+                   "global": "every layer and head"}
+
+
 def trained_allocation(manifest: dict) -> str:
     """The budget allocation a scorer was trained for (`learnkv.allocation.ALLOCATIONS`): ``uniform`` for a scorer
     whose scores rank tokens within one head (every artifact before the field), ``global`` for one trained to rank
@@ -147,10 +154,12 @@ def check_binding(manifest: dict, path: str | Path, *, model: str | None = None,
         raise ArtifactError(f"{path}: scorer has {manifest.get('n_layers')} layers, the model has {n_layers}")
     if n_kv_heads is not None and manifest.get("n_kv_heads") != n_kv_heads:
         raise ArtifactError(f"{path}: scorer has {manifest.get('n_kv_heads')} KV heads, the model has {n_kv_heads}")
-    if allocation is not None and trained_allocation(manifest) != allocation:
-        raise ArtifactError(f"{path}: scorer was trained for allocation {trained_allocation(manifest)!r}, "
-                            f"not {allocation!r}; export one trained for it or serve with "
-                            f"allocation={trained_allocation(manifest)!r}")
+    trained = trained_allocation(manifest)
+    if allocation is not None and COMPARES_ACROSS.get(trained, trained) != COMPARES_ACROSS.get(allocation, allocation):
+        raise ArtifactError(f"{path}: scorer was trained for allocation {trained!r}, not {allocation!r} (its scores "
+                            f"rank tokens within {COMPARES_ACROSS.get(trained, trained)}, {allocation!r} compares them "
+                            f"across {COMPARES_ACROSS.get(allocation, allocation)}); export one trained for it or use "
+                            f"allocation={trained!r}")
 
 
 def _non_finite(tensors: dict) -> str:
