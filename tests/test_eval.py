@@ -506,6 +506,7 @@ def test_a_killed_evaluation_resumes_at_its_last_finished_batch(tiny, tmp_path, 
             return real(model, tok, batch, refs, cfg)
         monkeypatch.setattr(task, "run_batch", run_batch)
 
+    monkeypatch.setattr(checkpoint, "KEEP_REFERENCE_BYTES", 0)  # references as large as the long table's
     first = spec()
     counting(first.tasks[0], crash_at=("ids/2", "lazy"))  # killed in the second batch, after its full and h2o runs
     tmp_path = tmp_path / "out"  # created by evaluate
@@ -557,6 +558,36 @@ def test_a_killed_evaluation_resumes_at_its_last_finished_batch(tiny, tmp_path, 
     assert [p.name for p in tmp_path.glob("earlier-*/*")] == [PARTIAL]
 
 
+def test_a_grid_given_more_policies_resumes_and_reads_small_references_back(tiny, tmp_path, monkeypatch):
+    """The same grid with more policies keeps what was finished and decodes only the new policies' runs, against
+    the full-cache references it kept (small ones, as an accuracy grid's free runs); the results equal one run of
+    the larger grid's (timings aside). Policies in another order are the same grid; fewer is a report, not a run."""
+    from learnkv.eval import checkpoint
+    from learnkv.eval.checkpoint import PARTIAL
+
+    items = samples(n=4, length=24)
+    spec = lambda policies: build_spec(policies, "0.8,28", "fidelity", max_new_tokens=8, batch_size=2)  # noqa
+    out = tmp_path / "out"
+    evaluate(tiny, None, spec("full,h2o"), samples=items, resume_dir=out)  # killed before its results: keep its file
+    assert len(list(out.glob("reference-*.safetensors"))) == 2  # both batches' references, small: kept
+    decoded, references = [], []
+    bigger = spec("tova,full,h2o")
+    task = bigger.tasks[0]
+    real_run, real_reference = task.run_batch, task.reference_batch
+    monkeypatch.setattr(task, "run_batch", lambda m, t, batch, refs, cfg: (
+        decoded.extend((s.id, cfg.policy) for s in batch), real_run(m, t, batch, refs, cfg))[1])
+    monkeypatch.setattr(task, "reference_batch", lambda m, t, batch: (
+        references.extend(s.id for s in batch), real_reference(m, t, batch))[1])
+    resumed = evaluate(tiny, None, bigger, samples=items, resume_dir=out)
+    assert references == [] and sorted(decoded) == sorted((f"ids/{i}", "tova") for i in range(4) for _ in range(2))
+    head = json.loads((out / PARTIAL).read_text().splitlines()[0])
+    assert head["identity"] == checkpoint.grid_identity(bigger, None)  # the file now names the larger grid
+    whole = evaluate(tiny, None, spec("tova,full,h2o"), samples=items)
+    assert _strip_timing(resumed) == _strip_timing(whole)
+    checkpoint.finish(out)
+    assert not list(out.glob("reference-*")) and not (out / PARTIAL).exists()  # results written: nothing kept
+
+
 def test_a_partial_file_written_before_the_resume_object_resumes(tiny, tmp_path, monkeypatch):
     """tests/data/resume-format-1 is what learnkv at 45c09ad (evaluate's resume bookkeeping inline, before
     `checkpoint.Resume`) left when killed: the grid below, killed in the second batch (ids/2) after its full and
@@ -587,7 +618,7 @@ def test_a_partial_file_written_before_the_resume_object_resumes(tiny, tmp_path,
     monkeypatch.setattr(task, "reference_batch", reference_batch)
     records = evaluate(tiny, None, spec, samples=items, resume_dir=out)
     assert sorted(decoded) == [("ids/2", "h2o"), ("ids/2", "lazy"), ("ids/2", "lazy")] and references == []
-    assert not list(out.glob("reference-*"))  # its batch is finished
+    assert list(out.glob("reference-*"))  # its batch is finished, its small reference kept for added policies
     after = (out / PARTIAL).read_text()
     assert after.startswith(before) and len(after.splitlines()) == len(before.splitlines()) + 4
     by = {(r["policy"], r["budget"]): r for r in records}

@@ -5,14 +5,16 @@ An evaluation of the README's size runs for hours on a CPU. `evaluate` appends o
 directory, after a first line naming the grid (`grid_identity`: model, tasks, policies with the scorer's weights
 digest, budgets, prompts, seed, prefill policy, batch size). A rerun of the same grid into the same directory reads
 what was finished and decodes only the rest (the full-cache reference of a batch is read back, see below, or
-recomputed); the values come back bit for bit (JSON keeps floats exact), so the results equal an uninterrupted
+recomputed); so does the same grid given more policies (their runs are decoded on every batch, the finished ones
+read back); the values come back bit for bit (JSON keeps floats exact), so the results equal an uninterrupted
 run's except the timings. A partial run of another grid, or a damaged file, is moved
 into ``earlier-<time>/`` (never deleted), and the run starts over. ``evaluate.py`` removes the file once
 results.json is written. `Resume` is what `evaluate` holds of all this: what an earlier run finished, what this one
 stores, and the references of the batch in progress.
 
 The full-cache reference of a batch is kept too, while some of the batch's runs are left
-(``reference-<digest>.safetensors``, `save_references`): at length it is the costliest single decode of a batch
+(``reference-<digest>.safetensors``, `save_references`), and after it where small (`KEEP_REFERENCE_BYTES`): at
+length it is the costliest single decode of a batch
 (the long-chain table's: ~25 min per batch of 4 prompts, ~1 GB per prompt of logits and fp16 attention), so a
 resumed run reads it back instead of decoding it again. A reference that holds something other than tensors, dataclasses of learnkv,
 lists, dicts and plain values (a math task's parsed sympy answers) is not stored and is recomputed.
@@ -118,7 +120,12 @@ def open_partial(out_dir: str | Path, identity: dict) -> tuple[dict, str | None]
         _start(path, identity)
         return {}, None
     head, entries, complete, torn = _read(path)
-    if why := _mismatch(head, identity):
+    gained = ""
+    if isinstance(head, dict) and _mismatch(head, identity) and _some_runs_of(identity, head):  # the same grid given more policies
+        added = [run["label"] for run in identity["runs"] if run not in head["runs"]]
+        gained = f" (the grid gained {', '.join(added)}: decoded on every batch)"
+        complete, torn = [json.dumps({"identity": identity}), *complete[1:]], True  # rewritten under the new grid
+    elif why := _mismatch(head, identity):
         keep = keep_aside(out_dir, [path])
         _start(path, identity)
         return {}, f"{path} {why}; moved to {keep}/, starting over"
@@ -126,7 +133,7 @@ def open_partial(out_dir: str | Path, identity: dict) -> tuple[dict, str | None]
         _write_lines(path, complete)
     finished = _by_batch(entries)
     return finished, (f"resuming from {path}: {len(entries)} runs of {len(finished)} batches of prompts already "
-                      "evaluated")
+                      f"evaluated{gained}")
 
 
 def read_partial(out_dir: str | Path, identity: dict) -> dict:
@@ -283,9 +290,20 @@ def load_references(out_dir: str | Path, identity: dict) -> list | None:
         return None
 
 
-def drop_references(out_dir: str | Path, identity: dict) -> None:
-    """A batch is finished: its stored references are no longer needed."""
-    _reference_path(out_dir, identity).unlink(missing_ok=True)
+# A finished batch's stored reference is kept until the grid's results are written (`finish`) when it is smaller
+# than this: a free run's tokens and answers (~0.1 MB for a batch of 8 chain prompts), which a grid later given
+# more policies (`open_partial`) reads back instead of decoding the full cache again. Larger ones (the long table's
+# logits and attention, ~1 GB a prompt) are dropped as soon as their batch is finished.
+KEEP_REFERENCE_BYTES = 64 << 20
+
+
+def drop_references(out_dir: str | Path, identity: dict, keep_small: bool = False) -> None:
+    """A batch is finished: its stored references are no longer needed (``keep_small``: unless they weigh under
+    `KEEP_REFERENCE_BYTES`)."""
+    path = _reference_path(out_dir, identity)
+    if keep_small and path.is_file() and path.stat().st_size < KEEP_REFERENCE_BYTES:
+        return
+    path.unlink(missing_ok=True)
 
 
 def reference_identity(model_name: str | None, task, ids: list[str]) -> dict:
@@ -337,13 +355,14 @@ class Resume:
                                       "metrics": metrics, "costs": costs, "params": params})
 
     def batch_finished(self, identity: dict) -> None:
-        """Every run of a batch is stored: its references are no longer needed."""
+        """Every run of a batch is stored: its references are no longer needed, unless small enough to keep for
+        policies a later run of the grid may add (`KEEP_REFERENCE_BYTES`)."""
         if self.stores:
-            drop_references(self.out_dir, identity)
+            drop_references(self.out_dir, identity, keep_small=True)
 
     def n_finished(self) -> int:
         return sum(map(len, self.finished.values()))
 
 
-__all__ = ["PARTIAL", "Resume", "append_run", "drop_references", "finish", "grid_identity", "kept_runs", "load_references",
+__all__ = ["KEEP_REFERENCE_BYTES", "PARTIAL", "Resume", "append_run", "drop_references", "finish", "grid_identity", "kept_runs", "load_references",
            "open_partial", "reference_identity", "save_references"]
