@@ -169,7 +169,11 @@ def normalise_scores(scores: Tensor, valid: Tensor, rule: str) -> Tensor:
         return x / x.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     if rule == "logit":
         x = scores.float().masked_fill(~valid, float("-inf"))
-        return torch.softmax(x, dim=-1).nan_to_num(0.0)  # a head with no live slot: all -inf, softmax NaN
+        # +inf is the cache's "keep" (a refreshing policy's tokens not scored yet): it stays above every score, and
+        # the softmax runs over the scored slots (with it inside, every slot of the head would be NaN, then 0)
+        kept = x == float("inf")
+        out = torch.softmax(x.masked_fill(kept, float("-inf")), dim=-1).nan_to_num(0.0)  # no live slot: NaN
+        return out.masked_fill(kept, float("inf"))
     raise ValueError(f"unknown normalisation {rule!r}; rules: {', '.join(NORMALISATIONS)}")
 
 
