@@ -39,8 +39,9 @@ Scores compared across heads or layers must share a scale (`normalise_scores`, `
   whose pooling is ``mean_rank``): rank percentiles within the head, the block mode's rule
   (`learnkv.pooling.rank_percentiles`). Every head's percentiles are spread alike, so ``head`` and ``global`` then
   move budget only where heads hold different numbers of live slots: close to ``uniform`` by construction;
-- ``raw``: scores already on one scale across layers and heads (a scorer trained with the global objective of
-  docs/allocation.md): compared as they are.
+- ``raw``: scores already on one scale across layers and heads (a scorer trained with the global objective,
+  ``train.objective=global``, `learnkv.scorer.module`, whose artifact records allocation ``global``): compared as
+  they are.
 
 Shapes: L layers, B rows, H KV heads, T slots.
 """
@@ -101,10 +102,11 @@ def as_allocation(value) -> Allocation:
 
 
 def normalisation_for(policy) -> str:
-    """The rule (`normalise_scores`) for a policy's scores compared across heads and layers: ``logit`` for the
-    learned scorer (its logits are fitted as a softmax per head), else its block-mode pooling rule's
-    (`NORMALISATION_FOR_POOLING`)."""
-    return "logit" if policy.name == "learned" else NORMALISATION_FOR_POOLING[policy.pooling]
+    """The rule (`normalise_scores`) for a policy's scores compared across heads and layers: the policy's own
+    ``normalisation`` where it says one (the learned policy, from its artifact: ``raw`` for a scorer trained with
+    the global objective, else ``logit``, its logits being fitted as a softmax per head), else its block-mode
+    pooling rule's (`NORMALISATION_FOR_POOLING`)."""
+    return getattr(policy, "normalisation", None) or NORMALISATION_FOR_POOLING[policy.pooling]
 
 
 def pyramid_budgets(budget: int, n_layers: int, beta: float = 20.0, min_budget: int = 1) -> list[int]:
@@ -167,7 +169,11 @@ def normalise_scores(scores: Tensor, valid: Tensor, rule: str) -> Tensor:
         return x / x.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     if rule == "logit":
         x = scores.float().masked_fill(~valid, float("-inf"))
-        return torch.softmax(x, dim=-1).nan_to_num(0.0)  # a head with no live slot: all -inf, softmax NaN
+        # +inf is the cache's "keep" (a refreshing policy's tokens not scored yet): it stays above every score, and
+        # the softmax runs over the scored slots (with it inside, every slot of the head would be NaN, then 0)
+        kept = x == float("inf")
+        out = torch.softmax(x.masked_fill(kept, float("-inf")), dim=-1).nan_to_num(0.0)  # no live slot: NaN
+        return out.masked_fill(kept, float("inf"))
     raise ValueError(f"unknown normalisation {rule!r}; rules: {', '.join(NORMALISATIONS)}")
 
 

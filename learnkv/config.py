@@ -33,7 +33,7 @@ class TrainConfig:
     weight_decay: float = setting(1e-4, ge=0)
     batch_size: int = setting(8, ge=1)
     max_epochs: int = setting(15, ge=1)
-    patience: int = setting(4, ge=0)  # early stopping on val/recall@25
+    patience: int = setting(4, ge=0)  # early stopping on val/recall@25 (objective global: val/global_recall@25)
     label: str = setting("future_out", choices=("future_sum", "future_max", "future_out", "future_attnv"))
     temperature: float = setting(1.0, gt=0)
     membership_weight: float = setting(0.5, ge=0)
@@ -42,6 +42,11 @@ class TrainConfig:
     membership_budget: tuple[float, ...] = setting((0.25,), gt=0, le=1)
     distill: dict[str, float] = setting({}, ge=0)  # teacher name -> weight
     content: bool = False  # also score each token's value vector (needs traces with collect.record_values)
+    # what the scores rank: "uniform" every (layer, KV head) on its own (the policy keeps each head's top), "global"
+    # every resident token of a decision over all layers and KV heads together, for allocation=global (the scorer
+    # gets a bias per layer and KV head, the artifact records allocation "global"; batch_size then counts
+    # decisions, each of n_layers trace rows; `learnkv.scorer.module`)
+    objective: str = setting("uniform", choices=("uniform", "global"))
     # features the scorer may not read (their first-layer weights are held at zero), to ablate a group of them, e.g.
     # [acc_sum, age, n_returns]: the ones that grow with the decode length
     ignore_features: tuple[str, ...] = ()

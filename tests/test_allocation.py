@@ -321,6 +321,14 @@ def test_normalise_rules():
     with pytest.raises(ValueError, match="unknown"):
         normalise_scores(scores, valid, "zscore")
     assert not normalise_scores(scores, torch.zeros_like(valid), "logit").isnan().any()
+    # a refreshing policy's unscored tokens (+inf, kept) stay above every slot; the others are still a softmax
+    unscored = scores.clone()
+    unscored[..., -2:] = float("inf")
+    live = valid.clone()
+    live[..., -2:] = True
+    out = normalise_scores(unscored, live, "logit")
+    assert torch.isinf(out[..., -2:]).all() and not out.isnan().any()
+    torch.testing.assert_close(out[..., :-2], normalise_scores(scores[..., :-2], valid[..., :-2], "logit"))
 
 
 def test_mass_rule_moves_budget_to_the_peaked_head():

@@ -172,3 +172,33 @@ def test_the_same_scorer_exports_the_same_bytes(tmp_path):
     digests = {json.loads((export_scorer(scorer, tmp_path / f"art{i}", model="tiny", n_kv_heads=2) / "manifest.json")
                           .read_text())["weights_sha256"] for i in range(12)}
     assert len(digests) == 1
+
+
+def test_a_global_scorer_decodes_under_global_with_raw_scores(tiny, tmp_path, monkeypatch):
+    """A scorer exported for allocation global (with its head bias) loads back score for score, and the learned
+    policy under ``allocation=global`` compares its scores across layers and heads as they are (``raw``); the same
+    weights exported as a per-head scorer go through the per-head softmax (``logit``)."""
+    import learnkv.cache
+
+    torch.manual_seed(0)
+    scorer = Scorer(n_layers=2, hidden=4, n_heads=2, head_bias=True)
+    with torch.no_grad():
+        scorer.bh.copy_(torch.tensor([[2.0, -1.0], [0.5, 0.0]]))
+    x = torch.randn(3, 2, 7, N_FEATURES)
+    unbiased = Scorer(n_layers=2, hidden=4)
+    unbiased.load_state_dict({k: v for k, v in scorer.state_dict().items() if k != "bh"})
+    assert torch.allclose(scorer(x, 1) - unbiased(x, 1), torch.tensor([0.5, 0.0])[:, None].expand(3, 2, 7))
+    # in training, a batch of rows of several layers: each row gets its own layer's head offsets
+    layers = torch.tensor([0, 1, 0])[:, None, None]
+    assert torch.allclose(scorer(x, layers), torch.stack([scorer(x[i:i + 1], int(layers[i]))[0] for i in range(3)]))
+    rules = []
+    normalise = learnkv.cache.normalise_scores
+    monkeypatch.setattr(learnkv.cache, "normalise_scores", lambda s, v, rule: rules.append(rule) or normalise(s, v, rule))
+    for allocation, rule in (("global", "raw"), ("uniform", "logit")):
+        path = export_scorer(scorer, tmp_path / allocation, model="tiny", n_kv_heads=2, allocation=allocation)
+        loaded, _ = load_scorer(path)
+        assert torch.equal(loaded(x, 1), scorer(x, 1)) and loaded.head_bias
+        rules.clear()
+        generate(tiny, input_ids=random_ids(30), policy="learned", budget=12, max_new_tokens=6, allocation="global",
+                 policy_params={"scorer": str(path), "n_sink": 0, "n_recent": 0})
+        assert set(rules) == {rule}

@@ -17,9 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 H, T, LAYERS = 2, 40, 2
 
 
-def synthetic_traces(out: Path, rows_per_split=(96, 24), seed=0) -> None:
+def synthetic_traces(out: Path, rows_per_split=(96, 24), seed=0, decisions=False) -> None:
     """Traces whose future utility is a known function of two features (plus two useless teachers), labelled with
-    the default collection config (what `config` trains with)."""
+    the default collection config (what `config` trains with). Every row is its own prompt's, unless
+    ``decisions``: then rows ``r`` of one prompt are the LAYERS layers of one decision (the global objective's)."""
     import dataclasses
 
     from learnkv.traces.collect import CollectConfig
@@ -33,7 +34,7 @@ def synthetic_traces(out: Path, rows_per_split=(96, 24), seed=0) -> None:
         for r in range(n):
             f = rng.normal(size=(H, T, N_FEATURES)).astype(np.float32)
             utility = np.exp(1.5 * f[..., 2] - 1.0 * f[..., 7])  # the ground truth the scorer must find
-            cols["prompt_id"].append(f"{split}{r}")
+            cols["prompt_id"].append(f"{split}{r // LAYERS if decisions else r}")
             cols["source"].append("synthetic")
             cols["split"].append(split)
             cols["step"].append(1)
@@ -167,6 +168,80 @@ def test_membership_at_several_budgets(synthetic_run, tmp_path):
     _, metrics, _ = train(config(tmp_path, f"trace_dir={src / 'traces'}", "train.membership_budget=[0.25,0.5]"),
                           progress=False)
     assert metrics["val/recall@25"] >= 0.95 and metrics["val/recall@50"] >= 0.95
+
+
+def test_global_objective_ranks_across_layers_and_heads():
+    """Two layers, two KV heads, one decision. Scores right within every head (the log of the head's share of its
+    future mass) but off by a constant per head cost nothing under the per-head objective and cost under the global
+    one, listwise and membership alike; the right scores on one scale are the global optimum's."""
+    from learnkv.scorer.module import head_shares, listwise_loss, membership_loss, ranking_groups
+
+    label = torch.tensor([[[9.0, 0.5, 0.3, 0.2], [3.0, 3.0, 2.0, 2.0]],   # layer 0: a peaked head, a flat head
+                          [[0.4, 0.3, 0.2, 0.1], [6.0, 1.0, 1.0, 0.0]]])  # layer 1: query counts differ per head
+    mask = torch.ones_like(label, dtype=torch.bool)
+    right = torch.log(head_shares(label, mask) + 1e-6)
+    wrong = right + torch.tensor([[3.0, -2.0], [-4.0, 1.0]])[..., None]  # the same order within every head
+    for share in (0.25, 0.5):
+        assert membership_loss(right, label, mask, share).item() == pytest.approx(
+            membership_loss(wrong, label, mask, share).item(), abs=1e-5)
+    assert listwise_loss(right, label, mask) == pytest.approx(listwise_loss(wrong, label, mask).item(), abs=1e-5)
+    pooled = {name: ranking_groups(s, label, mask, decisions=1) for name, s in (("right", right), ("wrong", wrong))}
+    assert pooled["right"][0].shape == (1, 16) and pooled["right"][1].sum().item() == pytest.approx(4.0)
+    assert listwise_loss(*pooled["wrong"]) > listwise_loss(*pooled["right"]) + 0.5
+    for share in (0.25, 0.5):
+        assert membership_loss(*pooled["wrong"], share) > membership_loss(*pooled["right"], share) + 0.1
+    # per head, the global loss sees the uniform one's error too: it is a ranking over the heads' union
+    reversed_within = right.flip(-1)
+    assert listwise_loss(*ranking_groups(reversed_within, label, mask, 1)) > listwise_loss(*pooled["right"]) + 0.5
+
+
+@pytest.fixture(scope="module")
+def global_run(tmp_path_factory):
+    from learnkv.scorer.fit import train
+
+    tmp = tmp_path_factory.mktemp("global")
+    synthetic_traces(tmp / "traces", decisions=True)
+    artifact, metrics, table = train(config(tmp, "train.objective=global", "train.batch_size=2"), progress=False)
+    return tmp, artifact, metrics, table
+
+
+def test_global_objective_trains_and_exports_a_global_scorer(global_run, synthetic_run):
+    """`train.objective=global` ranks each decision's tokens over both layers and heads, reports the pooled recall
+    beside the per-head one, and exports an artifact bound to allocation global, which the learned policy compares
+    as it is (``raw``); a per-head scorer stays ``logit``."""
+    from learnkv.allocation import normalisation_for
+    from learnkv.policies.learned import Learned
+    from learnkv.scorer.artifact import load_scorer, trained_allocation
+
+    _, artifact, metrics, table = global_run
+    scorer, manifest = load_scorer(artifact, expect_allocation="global")
+    assert trained_allocation(manifest) == "global" and manifest["train"]["objective"] == "global"
+    assert scorer.head_bias and tuple(scorer.bh.shape) == (LAYERS, H) and bool(scorer.bh.ne(0).any())
+    for b in (10, 25, 50):
+        assert manifest["metrics"][f"val/global_recall@{b}"] == metrics[f"val/global_recall@{b}"]
+        assert f"val/recall@{b}" in metrics and f"val/oracle_per_head/global_recall@{b}" in metrics
+    # chance is 0.25; the pooled target divides by each head's total, which no feature sees, so 1 is out of reach
+    assert metrics["val/global_recall@25"] >= 0.8 and metrics["val/recall@25"] >= 0.9, table
+    assert "global recall@25%" in table and "| oracle, each head its own top share |" in table
+    assert normalisation_for(Learned(scorer=str(artifact))) == "raw"
+    _, uniform, _, uniform_table = synthetic_run
+    assert normalisation_for(Learned(scorer=str(uniform))) == "logit"
+    assert trained_allocation(load_scorer(uniform)[1]) == "uniform" and "global" not in uniform_table
+
+
+def test_global_objective_needs_whole_decisions_and_no_distillation(synthetic_run, global_run, tmp_path):
+    from learnkv.scorer.fit import train
+    from learnkv.traces.store import TraceError
+
+    src, _, _, _ = synthetic_run  # one row per prompt: no decision holds both layers
+    with pytest.raises(TraceError, match=r"has trace rows of layers \[[01]\], not all 2"):
+        train(config(tmp_path, f"trace_dir={src / 'traces'}", "train.objective=global"), progress=False)
+    whole, _, _, _ = global_run
+    with pytest.raises(ValueError, match="does not combine with objective global"):
+        train(config(tmp_path, f"trace_dir={whole / 'traces'}", "train.objective=global",
+                     "train.distill={h2o: 0.1}"), progress=False)
+    with pytest.raises(ValueError, match="train.objective"):
+        config(tmp_path, "train.objective=pooled")
 
 
 @pytest.mark.parametrize("name", ["default", "smoke", "train-chain-smollm2"])

@@ -13,7 +13,8 @@ from learnkv.features import FeatureTracker
 from learnkv.fields import setting
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import POOLING
-from learnkv.scorer.artifact import cached_kv_heads, check_binding, load_scorer, read_artifact_manifest
+from learnkv.scorer.artifact import (cached_kv_heads, check_binding, load_scorer, read_artifact_manifest,
+                                     trained_allocation)
 from learnkv.scorer.model import Scorer
 
 
@@ -90,10 +91,24 @@ class Learned(Policy):
     refresh: int = setting(8, ge=1)
     #: built at the first update (`Decoding`); not a parameter, and a fresh copy (`resolve`) starts without it
     decoding: Decoding | None = field(default=None, init=False, repr=False, compare=False)
+    #: `normalisation`, read once from the artifact's manifest (the cache asks at every eviction of every layer)
+    _normalisation: str | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def obs_window(self) -> int:
         return 1 << 30  # the tracker seeds its statistics from every prefill query row
+
+    @property
+    def normalisation(self) -> str:
+        """How its scores compare across heads and layers (`learnkv.allocation.normalisation_for`), from the
+        artifact: ``raw`` for a scorer trained with the global objective (allocation ``global`` in its manifest:
+        one scale over every layer and KV head), else ``logit`` (a softmax per head, what its ListNet loss fits)."""
+        if not self.scorer:
+            return "logit"
+        if self._normalisation is None:
+            trained = trained_allocation(read_artifact_manifest(self.scorer))
+            self._normalisation = "raw" if trained == "global" else "logit"
+        return self._normalisation
 
     def params(self) -> dict:
         return {"scorer": self.scorer, "n_sink": self.n_sink, "n_recent": self.n_recent, "refresh": self.refresh,

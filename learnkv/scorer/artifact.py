@@ -184,7 +184,8 @@ def load_scorer(path: str | Path, expect_model: str | None = None, expect_layers
     arch = manifest.get("architecture")
     try:
         scorer = Scorer(int(arch["n_layers"]), int(arch["n_features"]), int(arch["hidden"]),
-                        int(arch.get("content_dim", 0)), int(arch.get("n_heads", 0)))
+                        int(arch.get("content_dim", 0)), int(arch.get("n_heads", 0)),
+                        bool(arch.get("head_bias", False)))
     except (TypeError, KeyError, ValueError, RuntimeError):
         raise ArtifactError(
             f"{path}: manifest 'architecture' {arch!r} is not n_layers, n_features, hidden >= 1") from None

@@ -2,6 +2,9 @@
 
 Each trace row is one (prompt, decision step, layer) with H KV heads x T cached tokens; every (row, head) is one
 ranking group. Rows are read on demand from the memory-mapped Arrow shards, so traces larger than memory work.
+For the global objective (``train.objective=global``) the unit is a whole decision instead (`DecisionRows`): the
+n_layers rows of one (prompt, acting policy, budget, step), batched together (`collate_decisions`), so the loss can
+rank every resident token of the decision over all layers and KV heads.
 """
 
 from __future__ import annotations
@@ -86,6 +89,44 @@ def collate(items: list[dict]) -> dict:
     return out
 
 
+#: the columns that name a decision (those a trace has: traces before on-policy collection lack policy and budget)
+DECISION_KEYS = ("prompt_id", "policy", "budget", "step")
+
+
+class DecisionRows(Dataset):
+    """Map-style view of whole decisions: item ``i`` is the list of `TraceRows` items of decision ``i``'s layers,
+    in layer order. Decisions are ordered by their first row; a decision that lacks a layer is refused (a collector
+    records every layer of a decision, or none)."""
+
+    def __init__(self, rows: TraceRows, n_layers: int):
+        raw = rows.ds.with_format(None)
+        keys = [c for c in DECISION_KEYS if c in raw.column_names]
+        columns = [raw[c] for c in keys] + [raw["layer"]]
+        groups: dict[tuple, dict[int, int]] = {}
+        for i, values in enumerate(zip(*columns)):
+            groups.setdefault(tuple(values[:-1]), {})[int(values[-1])] = i
+        self.rows, self.decisions = rows, []
+        for key, layers in groups.items():
+            if sorted(layers) != list(range(n_layers)):
+                raise TraceError(f"decision {dict(zip(keys, key))} has trace rows of layers {sorted(layers)}, not all "
+                                 f"{n_layers}: the global objective needs every layer of a decision")
+            self.decisions.append([layers[layer] for layer in range(n_layers)])
+
+    def __len__(self) -> int:
+        return len(self.decisions)
+
+    def __getitem__(self, i: int) -> list[dict]:
+        return [self.rows[j] for j in self.decisions[int(i)]]
+
+
+def collate_decisions(items: list[list[dict]]) -> dict:
+    """`collate` of every layer's row of every decision, decision-major (``[N x L, H, T]``, so a reshape to
+    ``[N, L x H x T]`` pools each decision); ``decisions``: N."""
+    out = collate([row for decision in items for row in decision])
+    out["decisions"] = len(items)
+    return out
+
+
 class EpochSeededSampler(Sampler):
     """A permutation seeded by (seed, epoch): a resumed run sees the same order as an uninterrupted one.
     Lightning calls ``set_epoch`` on samplers that have it."""
@@ -131,16 +172,19 @@ def load_union(trace_dirs: list[str], split: str):
 
 class TraceDataModule(L.LightningDataModule):
     """Train / validation splits of one or several trace directories (their union; split = the prompt's hashed
-    split, stored per row)."""
+    split, stored per row). ``objective="global"``: batches of ``batch_size`` whole decisions of ``n_layers`` rows
+    each (`DecisionRows`); ``train_rows`` and ``val_rows`` stay the rows (feature statistics read them)."""
 
     def __init__(self, trace_dir: str | list[str], label: str = "future_sum", teachers: tuple[str, ...] = (),
-                 batch_size: int = 8, seed: int = 0, num_workers: int = 0, values: bool = False):
+                 batch_size: int = 8, seed: int = 0, num_workers: int = 0, values: bool = False,
+                 objective: str = "uniform", n_layers: int = 0):
         super().__init__()
-        self.values = values
+        self.values, self.objective, self.n_layers = values, objective, n_layers
         self.trace_dirs = [str(d) for d in trace_dir] if isinstance(trace_dir, (list, tuple)) else [str(trace_dir)]
         self.label, self.teachers = label, tuple(teachers)
         self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
         self.train_rows = self.val_rows = None
+        self.train_set = self.val_set = None  # what the loaders draw from: the rows, or their decisions (global)
 
     @property
     def trace_dir(self) -> str:
@@ -154,10 +198,19 @@ class TraceDataModule(L.LightningDataModule):
         if len(self.train_rows) == 0 or len(self.val_rows) == 0:
             raise TraceError(f"{self.trace_dir}: need rows in both the train ({len(self.train_rows)}) and validation "
                              f"({len(self.val_rows)}) splits; collect more prompts (collect.prompts / collect.val_prompts)")
+        if self.objective == "global":
+            self.train_set, self.val_set = (DecisionRows(r, self.n_layers) for r in (self.train_rows, self.val_rows))
+        else:
+            self.train_set, self.val_set = self.train_rows, self.val_rows
+
+    @property
+    def _collate(self):
+        return collate_decisions if self.objective == "global" else collate
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_rows, batch_size=self.batch_size, collate_fn=collate, num_workers=self.num_workers,
-                          sampler=EpochSeededSampler(len(self.train_rows), self.seed))
+        return DataLoader(self.train_set, batch_size=self.batch_size, collate_fn=self._collate,
+                          num_workers=self.num_workers, sampler=EpochSeededSampler(len(self.train_set), self.seed))
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_rows, batch_size=self.batch_size, collate_fn=collate, num_workers=self.num_workers)
+        return DataLoader(self.val_set, batch_size=self.batch_size, collate_fn=self._collate,
+                          num_workers=self.num_workers)

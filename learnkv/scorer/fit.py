@@ -27,7 +27,7 @@ from learnkv.config import PipelineConfig, save_config, to_dict
 from learnkv.runlog import loud_wandb, quiet_wandb
 from learnkv.scorer.artifact import ArtifactError, export_scorer, load_scorer
 from learnkv.scorer.data import TraceDataModule, feature_stats
-from learnkv.scorer.module import BUDGETS, MONITOR, ScorerModule
+from learnkv.scorer.module import BUDGETS, ScorerModule, monitor_for
 from learnkv.traces.collect import check_same_config, collect
 from learnkv.traces.store import MANIFEST, read_manifest
 
@@ -113,7 +113,8 @@ def check_resumable(cfg: PipelineConfig, last: Path, identity: dict | None = Non
     if previous is None:
         raise ValueError(f"checkpoint {last} does not record the run it belongs to; delete it to start this run over")
     identity = identity or run_identity(cfg)
-    previous = {"content": False, **previous}  # recorded only when true before every setting was recorded
+    # recorded only when true before every setting was recorded; objective: before the setting, every run was uniform
+    previous = {"content": False, "objective": "uniform", **previous}
     changed = [k for k in identity if k in previous and previous[k] != identity[k]]
     if changed:
         shown = [k if k in ("trace_dir", "collect") else f"{k}: {previous[k]!r} there, {identity[k]!r} here"
@@ -150,7 +151,10 @@ def finished_run(cfg: PipelineConfig, out: Path, identity: dict | None = None):
         return None  # not a record of a finished run: train (resuming) and export again
     if not isinstance(done, dict):
         return None
-    if done.get("config") != _finish_config(cfg, identity):
+    recorded = done.get("config")
+    if isinstance(recorded, dict) and isinstance(recorded.get("train"), dict):  # runs before the setting: uniform
+        recorded["train"].setdefault("objective", "uniform")
+    if recorded != _finish_config(cfg, identity):
         return None
     try:
         _, manifest = load_scorer(done["artifact"])
@@ -165,6 +169,13 @@ def recall_table(metrics: dict, teachers: list[str]) -> str:
     lines.append("| **learned** | " + " | ".join(f"{metrics[f'val/recall@{c}']:.3f}" for c in cols) + " |")
     for name in teachers:
         lines.append(f"| {name} | " + " | ".join(f"{metrics[f'val/{name}/recall@{c}']:.3f}" for c in cols) + " |")
+    if f"val/global_recall@{cols[0]}" in metrics:  # objective global: the pooled top-b of each decision's total
+        lines += ["", "pooled over every layer and KV head of a decision (b: a share of its total):",
+                  "| scorer | " + " | ".join(f"global recall@{c}%" for c in cols) + " |",
+                  "|---" * (len(cols) + 1) + "|",
+                  "| **learned** | " + " | ".join(f"{metrics[f'val/global_recall@{c}']:.3f}" for c in cols) + " |",
+                  "| oracle, each head its own top share | "
+                  + " | ".join(f"{metrics[f'val/oracle_per_head/global_recall@{c}']:.3f}" for c in cols) + " |"]
     return "\n".join(lines)
 
 
@@ -230,29 +241,32 @@ def _fit(cfg: PipelineConfig, trace_dirs: list[str], out: Path, ckpt_dir: Path, 
     L.seed_everything(cfg.seed, verbose=False)
     t = cfg.train
     dm = TraceDataModule(trace_dirs, label=t.label, teachers=tuple(teachers), batch_size=t.batch_size, seed=cfg.seed,
-                         values=t.content)
+                         values=t.content, objective=t.objective, n_layers=manifest["n_layers"])
     dm.setup()
     content_dim = int(dm.train_rows.ds[0]["head_dim"]) if t.content else 0
     module = ScorerModule(manifest["n_layers"], hidden=t.hidden, lr=t.lr, weight_decay=t.weight_decay,
                           temperature=t.temperature, membership_weight=t.membership_weight,
                           membership_budget=t.membership_budget, distill=dict(t.distill), teachers=tuple(teachers),
-                          content_dim=content_dim, n_heads=manifest["n_kv_heads"] if t.content else 0,
-                          ignore_features=tuple(t.ignore_features))
+                          content_dim=content_dim,
+                          n_heads=manifest["n_kv_heads"] if t.content or t.objective == "global" else 0,
+                          ignore_features=tuple(t.ignore_features), objective=t.objective)
     module.scorer.set_normalization(*feature_stats(dm.train_rows, seed=cfg.seed))
     n_params = module.scorer.n_params()
     print(f"scorer: {n_params} parameters ({n_params // manifest['n_layers']} per layer), "
-          f"{len(dm.train_rows)} train rows, {len(dm.val_rows)} validation rows")
+          f"{len(dm.train_rows)} train rows, {len(dm.val_rows)} validation rows"
+          + (f" ({len(dm.train_set)} and {len(dm.val_set)} decisions)" if t.objective == "global" else ""))
 
     logger = make_logger(cfg, out)
     wandb_run = type(logger).__name__ == "WandbLogger"
     if wandb_run:
         quiet_wandb(verbose)
-    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=MONITOR, mode="max")
+    monitor = monitor_for(t.objective)
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=monitor, mode="max")
     # every epoch, improved or not: a killed run resumes from its last epoch (the best one may be long before)
     every_epoch = ModelCheckpoint(dirpath=ckpt_dir, filename="last", monitor=None, enable_version_counter=False)
     trainer = L.Trainer(
         max_epochs=t.max_epochs, accelerator=t.accelerator, devices=t.devices, strategy=t.strategy,
-        logger=logger, callbacks=[checkpoint, every_epoch, EarlyStopping(MONITOR, mode="max", patience=t.patience),
+        logger=logger, callbacks=[checkpoint, every_epoch, EarlyStopping(monitor, mode="max", patience=t.patience),
                                   RunIdentity(identity)],
         default_root_dir=str(out), log_every_n_steps=1, num_sanity_val_steps=0, deterministic=True,
         enable_progress_bar=progress and sys.stderr.isatty(), enable_model_summary=False,
@@ -269,6 +283,7 @@ def _fit(cfg: PipelineConfig, trace_dirs: list[str], out: Path, ckpt_dir: Path, 
     artifact = export_scorer(best.scorer.cpu(), out / "scorer", model=manifest["model"], n_kv_heads=manifest["n_kv_heads"],
                              config_digest=manifest["config_digest"], metrics=metrics,
                              extra={"trace_dir": [str(d) for d in trace_dirs] if len(trace_dirs) > 1 else
-                                    str(cfg.trace_dir), "teachers": teachers, "train": to_dict(cfg.train)})
+                                    str(cfg.trace_dir), "teachers": teachers, "train": to_dict(cfg.train)},
+                             allocation=t.objective)  # the allocation it was trained for: uniform or global
     write_json_atomic(out / DONE, {"config": _finish_config(cfg, identity), "artifact": str(artifact)})
     return artifact, metrics, table

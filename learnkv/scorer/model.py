@@ -30,18 +30,26 @@ class Scorer(nn.Module):
         0, or the head dimension D of the tokens' value vectors: a linear gate per layer and KV head on each token's
         value (its content at creation, a projection of its hidden state: TRIM-KV's signal) is added to the score.
     n_heads : int
-        KV heads (for the content gate).
+        KV heads (for the content gate and the head bias).
+    head_bias : bool
+        A learned offset per layer and KV head added to every score of the head (``bh [n_layers, n_heads]``,
+        starting at zero): the KV head's identity, for a scorer trained with the global objective
+        (`learnkv.scorer.module`, ``objective="global"``), whose scores must compare across heads. The per-layer
+        weights already know the layer; heads of a layer share them, and differ in how much utility they hold. It
+        moves no token within a head, so a per-head ranking (``uniform``) is the same with or without it.
     """
 
     def __init__(self, n_layers: int, n_features: int = N_FEATURES, hidden: int = 32, content_dim: int = 0,
-                 n_heads: int = 0):
+                 n_heads: int = 0, head_bias: bool = False):
         super().__init__()
         self.n_layers, self.n_features, self.hidden = n_layers, n_features, hidden
-        self.content_dim, self.n_heads = content_dim, n_heads
+        self.content_dim, self.n_heads, self.head_bias = content_dim, n_heads, head_bias
+        if (content_dim or head_bias) and n_heads < 1:
+            raise ValueError("a scorer with content features or a head bias needs n_heads >= 1")
         if content_dim:
-            if n_heads < 1:
-                raise ValueError("a scorer with content features needs n_heads >= 1")
             self.wc = nn.Parameter(torch.zeros(n_layers, n_heads, content_dim))
+        if head_bias:
+            self.bh = nn.Parameter(torch.zeros(n_layers, n_heads))
         self.w1 = nn.Parameter(torch.randn(n_layers, n_features, hidden) * n_features**-0.5)
         self.b1 = nn.Parameter(torch.zeros(n_layers, hidden))
         self.w2 = nn.Parameter(torch.randn(n_layers, hidden) * hidden**-0.5)
@@ -51,8 +59,10 @@ class Scorer(nn.Module):
 
     def config(self) -> dict:
         cfg = {"n_layers": self.n_layers, "n_features": self.n_features, "hidden": self.hidden}
-        if self.content_dim:
+        if self.content_dim or self.head_bias:
             cfg.update(content_dim=self.content_dim, n_heads=self.n_heads)
+        if self.head_bias:
+            cfg.update(head_bias=True)
         return cfg
 
     def set_normalization(self, mean: Tensor, std: Tensor) -> None:
@@ -65,8 +75,12 @@ class Scorer(nn.Module):
 
         A scorer with content features also needs ``values [B, H, T, D]`` (features then ``[B, H, T, F]``; ``layer``
         an int, or ``[B, 1, 1]`` in training), or their `content_term` computed earlier (``content [B, H, T]``:
-        a token's value never changes, so the serving runtime computes it once, when the token is written)."""
+        a token's value never changes, so the serving runtime computes it once, when the token is written). A
+        scorer with a head bias needs features ``[..., H, T, F]`` too."""
         score = self._mlp(features, layer)
+        if self.head_bias:
+            bias = self.bh[layer] if isinstance(layer, int) else self.bh[layer.reshape(-1)][:, :, None]
+            score = score + (bias[:, None] if isinstance(layer, int) else bias)
         if not self.content_dim:
             return score
         if content is None:

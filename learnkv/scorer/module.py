@@ -11,6 +11,20 @@ What matters is *which tokens stay*, so the objective ranks tokens within each (
 
 Validation reports budget recall at 10/25/50%: the share of the oracle's top-b tokens that the top-b by score keeps,
 for the scorer and, on the same rows, for every teacher.
+
+``objective="global"`` (for ``allocation=global``, `learnkv.allocation`) ranks every resident token of one decision
+over all layers and KV heads together instead: the group is the decision (`learnkv.scorer.data.DecisionRows`), so
+the scores are fitted up to one constant per decision, not per head, and compare across layers and heads as they
+are (the ``raw`` rule). The label is first made a distribution per (layer, KV head) (`head_shares`): a token's
+share of the future utility its head gives out over the horizon; with ``future_sum``, its share of the head's
+future attention mass, each head's query count divided out. That is the ``mass`` rule the cache compares
+attention-mass scores with, and the scale the oracle ranks on under ``global``: one unit of a head's future mass is
+worth the same in every layer and head. Then the listwise loss runs over the pooled distribution, and the
+membership loss at each of ``membership_budget``'s shares of the decision's TOTAL resident tokens (the pool's top
+share, as `learnkv.allocation.allocate` keeps it, without its per-head floor). Validation adds
+``val/global_recall@b``: the share of the pooled oracle's top-b (b of the decision's total) that the pooled top-b
+by score keeps, and ``val/oracle_per_head/global_recall@b``, what every head keeping its own oracle top share (the
+best a ``uniform`` split can do) keeps of it. Checkpoints are then chosen by ``val/global_recall@25``.
 """
 
 from __future__ import annotations
@@ -25,6 +39,12 @@ from learnkv.scorer.model import Scorer
 
 BUDGETS = (0.1, 0.25, 0.5)
 MONITOR = "val/recall@25"
+OBJECTIVES = ("uniform", "global")
+
+
+def monitor_for(objective: str) -> str:
+    """The validation metric that picks the best checkpoint and stops training early."""
+    return "val/global_recall@25" if objective == "global" else MONITOR
 
 
 class TrainingDiverged(ValueError):
@@ -60,8 +80,11 @@ def topk_mask(x: Tensor, mask: Tensor, share: float) -> Tensor:
 
 def budget_recall(scores: Tensor, label: Tensor, mask: Tensor, share: float) -> Tensor:
     """Mean over groups of |top-b(scores) ∩ top-b(label)| / b."""
-    kept = topk_mask(scores, mask, share)
-    best = topk_mask(label, mask, share)
+    return _recall(topk_mask(scores, mask, share), topk_mask(label, mask, share))
+
+
+def _recall(kept: Tensor, best: Tensor) -> Tensor:
+    """Mean over groups of the share of ``best``'s tokens that ``kept`` holds (``[..., T]`` bool each)."""
     return ((kept & best).sum(-1).float() / best.sum(-1).clamp(min=1)).mean()
 
 
@@ -80,6 +103,22 @@ def membership_loss(scores: Tensor, label: Tensor, mask: Tensor, share: float) -
     return bce / mask.sum()
 
 
+def head_shares(label: Tensor, mask: Tensor) -> Tensor:
+    """``label`` made a distribution over each group's real tokens (``[..., T]``; 0 where the group has none):
+    what the global objective pools, one scale for every layer and KV head (the ``mass`` rule)."""
+    x = label.clamp(min=0).masked_fill(~mask, 0.0)
+    return x / x.sum(-1, keepdim=True).clamp(min=1e-12)
+
+
+def ranking_groups(scores: Tensor, label: Tensor, mask: Tensor, decisions: int | None = None):
+    """(scores, target, mask) of the groups the losses rank: each (row, KV head) of ``[N, H, T]`` as given, or,
+    with ``decisions`` (the global objective), every decision's rows pooled, ``[decisions, L x H x T]`` (rows
+    decision-major, `learnkv.scorer.data.collate_decisions`), the target being `head_shares` of the label."""
+    if decisions is None:
+        return scores, label, mask
+    return scores.reshape(decisions, -1), head_shares(label, mask).reshape(decisions, -1), mask.reshape(decisions, -1)
+
+
 class ScorerModule(L.LightningModule):
     """Trains a `Scorer`; all hyperparameters are saved in the checkpoint."""
 
@@ -87,10 +126,16 @@ class ScorerModule(L.LightningModule):
                  temperature: float = 1.0, membership_weight: float = 0.5,
                  membership_budget: float | tuple[float, ...] = (0.25,),
                  distill: dict[str, float] | None = None, teachers: tuple[str, ...] = (), content_dim: int = 0,
-                 n_heads: int = 0, ignore_features: tuple[str, ...] = ()):
+                 n_heads: int = 0, ignore_features: tuple[str, ...] = (), objective: str = "uniform"):
         super().__init__()
         self.save_hyperparameters()
-        self.scorer = Scorer(n_layers, hidden=hidden, content_dim=content_dim, n_heads=n_heads)
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+        if objective == "global" and distill:
+            raise ValueError("distillation ranks within a head (teacher scores share no scale across heads); "
+                             "it does not combine with objective global: set distill to {}")
+        self.scorer = Scorer(n_layers, hidden=hidden, content_dim=content_dim, n_heads=n_heads,
+                             head_bias=objective == "global")
         if ignore_features:
             # an ignored feature's first-layer weights start at zero and get no gradient, so they stay exactly zero
             # (AdamW's decay of a zero is zero) and the exported scorer needs nothing new to ignore it
@@ -111,11 +156,13 @@ class ScorerModule(L.LightningModule):
         scores = self(batch)
         mask = batch["mask"][:, None, :].expand_as(scores)
         label = batch["label"]
-        loss = listwise_loss(scores, label, mask, hp.temperature)
+        pooled = hp.get("objective", "uniform") == "global"  # checkpoints before the setting trained per head
+        groups = ranking_groups(scores, label, mask, batch["decisions"] if pooled else None)
+        loss = listwise_loss(*groups, hp.temperature)
         logs = {f"{stage}/listwise": loss.detach()}
         if hp.membership_weight:
             shares = membership_shares(hp.membership_budget)
-            member = sum(membership_loss(scores, label, mask, share) for share in shares) / len(shares)
+            member = sum(membership_loss(*groups, share) for share in shares) / len(shares)
             loss = loss + hp.membership_weight * member
             logs[f"{stage}/membership"] = member.detach()
         for name, weight in (hp.distill or {}).items():
@@ -127,12 +174,17 @@ class ScorerModule(L.LightningModule):
             raise TrainingDiverged(f"training diverged: {stage} loss is {loss.item()} at epoch {self.current_epoch}, "
                                    f"step {self.global_step} (train.lr={hp.lr}); lower train.lr and run again")
         logs[f"{stage}/loss"] = loss.detach()
-        n = batch["mask"].shape[0]
+        n = batch["decisions"] if pooled else batch["mask"].shape[0]
         if stage == "val":
             for b in BUDGETS:
                 logs[f"val/recall@{round(b * 100)}"] = budget_recall(scores, label, mask, b)
                 for t, name in enumerate(self.teachers):
                     logs[f"val/{name}/recall@{round(b * 100)}"] = budget_recall(batch["teachers"][:, t], label, mask, b)
+                if pooled:
+                    best = topk_mask(groups[1], groups[2], b)
+                    logs[f"val/global_recall@{round(b * 100)}"] = _recall(topk_mask(groups[0], groups[2], b), best)
+                    per_head = topk_mask(label, mask, b).reshape(n, -1)
+                    logs[f"val/oracle_per_head/global_recall@{round(b * 100)}"] = _recall(per_head, best)
         self.log_dict(logs, on_step=False, on_epoch=True, batch_size=n, prog_bar=False)
         return loss
 
