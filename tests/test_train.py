@@ -169,7 +169,7 @@ def test_membership_at_several_budgets(synthetic_run, tmp_path):
     assert metrics["val/recall@25"] >= 0.95 and metrics["val/recall@50"] >= 0.95
 
 
-@pytest.mark.parametrize("name", ["default", "smoke", "train-chain-smollm2"])
+@pytest.mark.parametrize("name", ["default", "smoke", "train-chain-smollm2", "train-gemma"])
 def test_every_training_config_loads_and_validates(name):
     """The training configs in configs/ load and pass collection's checks without a model (a typo fails here, not
     an hour into a run)."""
