@@ -8,6 +8,7 @@ in one line every model of the architecture matrix whose attention is not that, 
 """
 
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +19,7 @@ from learnkv.config import load_config
 from learnkv.decode import generate
 from learnkv.policies import make_policy
 from learnkv.prompts import Prompt
-from learnkv.scorer.artifact import read_artifact_manifest
+from learnkv.scorer.artifact import ArtifactError, load_scorer, read_artifact_manifest
 from learnkv.traces.collect import CollectConfig, collect
 from learnkv.traces.onpolicy import record
 from learnkv.traces.record import FLOAT_LABELS, Recorder
@@ -195,3 +196,14 @@ def test_paged_simulator_refuses_what_the_plugin_refuses(models):
         model = models[family]
         with pytest.raises(ValueError, match=rf"^PagedSimulator cannot serve {type(model).__name__}: {word}"):
             PagedSimulator(model, runtime, num_blocks=8)
+
+
+def test_committed_gemma_scorer_is_bound_to_gemma_3_270m():
+    """docs/results/train-gemma/scorer (configs/train-gemma.yaml, docs/architectures.md's Gemma table) stays loadable
+    with its digest, bound to Gemma-3-270M's name, 18 layers and one KV head, and refused for another model."""
+    path = Path(__file__).resolve().parent.parent / "docs" / "results" / "train-gemma" / "scorer"
+    _, manifest = load_scorer(path, expect_model="gemma-3-270m", expect_layers=18, expect_kv_heads=1)
+    assert manifest["model"] == "gemma-3-270m" and manifest["architecture"]["content_dim"] == 256
+    assert load_scorer(path, expect_model="/home/u/.cache/learnkv/models/gemma-3-270m")[1] == manifest
+    with pytest.raises(ArtifactError, match="trained for model 'gemma-3-270m'"):
+        load_scorer(path, expect_model="smollm2-135m-instruct")
