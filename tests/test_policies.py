@@ -173,12 +173,15 @@ def test_budget_fraction_resolves_against_full_length(tiny):
 
 
 @pytest.mark.parametrize("name", EVICTING)
-def test_docstring_names_the_normalisation_across_heads_and_layers(name):
+def test_docstring_names_the_normalisation_across_heads_and_layers(name, tmp_path):
     """Issue 42: each evicting policy says how its scores compare across heads and layers, the rule
     `learnkv.allocation.normalisation_for` applies to it."""
     from learnkv.allocation import normalisation_for  # only this test reads the allocation rules
+    from learnkv.scorer.artifact import export_scorer  # the learned policy's rule is read from its artifact
+    from learnkv.scorer.model import Scorer
 
-    rule = normalisation_for(make_policy(name, **({"scorer": "unused"} if name == "learned" else {})))
+    scorer = {"scorer": str(export_scorer(Scorer(2), tmp_path / "s", model="test", n_kv_heads=2))}
+    rule = normalisation_for(make_policy(name, **(scorer if name == "learned" else {})))
     doc = " ".join(POLICIES[name].__doc__.split())
     assert f"are ``{rule}``" in doc or f"would be ``{rule}``" in doc, f"{name}'s docstring does not name ``{rule}``"
     assert "normalisation_for" in doc
