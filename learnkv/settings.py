@@ -33,6 +33,12 @@ GRANULARITIES = ("token", "block")
 ALLOCATION_KEYS = {"allocation": "mode", "allocation_floor": "floor", "allocation_beta": "beta"}
 
 
+def split_allocation(params: dict) -> tuple[dict, dict]:
+    """A grid item's parameters as (the policy's own, the `ALLOCATION_KEYS` among them), each in its given order."""
+    return ({k: v for k, v in params.items() if k not in ALLOCATION_KEYS},
+            {k: v for k, v in params.items() if k in ALLOCATION_KEYS})
+
+
 def check_granularity(granularity: str, block_size: int) -> None:
     """The one check of how decisions are shared, which `Eviction` runs when it is made (and `learnkv.eval`'s tasks
     for their own fields): ValueError unless ``granularity`` is one of `GRANULARITIES` and ``block_size`` an
@@ -140,9 +146,10 @@ class Eviction:
     allocation: str | Allocation = "uniform"
 
     def __post_init__(self):
-        moved = {ALLOCATION_KEYS[k]: v for k, v in self.params.items() if k in ALLOCATION_KEYS}
+        params, moved = split_allocation(self.params)
         if moved:  # a grid item's ``NAME:allocation=MODE``: settings of the eviction, not of the policy
-            object.__setattr__(self, "params", {k: v for k, v in self.params.items() if k not in ALLOCATION_KEYS})
+            object.__setattr__(self, "params", params)
+            moved = {ALLOCATION_KEYS[k]: v for k, v in moved.items()}
             mode = moved.pop("mode", self.allocation)
             allocation = dataclasses.replace(as_allocation(mode), **moved) if moved else mode
             object.__setattr__(self, "allocation", allocation)
@@ -236,4 +243,4 @@ def batch_groups(settings: Eviction, budgets: Sequence[int | None]) -> list[list
 
 
 __all__ = ["ALLOCATION_KEYS", "Eviction", "GRANULARITIES", "batch_groups", "parse_number", "resolve_budget",
-           "resolve_policy", "resolve_policy_rows"]
+           "resolve_policy", "resolve_policy_rows", "split_allocation"]

@@ -35,7 +35,7 @@ from learnkv.eval.tasks.base import RunConfig, cost_row, evicts
 from learnkv.policies import POLICIES
 from learnkv.policies.params import parse_policy, parse_policy_list
 from learnkv.progress import redraw_seconds, token_counter
-from learnkv.settings import ALLOCATION_KEYS, Eviction, batch_groups, parse_number, resolve_budget
+from learnkv.settings import Eviction, batch_groups, parse_number, resolve_budget, split_allocation
 
 DEFAULT_POLICIES = ("full", "streaming", "h2o", "tova", "snapkv", "roco", "lazy", "paged")
 DEFAULT_BUDGETS = (0.25, 0.5)
@@ -130,7 +130,7 @@ def _policy_run(label: str, name: str, params: dict, scorer: str | None, seed: i
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r} in {label!r}; known policies: {', '.join(POLICIES)}")
     settings = Eviction(name, params, scorer=scorer)  # the allocation keys move to their own setting
-    allocation = {k: v for k, v in params.items() if k in ALLOCATION_KEYS}
+    allocation = split_allocation(params)[1]  # kept as given: the row's parameters carry them
     params = settings.policy_params  # a learned policy takes --scorer
     if name == "random":
         params.setdefault("seed", seed)
