@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 import kernels
-from learnkv.features import FeatureTracker
+from learnkv.features import NORMS, FeatureTracker
 from learnkv.fields import setting
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import POOLING
@@ -133,7 +133,8 @@ class Learned(Policy):
     def _loaded(self, view: LayerView) -> Decoding:
         if self.decoding is None:
             model, manifest = load_scorer(self.scorer, expect_kv_heads=view.positions.shape[1])
-            self.decoding = Decoding(model, FeatureTracker(manifest["n_layers"]))
+            # the key and value norms computed once per token, as it enters the cache (`FeatureTracker`)
+            self.decoding = Decoding(model, FeatureTracker(manifest["n_layers"], cache_norms=True))
         if view.layer >= self.decoding.scorer.n_layers:
             raise ValueError(f"scorer {self.scorer!r} has {self.decoding.scorer.n_layers} layers; the model has more")
         return self.decoding
@@ -148,7 +149,8 @@ class Learned(Policy):
                                             run.tracker.n_layers, view.step, view.state)  # fmt: skip
             run.fused = (view.layer, view.step, view.positions, feats)
         else:
-            run.tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
+            # the new tokens' keys and values for their norms (None on a stacked step: computed at the next refresh)
+            run.tracker.update(view.attn, view.positions, view.n_new, view.step, view.state, view.keys, view.values)
 
     def score(self, view: LayerView) -> Tensor:
         # at a refresh (``refresh > 1``) every row is scored, for the evictions until the next; else only the rows
@@ -179,6 +181,8 @@ class Learned(Policy):
         they keep every live token whatever their scores). The features are computed within a row, so a row's are
         the same in any batch; the scorer then runs on the whole ``[B, H, T, F]`` tensor, so each row's scores are
         bit for bit those of scoring every row (a matmul's rounding can depend on its row count)."""
+        if due is not None and NORMS[0] in view.state:
+            tracker.fill_norms(view.keys, view.values, view.state)  # into the cache's state, not a copy of its rows
         v = view if due is None else view.select_rows(due)
         feats = tracker.features(v.attn, v.keys, v.values, v.positions, v.layer, v.step, v.state)
         if due is None:

@@ -1,0 +1,158 @@
+"""The learned policy's refresh with the key and value norms as per-token state (`FeatureTracker` with
+``cache_norms``, issue 43 item 2): the same features, scores and kept slots as computing the norms from the keys at
+every refresh (the code before), bit for bit.
+
+The tracker's cached norms are computed once per token (the prefill, each decode step's new token; on the cache's
+stacked decode steps, which do not show the policy one layer's keys, at the next refresh) and moved by the cache
+with the slots like any state. `test_cached_norms_follow_the_slots` checks, after every step of padded batch-2
+decodes (compaction and marking dead with slack, refresh 1 with its due rows, a prefill policy whose state is
+dropped, one and several refreshes between evictions), that every live slot's cached norm is its key's and value's
+norm.
+"""
+
+import pytest
+import torch
+
+from conftest import params_for, random_ids
+from learnkv import generate
+from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker
+from learnkv.policies import learned
+
+DECODES = [  # slack, refresh, prefill policy
+    pytest.param(0, 8, None, id="slack0-refresh8"),
+    pytest.param(4, 8, None, id="slack4-refresh8"),
+    pytest.param(0, 1, None, id="slack0-refresh1"),
+    pytest.param(3, 1, None, id="slack3-refresh1"),
+    pytest.param(4, 3, "snapkv", id="slack4-refresh3-prefill-snapkv"),
+]
+
+
+def before_tracker(n_layers, cache_norms=False):
+    """The tracker as the learned policy built it before the norms were cached."""
+    return FeatureTracker(n_layers)
+
+
+def decode(model, monkeypatch, slack, refresh, prefill, cached, check_norms=False):
+    """Every layer's slot positions after every step of a left-padded batch-2 decode, and every feature tensor the
+    policy computed (in order)."""
+    if not cached:
+        monkeypatch.setattr(learned, "FeatureTracker", before_tracker)
+    feats, slots, checked = [], [], []
+    real = FeatureTracker.features
+
+    def record(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        feats.append(out.clone())
+        return out
+
+    def observe(cache):
+        slots.append([layer.positions.clone() for layer in cache.layers])
+        if not check_norms:
+            return
+        for layer in cache.layers:
+            if NORMS[0] not in layer.state:
+                continue
+            live = layer.positions >= 0
+            for name, x in zip(NORMS, (layer.keys, layer.values)):
+                cached_norm, exact = layer.state[name], x.float().norm(dim=-1)
+                known = live & (cached_norm >= 0)
+                assert torch.equal(cached_norm[known], exact[known]), f"step {cache.step}: {name} left its slot"
+                checked.append(int(known.sum()))
+
+    monkeypatch.setattr(FeatureTracker, "features", record)
+    ids = torch.cat([random_ids(40, seed=21), random_ids(40, seed=22)])
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=24, max_new_tokens=40, slack=slack,
+             stop_at_eos=False, policy_params={**params_for("learned", 2), "refresh": refresh},
+             observer=observe, **({"prefill_policy": prefill} if prefill else {}))
+    monkeypatch.undo()
+    if check_norms:
+        assert sum(checked) > 0
+    return slots, feats
+
+
+@pytest.mark.parametrize("slack, refresh, prefill", DECODES)
+def test_cached_norms_keep_the_same_features_and_slots(tiny, monkeypatch, slack, refresh, prefill):
+    slots, feats = decode(tiny, monkeypatch, slack, refresh, prefill, cached=True)
+    slots_before, feats_before = decode(tiny, monkeypatch, slack, refresh, prefill, cached=False)
+    assert len(slots) == len(slots_before) == 40
+    assert all(torch.equal(a, b) for step_a, step_b in zip(slots, slots_before) for a, b in zip(step_a, step_b))
+    assert len(feats) == len(feats_before) > 0
+    for i, (a, b) in enumerate(zip(feats, feats_before)):
+        assert torch.equal(a, b), f"features call {i} differs"
+    assert any(layer.shape[-1] < 80 for layer in slots[-1])  # it did evict
+
+
+@pytest.mark.parametrize("slack, refresh, prefill", DECODES)
+def test_cached_norms_follow_the_slots(tiny, monkeypatch, slack, refresh, prefill):
+    decode(tiny, monkeypatch, slack, refresh, prefill, cached=True, check_norms=True)
+
+
+def tracker_case(g, B, H, G, T, D, pad, dtype):
+    pos = torch.arange(T).expand(B, H, T).clone()
+    pos[0, :, :pad] = -1
+    attn = torch.rand(B, H, G, T, T, generator=g).softmax(-1) * (pos >= 0)[:, :, None, None]
+    keys = torch.randn(B, H, T, D, generator=g).to(dtype)
+    values = torch.randn(B, H, T, D, generator=g).to(dtype)
+    return pos, attn, keys, values
+
+
+@pytest.mark.parametrize("B, H, G, T, D", [(1, 1, 1, 2, 4), (2, 3, 3, 17, 8), (3, 2, 2, 40, 64), (8, 3, 3, 130, 64)])
+@pytest.mark.parametrize("pad", [0, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shown", ["every", "none", "alternate"])
+def test_tracker_features_equal_the_recomputed_norms(B, H, G, T, D, pad, dtype, shown):
+    """A prefill of ``T - 6`` tokens, then six decode steps with the new token's keys shown to the update at every
+    step, at none (the cache's stacked steps: computed at the read-out) or every other; features read out at each
+    step, some slots dead (position -1, as slack leaves them): bit for bit the features of a tracker that computes
+    the norms from the keys, and the same state."""
+    g = torch.Generator().manual_seed(B * 1000 + T + D + pad)
+    pad = min(pad, T - 1)
+    pos, attn, keys, values = tracker_case(g, B, H, G, T, D, pad, dtype)
+    T0 = max(T - 6, 1)
+    mine, theirs = {}, {}
+    cached, plain = FeatureTracker(2, cache_norms=True), FeatureTracker(2)
+    cached.update(attn[..., :T0, :T0], pos[..., :T0], T0, 0, mine, keys[..., :T0, :], values[..., :T0, :])
+    plain.update(attn[..., :T0, :T0], pos[..., :T0], T0, 0, theirs)
+    for t in range(T0, T):
+        for st in (mine, theirs):
+            for n, x in st.items():  # the cache appends zero state for the new slot
+                st[n] = torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)
+        p, a = pos[..., : t + 1].clone(), attn[..., t : t + 1, : t + 1]
+        if t % 3 == 1:
+            p[:, :, pad : pad + 1] = -1  # a slot marked dead
+        k, v = keys[..., : t + 1, :], values[..., : t + 1, :]
+        show = shown == "every" or (shown == "alternate" and t % 2)
+        step = t - T0 + 1
+        cached.update(a, p, 1, step, mine, k if show else None, v if show else None)
+        plain.update(a, p, 1, step, theirs)
+        if t % 2 == 0 or t == T - 1:
+            assert torch.equal(cached.features(a, k, v, p, 1, step, mine), plain.features(a, k, v, p, 1, step, theirs))
+    assert set(mine) == set(STATE) | set(NORMS) and set(theirs) == set(STATE)
+    for n in STATE:
+        assert torch.equal(mine[n], theirs[n]), n
+    assert torch.equal(mine["f.key_norm"], keys.float().norm(dim=-1))
+
+
+def test_unknown_norms_are_filled_where_they_are():
+    """`FeatureTracker.fill_norms` computes the unknown (-1) norms wherever they are (not only a common suffix), in
+    place, and leaves the known ones."""
+    g = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(2, 2, 9, 4, generator=g), torch.randn(2, 2, 9, 4, generator=g)
+    state = {NORMS[0]: keys.norm(dim=-1), NORMS[1]: torch.full((2, 2, 9), 7.0)}
+    state[NORMS[0]][0, 1, 3] = -1.0
+    state[NORMS[0]][1, 0, 7:] = -1.0
+    key_norm, value_norm = FeatureTracker(2, cache_norms=True).fill_norms(keys, values, state)
+    assert key_norm is state[NORMS[0]] and torch.equal(key_norm, keys.norm(dim=-1))
+    assert torch.equal(value_norm, torch.full((2, 2, 9), 7.0))
+
+
+def test_a_tracker_without_cache_norms_keeps_its_state():
+    """Trace recording and the serving runtime use the tracker without ``cache_norms``: its state is `STATE` only,
+    whatever keys the update is shown."""
+    g = torch.Generator().manual_seed(4)
+    pos, attn, keys, values = tracker_case(g, 1, 2, 2, 6, 4, 0, torch.float32)
+    state = {}
+    FeatureTracker(2).update(attn, pos, 6, 0, state, keys, values)
+    assert set(state) == set(STATE) and state["f.win"].shape[2] == WINDOW
