@@ -18,12 +18,15 @@ from learnkv import generate
 from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker
 from learnkv.policies import learned
 
-DECODES = [  # slack, refresh, prefill policy
-    pytest.param(0, 8, None, id="slack0-refresh8"),
-    pytest.param(4, 8, None, id="slack4-refresh8"),
-    pytest.param(0, 1, None, id="slack0-refresh1"),
-    pytest.param(3, 1, None, id="slack3-refresh1"),
-    pytest.param(4, 3, "snapkv", id="slack4-refresh3-prefill-snapkv"),
+DECODES = [  # slack, refresh, prefill policy, interval (2: lagged, so the cache runs layer by layer and the
+    # update is shown each layer's keys; else one stacked update for every layer, shown none)
+    pytest.param(0, 8, None, 1, id="slack0-refresh8"),
+    pytest.param(4, 8, None, 1, id="slack4-refresh8"),
+    pytest.param(0, 1, None, 1, id="slack0-refresh1"),
+    pytest.param(3, 1, None, 1, id="slack3-refresh1"),
+    pytest.param(4, 3, "snapkv", 1, id="slack4-refresh3-prefill-snapkv"),
+    pytest.param(0, 1, None, 2, id="slack0-refresh1-interval2"),
+    pytest.param(3, 4, None, 3, id="slack3-refresh4-interval3"),
 ]
 
 
@@ -32,7 +35,7 @@ def before_tracker(n_layers, cache_norms=False):
     return FeatureTracker(n_layers)
 
 
-def decode(model, monkeypatch, slack, refresh, prefill, cached, check_norms=False):
+def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_norms=False):
     """Every layer's slot positions after every step of a left-padded batch-2 decode, and every feature tensor the
     policy computed (in order)."""
     if not cached:
@@ -64,7 +67,7 @@ def decode(model, monkeypatch, slack, refresh, prefill, cached, check_norms=Fals
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=24, max_new_tokens=40, slack=slack,
-             stop_at_eos=False, policy_params={**params_for("learned", 2), "refresh": refresh},
+             stop_at_eos=False, policy_params={**params_for("learned", 2), "refresh": refresh, "interval": interval},
              observer=observe, **({"prefill_policy": prefill} if prefill else {}))
     monkeypatch.undo()
     if check_norms:
@@ -72,10 +75,10 @@ def decode(model, monkeypatch, slack, refresh, prefill, cached, check_norms=Fals
     return slots, feats
 
 
-@pytest.mark.parametrize("slack, refresh, prefill", DECODES)
-def test_cached_norms_keep_the_same_features_and_slots(tiny, monkeypatch, slack, refresh, prefill):
-    slots, feats = decode(tiny, monkeypatch, slack, refresh, prefill, cached=True)
-    slots_before, feats_before = decode(tiny, monkeypatch, slack, refresh, prefill, cached=False)
+@pytest.mark.parametrize("slack, refresh, prefill, interval", DECODES)
+def test_cached_norms_keep_the_same_features_and_slots(tiny, monkeypatch, slack, refresh, prefill, interval):
+    slots, feats = decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=True)
+    slots_before, feats_before = decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=False)
     assert len(slots) == len(slots_before) == 40
     assert all(torch.equal(a, b) for step_a, step_b in zip(slots, slots_before) for a, b in zip(step_a, step_b))
     assert len(feats) == len(feats_before) > 0
@@ -84,9 +87,9 @@ def test_cached_norms_keep_the_same_features_and_slots(tiny, monkeypatch, slack,
     assert any(layer.shape[-1] < 80 for layer in slots[-1])  # it did evict
 
 
-@pytest.mark.parametrize("slack, refresh, prefill", DECODES)
-def test_cached_norms_follow_the_slots(tiny, monkeypatch, slack, refresh, prefill):
-    decode(tiny, monkeypatch, slack, refresh, prefill, cached=True, check_norms=True)
+@pytest.mark.parametrize("slack, refresh, prefill, interval", DECODES)
+def test_cached_norms_follow_the_slots(tiny, monkeypatch, slack, refresh, prefill, interval):
+    decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=True, check_norms=True)
 
 
 def tracker_case(g, B, H, G, T, D, pad, dtype):
