@@ -159,3 +159,37 @@ def test_a_tracker_without_cache_norms_keeps_its_state():
     state = {}
     FeatureTracker(2).update(attn, pos, 6, 0, state, keys, values)
     assert set(state) == set(STATE) and state["f.win"].shape[2] == WINDOW
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 3, 41), (8, 3, 1500)])
+@pytest.mark.parametrize("content", [False, True])
+def test_scorer_inference_path_keeps_the_scores(shape, content):
+    """`Scorer.forward` at inference (int layer, no grad), standardising in place (``consume``) or not, gives bit
+    for bit the scores of the ops it replaced (training's path: standardise, matmul, add, relu), with non-trivial
+    standardisation statistics and biases; ``consume`` overwrites only its own fp32 input."""
+    from learnkv.scorer.model import Scorer
+
+    torch.manual_seed(len(shape) + shape[-1])
+    scorer = Scorer(n_layers=3, content_dim=4 if content else 0, n_heads=shape[1])
+    with torch.no_grad():
+        scorer.b1.normal_(0, 0.3)
+        scorer.b2.normal_(0, 0.3)
+        scorer.set_normalization(torch.rand(19) * 3, torch.rand(19) * 2 + 0.05)
+        if content:
+            scorer.wc.normal_()
+    feats = torch.rand(*shape, 19) * 4
+    values = torch.randn(*shape, 4)
+    for layer in range(3):
+        x = (feats - scorer.mean) / scorer.std
+        expected = torch.relu(x @ scorer.w1[layer] + scorer.b1[layer]) @ scorer.w2[layer] + scorer.b2[layer]
+        if content:
+            expected = expected + scorer.content_term(values, layer)
+        expected = expected.detach()
+        with torch.no_grad():
+            assert torch.equal(scorer(feats, layer, values if content else None), expected)
+            mine = feats.clone()
+            assert torch.equal(scorer(mine, layer, values if content else None, consume=True), expected)
+            assert torch.equal(mine, x)  # standardised in place
+            half = feats.bfloat16()
+            scorer(half, layer, values if content else None, consume=True)
+            assert torch.equal(half, feats.bfloat16())  # not fp32: not its own to overwrite

@@ -173,7 +173,8 @@ class Learned(Policy):
         if feats is None:
             feats = self._features(tracker, view, _due_rows(view) if due_rows_only else None)
         model = model.to(feats.device)
-        return model(feats, view.layer, view.values if model.content_dim else None)
+        # the features are this call's own (a fresh read-out or the fused launch's output): standardised in place
+        return model(feats, view.layer, view.values if model.content_dim else None, consume=True)
 
     @staticmethod
     def _features(tracker, view: LayerView, due: list[int] | None) -> Tensor:
