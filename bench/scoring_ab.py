@@ -3,7 +3,8 @@
     python bench/scoring_ab.py
     python bench/scoring_ab.py --step      # a decode step's marking, tracker window and SnapKV window instead
     python bench/scoring_ab.py --rkv       # R-KV's redundancy: the dense [B, T, T] code against the blockwise one
-    python bench/scoring_ab.py --refresh   # the learned policy's refresh of one layer: torch.std's window std or not
+    python bench/scoring_ab.py --refresh   # the learned policy's refresh of one layer: torch.std's window std or not,
+                                           # and the key/value norms recomputed or cached (with the scorer in place)
     python bench/scoring_ab.py --profile   # where those two spend their time (torch.profiler, per op)
     python bench/scoring_ab.py --rkv-model # R-KV's redundancy on SmolLM2's own keys (a batch-8 prefill; minutes)
 
@@ -25,7 +26,11 @@ of 64 dims, 1,500 cached slots): R-KV's redundancy of one layer, dense (`test_sc
 replaced code) and blockwise (`learnkv.policies.rkv.redundancy`), with keys that have a shared direction (most rows
 find a near-duplicate among the newest slots, as SmolLM2's keys do) and with independent keys (none do: the worst
 case); the learned policy's refresh of one layer (`FeatureTracker.features` and a random-init `Scorer`), with the
-window std by `Tensor.std` (before) and by `learnkv.features.window_std` (after). ``--rkv-model``: the keys R-KV
+window std by `Tensor.std` (before) and by `learnkv.features.window_std` (after); and the same refresh with the key
+and value norms computed from the keys and values and the scorer's standardised copy (before: the tracker without
+``cache_norms``, `test_refresh.scorer_before`) against the norms read from the tracker's state, the newest 8 slots
+unknown as after 7 stacked decode steps, and the scorer standardising in place (after: the learned policy's tracker
+and `Scorer.forward(consume=True)`). ``--rkv-model``: the keys R-KV
 scores when it compresses a batch of 8 held-out chain prompts (~1k tokens, left-padded) after the prefill in the
 bundled SmolLM2 (budget 50%), all 30 layers per round; it also prints the share of valid rows whose newest
 near-duplicate is among the newest 64 slots (the blockwise search's first block). Each line also gives the mean of
@@ -46,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo root before bench/ (`import kernels`); tests: the references
 
 from test_fast_paths import update_decode_before  # noqa: E402
+from test_refresh import scorer_before  # noqa: E402
 from test_scoring_speed import (avg_pool_before, near_keys, redundancy_before, redundancy_dense,  # noqa: E402
                                 snapkv_update_before)
 
@@ -54,7 +60,7 @@ import learnkv.features as features  # noqa: E402
 from kernels.cpu import one_drop_victims, select_keep_one_drop  # noqa: E402
 from learnkv.cache import mark_victims  # noqa: E402
 from learnkv.eval.stats import bootstrap_ci  # noqa: E402
-from learnkv.features import STATE, WINDOW, FeatureTracker  # noqa: E402
+from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker  # noqa: E402
 from learnkv.scorer.model import Scorer  # noqa: E402
 from learnkv.policies.snapkv import SnapKV  # noqa: E402
 from learnkv.policies import rkv  # noqa: E402
@@ -194,7 +200,24 @@ def refresh_cases(g) -> list:
             features.window_std = fast
 
     assert torch.equal(refresh(torch_std), refresh(fast))
-    return [(f"learned refresh of one layer {list(LONG[:3])}", lambda: refresh(torch_std), lambda: refresh(fast), 3)]
+    cached, cached_state = FeatureTracker(30, cache_norms=True), dict(state)
+    for name, x in zip(NORMS, (keys, values)):
+        cached_state[name] = x.norm(dim=-1)
+
+    def norms_before():
+        with torch.no_grad():
+            return scorer_before(scorer, tracker.features(attn, keys, values, pos, 3, 100, state), 3)
+
+    def norms_after():
+        for name in NORMS:
+            cached_state[name][..., -8:] = -1.0  # the tokens of the 7 stacked steps since the last refresh and this one
+        with torch.no_grad():
+            return scorer(cached.features(attn, keys, values, pos, 3, 100, cached_state), 3, consume=True)
+
+    assert torch.equal(norms_before(), norms_after())
+    return [(f"learned refresh of one layer {list(LONG[:3])}", lambda: refresh(torch_std), lambda: refresh(fast), 3),
+            (f"learned refresh of one layer {list(LONG[:3])}, norms cached, scorer in place", norms_before,
+             norms_after, 3)]
 
 
 def profile(g) -> None:
@@ -219,10 +242,23 @@ def profile(g) -> None:
         finally:
             features.window_std = window_std
 
+    cached, cached_state = FeatureTracker(30, cache_norms=True), dict(state)
+    for name, x in zip(NORMS, (k, v)):
+        cached_state[name] = x.norm(dim=-1)
+
+    def refresh_cached():
+        for name in NORMS:
+            cached_state[name][..., -8:] = -1.0  # as `refresh_cases`' "after"
+        with torch.no_grad():
+            f = cached.features(attn, k, v, pos, 3, 100, cached_state)
+            with torch.profiler.record_function("Scorer.forward"):
+                return scorer(f, 3, consume=True)
+
     window_std = features.window_std
     for name, fn in (("rkv redundancy, dense", lambda: redundancy_dense(keys, valid, 0.5)),
                      ("rkv redundancy, blockwise", lambda: rkv.redundancy(keys, valid, 0.5)),
-                     ("learned refresh, Tensor.std", refresh_before), ("learned refresh, window_std", refresh)):
+                     ("learned refresh, Tensor.std", refresh_before), ("learned refresh, window_std", refresh),
+                     ("learned refresh, norms cached, scorer in place", refresh_cached)):
         fn()
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(3):

@@ -161,6 +161,14 @@ def test_a_tracker_without_cache_norms_keeps_its_state():
     assert set(state) == set(STATE) and state["f.win"].shape[2] == WINDOW
 
 
+def scorer_before(scorer, features, layer):
+    """`Scorer.forward`'s MLP with an int layer and no content gate or head bias before issue 43's in-place
+    inference path (bench/scoring_ab.py --refresh times it against the new one)."""
+    x = (features.float() - scorer.mean) / scorer.std
+    h = torch.relu(x @ scorer.w1[layer] + scorer.b1[layer])
+    return h @ scorer.w2[layer] + scorer.b2[layer]
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 1), (2, 3, 41), (8, 3, 1500)])
 @pytest.mark.parametrize("content", [False, True])
 def test_scorer_inference_path_keeps_the_scores(shape, content):
@@ -181,7 +189,7 @@ def test_scorer_inference_path_keeps_the_scores(shape, content):
     values = torch.randn(*shape, 4)
     for layer in range(3):
         x = (feats - scorer.mean) / scorer.std
-        expected = torch.relu(x @ scorer.w1[layer] + scorer.b1[layer]) @ scorer.w2[layer] + scorer.b2[layer]
+        expected = scorer_before(scorer, feats, layer)
         if content:
             expected = expected + scorer.content_term(values, layer)
         expected = expected.detach()
