@@ -110,9 +110,16 @@ def check(expected_state, state, expected_feats, feats, where=""):
 def test_decode_features(request, B, H, G, T, D, step, dtype, layout, block_t):
     g = gen(request.node.callspec.id)
     attn, keys, values, pos, state = decode_inputs(g, B, H, G, T, D, step, dtype, layout)
+    expected, feats = run_case(attn, keys, values, pos, step, state, layout, block_t)
+    assert (expected[~(pos >= 0)] == 0).all() and (feats[~(pos >= 0).to(DEVICE)] == 0).all()
+
+
+def run_case(attn, keys, values, pos, step, state, layout, block_t):
+    """The kernel and the reference on one decode step (the kernel's state strided inside NaN buffers for the
+    "strided" layout, a NaN-poisoned output), checked against each other (`check`) and for writes outside the
+    state; returns the reference's and the kernel's features."""
     expected_state = {n: t.clone() for n, t in state.items()}
     expected = ref.decode_features_reference(attn, keys, values, pos, 1, N_LAYERS, step, expected_state)
-
     if layout == "strided":
         actual_state, buffers = nan_views(state)
     else:
@@ -121,10 +128,13 @@ def test_decode_features(request, B, H, G, T, D, step, dtype, layout, block_t):
     with poisoned():
         feats = decode_features(*tensors, 1, N_LAYERS, step, actual_state, block_t=block_t)
     check(expected_state, actual_state, expected, feats)
-    assert (expected[~(pos >= 0)] == 0).all() and (feats[~(pos >= 0).to(DEVICE)] == 0).all()
+    for name in NORMS if NORMS[0] in state else ():
+        assert (expected_state[name] >= 0).all()
+        assert_close(name, expected_state[name], actual_state[name], *FEATURE_TOL)
     for name, buf in buffers.items():
         edges = buf[:, :, 0] if name == "f.win" else buf[..., [0, -1]]
         assert edges.isnan().all(), f"{name}: a write outside the state tensor"
+    return expected, feats
 
 
 def with_norms(g, keys, values, state, unknown):
@@ -151,24 +161,9 @@ def test_decode_features_reads_the_cached_norms(request, B, H, G, T, D, step, dt
     g = gen(request.node.callspec.id)
     attn, keys, values, pos, state = decode_inputs(g, B, H, G, T, D, step, dtype, layout)
     state = with_norms(g, keys, values, state, unknown)
-    expected_state = {n: t.clone() for n, t in state.items()}
-    expected = ref.decode_features_reference(attn, keys, values, pos, 1, N_LAYERS, step, expected_state)
-    if layout == "strided":
-        actual_state, buffers = nan_views(state)
-    else:
-        actual_state, buffers = {n: t.to(DEVICE) for n, t in state.items()}, {}
-    tensors = [t.to(DEVICE) for t in (attn, keys, values, pos)]
-    with poisoned():
-        feats = decode_features(*tensors, 1, N_LAYERS, step, actual_state, block_t=block_t)
-    check(expected_state, actual_state, expected, feats)
-    for name in NORMS:
-        assert (expected_state[name] >= 0).all()
-        assert_close(name, expected_state[name], actual_state[name], *FEATURE_TOL)
+    _, feats = run_case(attn, keys, values, pos, step, state, layout, block_t)
     read = (state[NORMS[0]] > 0) & (pos >= 0)  # known, not the new slot: the 1.5x values reach the features
     assert torch.equal(feats[..., FEATURES.index("key_norm")].cpu()[read], state[NORMS[0]][read])
-    for name, buf in buffers.items():
-        edges = buf[:, :, 0] if name == "f.win" else buf[..., [0, -1]]
-        assert edges.isnan().all(), f"{name}: a write outside the state tensor"
 
 
 def test_decode_features_nan_parity():

@@ -17,6 +17,7 @@ from conftest import params_for, random_ids
 from learnkv import generate
 from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker
 from learnkv.policies import learned
+from learnkv.scorer.model import Scorer
 
 DECODES = [  # slack, refresh, prefill policy, interval (2: lagged, so the cache runs layer by layer and the
     # update is shown each layer's keys; else one stacked update for every layer, shown none)
@@ -175,8 +176,6 @@ def test_scorer_inference_path_keeps_the_scores(shape, content):
     """`Scorer.forward` at inference (int layer, no grad), standardising in place (``consume``) or not, gives bit
     for bit the scores of the ops it replaced (training's path: standardise, matmul, add, relu), with non-trivial
     standardisation statistics and biases; ``consume`` overwrites only its own fp32 input."""
-    from learnkv.scorer.model import Scorer
-
     torch.manual_seed(len(shape) + shape[-1])
     scorer = Scorer(n_layers=3, content_dim=4 if content else 0, n_heads=shape[1])
     with torch.no_grad():

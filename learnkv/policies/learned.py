@@ -50,7 +50,8 @@ class Learned(Policy):
     finiteness, and the KV-head count and layer index of what it is shown, on first use.
 
     Decode-time cost and schedule: the feature tracker folds every step's attention into its state (in place, a
-    few tensor ops per layer). The features and the scorer run only every ``refresh`` steps; their scores are kept
+    few tensor ops per layer); each token's key and value norms are state too, computed once
+    (`FeatureTracker`, ``cache_norms``). The features and the scorer run only every ``refresh`` steps; their scores are kept
     as per-token state (compacted with the cache), and every step that overflows evicts by the latest scores, so
     the cache stays at its full budget. Tokens that arrived since the last refresh have no score yet and are kept.
     This is not the lagged schedule (``interval > 1``, as LazyEviction's and R-KV's: evict every ``interval``
