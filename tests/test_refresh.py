@@ -6,8 +6,8 @@ The tracker's cached norms are computed once per token (the prefill, each decode
 stacked decode steps, which do not show the policy one layer's keys, at the next refresh) and moved by the cache
 with the slots like any state. `test_cached_norms_follow_the_slots` checks, after every step of padded batch-2
 decodes (compaction and marking dead with slack, refresh 1 with its due rows, a prefill policy whose state is
-dropped, one and several refreshes between evictions), that every live slot's cached norm is its key's and value's
-norm.
+dropped, one and several refreshes between evictions, lagged schedules that run layer by layer, sliding-window
+layers dropping tokens by age), that every live slot's cached norm is its key's and value's norm.
 """
 
 import pytest
@@ -36,7 +36,7 @@ def before_tracker(n_layers, cache_norms=False):
     return FeatureTracker(n_layers)
 
 
-def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_norms=False):
+def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_norms=False, vocab=256, budget=24):
     """Every layer's slot positions after every step of a left-padded batch-2 decode, and every feature tensor the
     policy computed (in order)."""
     if not cached:
@@ -64,10 +64,10 @@ def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_
                 checked.append(int(known.sum()))
 
     monkeypatch.setattr(FeatureTracker, "features", record)
-    ids = torch.cat([random_ids(40, seed=21), random_ids(40, seed=22)])
+    ids = torch.cat([random_ids(40, seed=21, vocab=vocab), random_ids(40, seed=22, vocab=vocab)])
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
-    generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=24, max_new_tokens=40, slack=slack,
+    generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=budget, max_new_tokens=40, slack=slack,
              stop_at_eos=False, policy_params={**params_for("learned", 2), "refresh": refresh, "interval": interval},
              observer=observe, **({"prefill_policy": prefill} if prefill else {}))
     monkeypatch.undo()
@@ -91,6 +91,24 @@ def test_cached_norms_keep_the_same_features_and_slots(tiny, monkeypatch, slack,
 @pytest.mark.parametrize("slack, refresh, prefill, interval", DECODES)
 def test_cached_norms_follow_the_slots(tiny, monkeypatch, slack, refresh, prefill, interval):
     decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=True, check_norms=True)
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "gemma3-text"])
+@pytest.mark.parametrize("slack, refresh, interval", [(0, 8, 1), (4, 3, 2)])
+def test_cached_norms_through_sliding_window_drops(monkeypatch, family, slack, refresh, interval):
+    """Sliding-window layers (every layer, or every other: gemma3's) drop the tokens their next query cannot see
+    (`BudgetCache._drop_by_age`, the budget above the window): the cached norms follow the slots there too, and the
+    features and kept slots are those of the code before."""
+    from architectures import FAMILIES, VOCAB  # the tiny sliding-window decoders of the architecture matrix
+
+    model = FAMILIES[family].build("eager")
+    kw = dict(vocab=VOCAB, budget=30)
+    slots, feats = decode(model, monkeypatch, slack, refresh, None, interval, cached=True, check_norms=True, **kw)
+    slots_before, feats_before = decode(model, monkeypatch, slack, refresh, None, interval, cached=False, **kw)
+    assert all(torch.equal(a, b) for step_a, step_b in zip(slots, slots_before) for a, b in zip(step_a, step_b))
+    assert len(feats) == len(feats_before) > 0
+    assert all(torch.equal(a, b) for a, b in zip(feats, feats_before))
+    assert min(layer.shape[-1] for layer in slots[-1]) < 30  # a window dropped tokens
 
 
 def tracker_case(g, B, H, G, T, D, pad, dtype):
