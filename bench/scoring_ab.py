@@ -7,6 +7,7 @@
                                            # and the key/value norms recomputed or cached (with the scorer in place)
     python bench/scoring_ab.py --profile   # where those two spend their time (torch.profiler, per op)
     python bench/scoring_ab.py --rkv-model # R-KV's redundancy on SmolLM2's own keys (a batch-8 prefill; minutes)
+    python bench/scoring_ab.py --refresh-model  # the learned policy's eviction time over a SmolLM2 decode (minutes)
 
 "Before" is the replaced code, kept verbatim in tests/test_scoring_speed.py (which proves both give the same bits);
 "after" is `learnkv.policies.rkv.redundancy` and `learnkv.policies.snapkv.avg_pool`. Shapes: R-KV's redundancy at
@@ -33,7 +34,12 @@ unknown as after 7 stacked decode steps, and the scorer standardising in place (
 and `Scorer.forward(consume=True)`). ``--rkv-model``: the keys R-KV
 scores when it compresses a batch of 8 held-out chain prompts (~1k tokens, left-padded) after the prefill in the
 bundled SmolLM2 (budget 50%), all 30 layers per round; it also prints the share of valid rows whose newest
-near-duplicate is among the newest 64 slots (the blockwise search's first block). Each line also gives the mean of
+near-duplicate is among the newest 64 slots (the blockwise search's first block). ``--refresh-model``: the learned
+policy (a random-init scorer bound to SmolLM2: the timing does not depend on its weights) decoding 48 tokens after 8
+held-out chain prompts (~1k tokens, left-padded) in the bundled SmolLM2, budget 50%, refresh 8, slack 16: the cache's
+eviction seconds over the decode steps after the prefill (`BudgetCache.eviction_s`: the tracker's updates, the
+refreshes of every layer every 8 steps, the selections) with the tracker and scorer before (norms recomputed at every refresh, the scorer's standardised copy) and after;
+three rounds of one decode each, alternating. Each line also gives the mean of
 the per-round ratios with its 95% bootstrap interval (`learnkv.eval.stats.bootstrap_ci`).
 """
 
@@ -169,6 +175,62 @@ def model_keys_cases() -> list:
              every_layer(rkv.redundancy), 1)]
 
 
+def refresh_model_rounds(rounds: int = 3) -> None:
+    """``--refresh-model`` (see the module docstring)."""
+    # only this mode exports a scorer and loads the model (transformers: seconds to import)
+    import tempfile
+
+    from test_refresh import before_tracker
+
+    from learnkv import generate, load_model
+    from learnkv.decode import encode_prompts
+    from learnkv.policies import learned
+    from learnkv.prompts import load_prompts
+    from learnkv.scorer.artifact import cached_kv_heads, export_scorer
+
+    model, tok = load_model("smollm2-135m-instruct")
+    ids, mask = encode_prompts(tok, [x.text for x in load_prompts("chain", n=8, split="test")])
+    torch.manual_seed(0)
+    scorer = export_scorer(Scorer(model.config.num_hidden_layers), tempfile.mkdtemp() + "/scorer",
+                           model=model.config.name_or_path, n_kv_heads=cached_kv_heads(model.config))
+    fast_mlp = Scorer._mlp
+
+    def run(before: bool) -> float:
+        """The cache's eviction milliseconds over the decode steps (from the first decode step's observer call, after
+        the prefill's compression, to the last)."""
+        seen = []
+        if before:
+            learned.FeatureTracker = before_tracker
+            Scorer._mlp = lambda self, f, layer, consume=False: scorer_before(self, f, layer)
+        try:
+            generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=0.5, max_new_tokens=48,
+                     stop_at_eos=False, slack=16, policy_params={"scorer": str(scorer), "refresh": 8},
+                     observer=lambda cache: seen.append(cache.eviction_s))
+        finally:
+            learned.FeatureTracker, Scorer._mlp = FeatureTracker, fast_mlp
+        steps.append(len(seen) - 1)
+        return (seen[-1] - seen[0]) * 1e3
+
+    lengths = mask.sum(-1).tolist()
+    ratio, pairs, steps = [], [], []
+    for i in range(rounds):
+        if i % 2 == 0:  # the side that goes first alternates
+            a = run(True)
+            b = run(False)
+        else:
+            b = run(False)
+            a = run(True)
+        pairs.append((a, b))
+        ratio.append(b / a)
+        print(f"round {i}: eviction over {steps[-1]} decode steps before {a:.0f} ms, after {b:.0f} ms", flush=True)
+    lo, hi = bootstrap_ci(ratio)
+    print(f"learned eviction over {steps[-1]} decode steps of SmolLM2, batch {len(lengths)}, prompts {min(lengths)}-{max(lengths)} tokens, "
+          f"48 new, budget 50%, refresh 8: before {statistics.median(a for a, _ in pairs):.0f} ms, after "
+          f"{statistics.median(b for _, b in pairs):.0f} ms, after / before {statistics.median(ratio):.2f} "
+          f"[{min(ratio):.2f}, {max(ratio):.2f}] over {rounds} rounds; mean {statistics.mean(ratio):.3f} "
+          f"[{lo:.3f}, {hi:.3f}] 95%")
+
+
 def refresh_inputs(g) -> tuple:
     """A learned refresh's inputs for one layer at `LONG`: the tracker's state mid-decode, a one-row attention, keys,
     values, positions; and the tracker and a random-init scorer."""
@@ -282,6 +344,9 @@ def main() -> None:
         return
     if "--rkv-model" in args:
         run(model_keys_cases())
+        return
+    if "--refresh-model" in args:
+        refresh_model_rounds()
         return
     if "--step" in args or "--rkv" in args or "--refresh" in args:
         run([*(step_cases(g) if "--step" in args else []), *(rkv_cases(g) if "--rkv" in args else []),
