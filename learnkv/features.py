@@ -47,8 +47,9 @@ SINKS = 4
 #: `kernels.features` updates the same ones)
 STATE = ("f.acc", "f.acc_sq", "f.count", "f.win", "f.last_high", "f.n_returns", "f.sum_interval", "f.last_interval", "f.max_interval")
 #: the per-token constants a tracker with ``cache_norms`` keeps besides `STATE`: each token's key and value norm,
-#: computed once, when the token enters the cache (a token's key and value never change); -1 marks a slot whose
-#: norm is not known yet (a token appended by an update that was not shown the keys: the cache's stacked decode step)
+#: computed once, at the first read-out after the token entered the cache (a token's key and value never change);
+#: -1 marks a slot whose norm is not known yet (the update marks its new slots so; it is not shown the keys: the
+#: cache's stacked decode step has no one layer's keys)
 NORMS = ("f.key_norm", "f.value_norm")
 
 
@@ -60,9 +61,10 @@ class FeatureTracker:
     policy with ``group_reduce = "none"``) and a state dict; ``features`` reads them out. Prefill seeds the
     accumulated statistics; recurrence statistics start at the first decode step (as LazyEviction's do).
 
-    With ``cache_norms`` the key and value norms are per-token state too (`NORMS`): ``update`` computes the new
-    tokens' norms when it is shown their keys and values (else marks them unknown), and ``features`` reads them,
-    computing the unknown ones first (`fill_norms`). The cache moves them with the slots like any state (compaction,
+    With ``cache_norms`` the key and value norms are per-token state too (`NORMS`): ``update`` marks the new
+    tokens' norms unknown, and ``features`` reads them, computing the unknown ones first (`fill_norms`: once per
+    token, the newest few slots at a refresh), so the state is the same whether the cache runs the update layer by
+    layer or for every layer at once (tests/test_cache_layout.py). The cache moves them with the slots like any state (compaction,
     padding, dead slots), so the features are bit for bit those computed from the keys at every refresh
     (tests/test_refresh.py). Without it (trace recording, the serving runtime, which keeps its own norms) the state
     is `STATE` only and ``features`` computes the norms from the keys it is given.
@@ -71,15 +73,14 @@ class FeatureTracker:
     n_layers: int
     cache_norms: bool = False
 
-    def update(self, attn: Tensor, positions: Tensor, n_new: int, step: int, state: dict[str, Tensor],
-               keys: Tensor | None = None, values: Tensor | None = None) -> None:
-        """Fold the step's attention ``attn [B, H, G, q, T]`` into ``state``; ``keys`` and ``values``
-        ``[B, H, T, D]`` (optional) give the new tokens' norms (`NORMS`, with ``cache_norms``).
+    def update(self, attn: Tensor, positions: Tensor, n_new: int, step: int, state: dict[str, Tensor]) -> None:
+        """Fold the step's attention ``attn [B, H, G, q, T]`` into ``state`` (with ``cache_norms``, the new slots'
+        norms marked unknown: `NORMS`).
 
         A decode step (one new token, state already seeded) updates the state tensors in place, so a cache that
         preallocates them (`learnkv.cache.BudgetLayer`) never copies them; other steps rebind the entries."""
         if self.cache_norms:
-            self._add_norms(keys, values, positions, n_new, state)
+            self._mark_new_norms(positions, n_new, state)
         if "f.acc" in state and n_new == 1:
             self._update_decode(attn, positions, step, state)
             return
@@ -112,17 +113,15 @@ class FeatureTracker:
         state["f.last_high"] = torch.where(high, torch.full_like(last, float(step)), last)
 
     @staticmethod
-    def _add_norms(keys: Tensor | None, values: Tensor | None, positions: Tensor, n_new: int,
-                   state: dict[str, Tensor]) -> None:
-        """The new tokens' norms into `NORMS` (the last ``n_new`` slots, where the cache appends; every slot when the
-        state starts here), or -1 (unknown) where ``keys`` is None."""
+    def _mark_new_norms(positions: Tensor, n_new: int, state: dict[str, Tensor]) -> None:
+        """`NORMS` of the new tokens (the last ``n_new`` slots, where the cache appends; every slot when the state
+        starts here) marked unknown (-1), in place."""
         if "f.acc" not in state or NORMS[0] not in state:  # the state starts: every slot is new
-            for name, x in zip(NORMS, (keys, values)):
-                state[name] = token_norms(x) if x is not None else torch.full(
-                    positions.shape, -1.0, dtype=torch.float32, device=positions.device)
+            for name in NORMS:
+                state[name] = torch.full(positions.shape, -1.0, dtype=torch.float32, device=positions.device)
             return
-        for name, x in zip(NORMS, (keys, values)):
-            state[name][..., -n_new:] = -1.0 if x is None else token_norms(x[..., -n_new:, :])
+        for name in NORMS:
+            state[name][..., -n_new:] = -1.0
 
     def fill_norms(self, keys: Tensor, values: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """The cached key and value norms ``[B, H, T]`` (`NORMS`), those still unknown computed from ``keys`` and

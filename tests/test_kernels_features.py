@@ -206,7 +206,7 @@ def test_paths_take_turns_over_a_decode(cached):
     tracker = FeatureTracker(N_LAYERS)
     g_kv = gen("turns-prefill-kv")  # not from g: the attention drawn below stays the case it was
     keys, values = torch.randn(B, H, T0, D, generator=g_kv), torch.randn(B, H, T0, D, generator=g_kv)
-    FeatureTracker(N_LAYERS, cache_norms=cached).update(attn, pos, T0, 0, mine, keys, values)
+    FeatureTracker(N_LAYERS, cache_norms=cached).update(attn, pos, T0, 0, mine)
     tracker.update(attn, pos, T0, 0, theirs)
     for step in range(1, WINDOW + 3):
         pos = torch.cat([pos, torch.full((B, H, 1), T0 + step - 1)], dim=-1)

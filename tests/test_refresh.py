@@ -19,8 +19,8 @@ from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker
 from learnkv.policies import learned
 from learnkv.scorer.model import Scorer
 
-DECODES = [  # slack, refresh, prefill policy, interval (2: lagged, so the cache runs layer by layer and the
-    # update is shown each layer's keys; else one stacked update for every layer, shown none)
+DECODES = [  # slack, refresh, prefill policy, interval (2, 3: lagged, so the cache runs layer by layer; else one
+    # stacked update for every layer)
     pytest.param(0, 8, None, 1, id="slack0-refresh8"),
     pytest.param(4, 8, None, 1, id="slack4-refresh8"),
     pytest.param(0, 1, None, 1, id="slack0-refresh1"),
@@ -123,20 +123,23 @@ def tracker_case(g, B, H, G, T, D, pad, dtype):
 @pytest.mark.parametrize("B, H, G, T, D", [(1, 1, 1, 2, 4), (2, 3, 3, 17, 8), (3, 2, 2, 40, 64), (8, 3, 3, 130, 64)])
 @pytest.mark.parametrize("pad", [0, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shown", ["every", "none", "alternate"])
-def test_tracker_features_equal_the_recomputed_norms(B, H, G, T, D, pad, dtype, shown):
-    """A prefill of ``T - 6`` tokens, then six decode steps with the new token's keys shown to the update at every
-    step, at none (the cache's stacked steps: computed at the read-out) or every other; features read out at each
-    step, some slots dead (position -1, as slack leaves them): bit for bit the features of a tracker that computes
-    the norms from the keys, and the same state."""
+@pytest.mark.parametrize("read", ["every", "alternate", "last"])
+def test_tracker_features_equal_the_recomputed_norms(B, H, G, T, D, pad, dtype, read):
+    """A prefill of ``T - 6`` tokens, then six decode steps, features read out after the prefill and every step,
+    every other step or the last only (the unknown norms then span 1 to 7 slots), some slots dead (position -1, as
+    slack leaves them): bit for bit the features of a tracker that computes the norms from the keys, and the same
+    state."""
     g = torch.Generator().manual_seed(B * 1000 + T + D + pad)
     pad = min(pad, T - 1)
     pos, attn, keys, values = tracker_case(g, B, H, G, T, D, pad, dtype)
     T0 = max(T - 6, 1)
     mine, theirs = {}, {}
     cached, plain = FeatureTracker(2, cache_norms=True), FeatureTracker(2)
-    cached.update(attn[..., :T0, :T0], pos[..., :T0], T0, 0, mine, keys[..., :T0, :], values[..., :T0, :])
+    cached.update(attn[..., :T0, :T0], pos[..., :T0], T0, 0, mine)
     plain.update(attn[..., :T0, :T0], pos[..., :T0], T0, 0, theirs)
+    if read != "last":
+        args = attn[..., :T0, :T0], keys[..., :T0, :], values[..., :T0, :], pos[..., :T0], 1, 0
+        assert torch.equal(cached.features(*args, mine), plain.features(*args, theirs))
     for t in range(T0, T):
         for st in (mine, theirs):
             for n, x in st.items():  # the cache appends zero state for the new slot
@@ -145,11 +148,10 @@ def test_tracker_features_equal_the_recomputed_norms(B, H, G, T, D, pad, dtype, 
         if t % 3 == 1:
             p[:, :, pad : pad + 1] = -1  # a slot marked dead
         k, v = keys[..., : t + 1, :], values[..., : t + 1, :]
-        show = shown == "every" or (shown == "alternate" and t % 2)
         step = t - T0 + 1
-        cached.update(a, p, 1, step, mine, k if show else None, v if show else None)
+        cached.update(a, p, 1, step, mine)
         plain.update(a, p, 1, step, theirs)
-        if t % 2 == 0 or t == T - 1:
+        if read == "every" or (read == "alternate" and t % 2 == 0) or t == T - 1:
             assert torch.equal(cached.features(a, k, v, p, 1, step, mine), plain.features(a, k, v, p, 1, step, theirs))
     assert set(mine) == set(STATE) | set(NORMS) and set(theirs) == set(STATE)
     for n in STATE:
@@ -171,13 +173,14 @@ def test_unknown_norms_are_filled_where_they_are():
 
 
 def test_a_tracker_without_cache_norms_keeps_its_state():
-    """Trace recording and the serving runtime use the tracker without ``cache_norms``: its state is `STATE` only,
-    whatever keys the update is shown."""
+    """Trace recording and the serving runtime use the tracker without ``cache_norms``: its state is `STATE` only."""
     g = torch.Generator().manual_seed(4)
     pos, attn, keys, values = tracker_case(g, 1, 2, 2, 6, 4, 0, torch.float32)
     state = {}
-    FeatureTracker(2).update(attn, pos, 6, 0, state, keys, values)
+    FeatureTracker(2).update(attn, pos, 6, 0, state)
     assert set(state) == set(STATE) and state["f.win"].shape[2] == WINDOW
+    FeatureTracker(2, cache_norms=True).update(attn, pos, 6, 0, state)
+    assert set(state) == set(STATE) | set(NORMS) and (state[NORMS[0]] == -1).all()
 
 
 def scorer_before(scorer, features, layer):

@@ -50,8 +50,8 @@ class Learned(Policy):
     finiteness, and the KV-head count and layer index of what it is shown, on first use.
 
     Decode-time cost and schedule: the feature tracker folds every step's attention into its state (in place, a
-    few tensor ops per layer); each token's key and value norms are state too, computed once
-    (`FeatureTracker`, ``cache_norms``). The features and the scorer run only every ``refresh`` steps; their scores are kept
+    few tensor ops per layer); each token's key and value norms are state too, computed once, at the first refresh
+    that sees the token (`FeatureTracker`, ``cache_norms``). The features and the scorer run only every ``refresh`` steps; their scores are kept
     as per-token state (compacted with the cache), and every step that overflows evicts by the latest scores, so
     the cache stays at its full budget. Tokens that arrived since the last refresh have no score yet and are kept.
     This is not the lagged schedule (``interval > 1``, as LazyEviction's and R-KV's: evict every ``interval``
@@ -134,7 +134,7 @@ class Learned(Policy):
     def _loaded(self, view: LayerView) -> Decoding:
         if self.decoding is None:
             model, manifest = load_scorer(self.scorer, expect_kv_heads=view.positions.shape[1])
-            # the key and value norms computed once per token, as it enters the cache (`FeatureTracker`)
+            # the key and value norms computed once per token, at its first read-out (`FeatureTracker`)
             self.decoding = Decoding(model, FeatureTracker(manifest["n_layers"], cache_norms=True))
         if view.layer >= self.decoding.scorer.n_layers:
             raise ValueError(f"scorer {self.scorer!r} has {self.decoding.scorer.n_layers} layers; the model has more")
@@ -150,8 +150,7 @@ class Learned(Policy):
                                             run.tracker.n_layers, view.step, view.state)  # fmt: skip
             run.fused = (view.layer, view.step, view.positions, feats)
         else:
-            # the new tokens' keys and values for their norms (None on a stacked step: computed at the next refresh)
-            run.tracker.update(view.attn, view.positions, view.n_new, view.step, view.state, view.keys, view.values)
+            run.tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
 
     def score(self, view: LayerView) -> Tensor:
         # at a refresh (``refresh > 1``) every row is scored, for the evictions until the next; else only the rows

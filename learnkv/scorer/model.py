@@ -104,10 +104,10 @@ class Scorer(nn.Module):
             w = (self.mean, self.std, self.w1[layer], self.b1[layer], self.w2[layer], self.b2[layer])
             return kernels.scorer_mlp(features.reshape(-1, features.shape[-1]), *w).view(features.shape[:-1])
         if isinstance(layer, int) and not torch.is_grad_enabled():
-            # inference: the ops below, element for element, in place where they would allocate (at a learned
-            # refresh of 1.5k slots x 24 rows, the standardised copy and the hidden layer's temporaries are ~1/3 of
-            # the scorer's time; bench/RESULTS.md). Folding the standardisation into w1 would save its pass too, but
-            # rounds otherwise (scores within ~1e-6, not bit for bit), so it is not done.
+            # inference: the ops below, element for element, in place where they would allocate (the standardised
+            # copy of the features, the hidden layer's temporaries; bench/RESULTS.md). Folding the standardisation
+            # into w1 would save its pass too, but rounds otherwise (scores ~2e-6 apart at 1.5k slots x 24 rows, not
+            # bit for bit), so it is not done.
             own = consume and features.dtype == torch.float32
             x = (features.sub_(self.mean) if own else features.float() - self.mean).div_(self.std)
             h = torch.matmul(x, self.w1[layer]).add_(self.b1[layer]).relu_()
