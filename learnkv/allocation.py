@@ -106,7 +106,7 @@ def normalisation_for(policy) -> str:
     ``normalisation`` where it says one (the learned policy, from its artifact: ``raw`` for a scorer trained with
     the global objective, else ``logit``, its logits being fitted as a softmax per head), else its block-mode
     pooling rule's (`NORMALISATION_FOR_POOLING`)."""
-    return getattr(policy, "normalisation", None) or NORMALISATION_FOR_POOLING[policy.pooling]
+    return policy.normalisation or NORMALISATION_FOR_POOLING[policy.pooling]
 
 
 def pyramid_budgets(budget: int, n_layers: int, beta: float = 20.0, min_budget: int = 1) -> list[int]:

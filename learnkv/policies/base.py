@@ -194,6 +194,9 @@ class Policy:
     #: how the layer-shared block mode pools this policy's scores over layers and heads (`learnkv.pooling`):
     #: "mean_mass" for scores that are attention mass, "mean_rank" for scores on no shared scale
     pooling: ClassVar[str] = "mean_rank"
+    #: how `learnkv.allocation` compares its scores across heads and layers when the policy knows better than its
+    #: pooling rule (the learned policy, from its artifact); None: the pooling rule's (`normalisation_for`)
+    normalisation: ClassVar[str | None] = None
     #: whether scores depend on which slots are neighbours (SnapKV's average pool), so evicted slots must be compacted
     #: away at once instead of left dead in place (`BudgetCache.slack`)
     needs_dense_slots: ClassVar[bool] = False

@@ -19,7 +19,8 @@ REFUSED_ALLOCATIONS = {
             "a per-head paged layout (Ada-KV's vLLM port replaces the block manager and kernels)",
     "global": "it ranks tokens of every layer and KV head together, per head within a layer (see 'head'); a "
               "layer-level variant (whole blocks ranked across layers, per-layer block tables resized every step) is "
-              "not built and no scorer is trained for it; serve 'pyramid' (fixed per-layer budgets)",
+              "not built (the scorer trained for 'global' ranks tokens, not whole blocks); serve 'pyramid' (fixed "
+              "per-layer budgets)",
 }
 
 #: environment variable -> config key
@@ -61,7 +62,8 @@ class ServingConfig:
     allocation : str
         How a request's budget is shared by layers (`ALLOCATIONS`): "uniform" (every layer holds the same blocks) or
         "pyramid" (per-layer budgets in whole blocks, `learnkv.serving.runtime.pyramid_block_budgets`; the runtime
-        and the paged simulator only). The scorer must have been trained for it (the artifact's ``allocation``).
+        and the paged simulator only). The scorer's scores must compare as the allocation compares them
+        (`learnkv.scorer.artifact.COMPARES_ACROSS`: a ``uniform`` scorer serves both).
     """
 
     scorer: str
