@@ -8,6 +8,7 @@
     python bench/scoring_ab.py --profile   # where those two spend their time (torch.profiler, per op)
     python bench/scoring_ab.py --rkv-model # R-KV's redundancy on SmolLM2's own keys (a batch-8 prefill; minutes)
     python bench/scoring_ab.py --refresh-model  # the learned policy's eviction time over a SmolLM2 decode (minutes)
+    python bench/scoring_ab.py --refresh-model --unpadded --rounds 4  # the same on 4 unpadded 400-token prompts
 
 "Before" is the replaced code, kept verbatim in tests/test_scoring_speed.py (which proves both give the same bits);
 "after" is `learnkv.policies.rkv.redundancy` and `learnkv.policies.snapkv.avg_pool`. Shapes: R-KV's redundancy at
@@ -39,7 +40,8 @@ policy (a random-init scorer bound to SmolLM2: the timing does not depend on its
 held-out chain prompts (~1k tokens, left-padded) in the bundled SmolLM2, budget 50%, refresh 8, slack 16: the cache's
 eviction seconds over the decode steps after the prefill (`BudgetCache.eviction_s`: the tracker's updates, the
 refreshes of every layer every 8 steps, the selections) with the tracker and scorer before (norms recomputed at every refresh, the scorer's standardised copy) and after;
-three rounds of one decode each, alternating. Each line also gives the mean of
+three rounds (``--rounds N``: N) of one decode each, alternating; with ``--unpadded``, 4 prompts of 400 random
+token ids (seed 0, no padding) and 40 new tokens instead. Each line also gives the mean of
 the per-round ratios with its 95% bootstrap interval (`learnkv.eval.stats.bootstrap_ci`).
 """
 
@@ -175,44 +177,64 @@ def model_keys_cases() -> list:
              every_layer(rkv.redundancy), 1)]
 
 
-def refresh_model_rounds(rounds: int = 3) -> None:
-    """``--refresh-model`` (see the module docstring)."""
+def refresh_model_rounds(rounds: int = 3, unpadded: bool = False) -> None:
+    """``--refresh-model`` (see the module docstring); ``unpadded``: 4 prompts of 400 random tokens, 40 new."""
     # only this mode exports a scorer and loads the model (transformers: seconds to import)
     import tempfile
 
     from test_refresh import before_tracker
 
     from learnkv import generate, load_model
+    from learnkv.cache import BudgetCache
     from learnkv.decode import encode_prompts
     from learnkv.policies import learned
     from learnkv.prompts import load_prompts
     from learnkv.scorer.artifact import cached_kv_heads, export_scorer
 
     model, tok = load_model("smollm2-135m-instruct")
-    ids, mask = encode_prompts(tok, [x.text for x in load_prompts("chain", n=8, split="test")])
+    if unpadded:  # every row the same length: no padding slot in any layer
+        ids = torch.randint(0, model.config.vocab_size, (4, 400), generator=torch.Generator().manual_seed(0))
+        mask, new_tokens = torch.ones_like(ids), 40
+    else:
+        ids, mask = encode_prompts(tok, [x.text for x in load_prompts("chain", n=8, split="test")])
+        new_tokens = 48
     torch.manual_seed(0)
     scorer = export_scorer(Scorer(model.config.num_hidden_layers), tempfile.mkdtemp() + "/scorer",
                            model=model.config.name_or_path, n_kv_heads=cached_kv_heads(model.config))
-    fast_mlp = Scorer._mlp
+    fast_mlp, step = Scorer._mlp, BudgetCache._step
 
-    def run(before: bool) -> float:
+    def run(before: bool) -> tuple[float, float]:
         """The cache's eviction milliseconds over the decode steps (from the first decode step's observer call, after
-        the prefill's compression, to the last)."""
-        seen = []
+        the prefill's compression, to the last): wall time (`BudgetCache.eviction_s`) and this thread's CPU time in
+        `BudgetCache._step` (where a stacked decode step's update, refresh and eviction run)."""
+        seen, cpu, depth = [], [0.0], [0]
+
+        def timed(self, *args):
+            depth[0] += 1  # a step whose layers cannot be stacked calls itself per layer: count the outer call once
+            t0 = time.thread_time()
+            try:
+                return step(self, *args)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    cpu[0] += time.thread_time() - t0
+
         if before:
             learned.FeatureTracker = before_tracker
             Scorer._mlp = lambda self, f, layer, consume=False: scorer_before(self, f, layer)
+        BudgetCache._step = timed
         try:
-            generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=0.5, max_new_tokens=48,
-                     stop_at_eos=False, slack=16, policy_params={"scorer": str(scorer), "refresh": 8},
-                     observer=lambda cache: seen.append(cache.eviction_s))
+            generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=0.5,
+                     max_new_tokens=new_tokens, stop_at_eos=False, slack=16,
+                     policy_params={"scorer": str(scorer), "refresh": 8},
+                     observer=lambda cache: seen.append((cache.eviction_s, cpu[0])))
         finally:
-            learned.FeatureTracker, Scorer._mlp = FeatureTracker, fast_mlp
+            learned.FeatureTracker, Scorer._mlp, BudgetCache._step = FeatureTracker, fast_mlp, step
         steps.append(len(seen) - 1)
-        return (seen[-1] - seen[0]) * 1e3
+        return (seen[-1][0] - seen[0][0]) * 1e3, (seen[-1][1] - seen[0][1]) * 1e3
 
     lengths = mask.sum(-1).tolist()
-    ratio, pairs, steps = [], [], []
+    wall, cpu_ms, steps = [], [], []  # per round: (before, after)
     for i in range(rounds):
         if i % 2 == 0:  # the side that goes first alternates
             a = run(True)
@@ -220,15 +242,19 @@ def refresh_model_rounds(rounds: int = 3) -> None:
         else:
             b = run(False)
             a = run(True)
-        pairs.append((a, b))
-        ratio.append(b / a)
-        print(f"round {i}: eviction over {steps[-1]} decode steps before {a:.0f} ms, after {b:.0f} ms", flush=True)
-    lo, hi = bootstrap_ci(ratio)
-    print(f"learned eviction over {steps[-1]} decode steps of SmolLM2, batch {len(lengths)}, prompts {min(lengths)}-{max(lengths)} tokens, "
-          f"48 new, budget 50%, refresh 8: before {statistics.median(a for a, _ in pairs):.0f} ms, after "
-          f"{statistics.median(b for _, b in pairs):.0f} ms, after / before {statistics.median(ratio):.2f} "
-          f"[{min(ratio):.2f}, {max(ratio):.2f}] over {rounds} rounds; mean {statistics.mean(ratio):.3f} "
-          f"[{lo:.3f}, {hi:.3f}] 95%")
+        wall.append((a[0], b[0]))
+        cpu_ms.append((a[1], b[1]))
+        print(f"round {i}: eviction over {steps[-1]} decode steps before {a[0]:.0f} ms, after {b[0]:.0f} ms; CPU time "
+              f"before {a[1]:.0f} ms, after {b[1]:.0f} ms", flush=True)
+    for what, pairs in (("eviction", wall), ("eviction CPU time", cpu_ms)):
+        ratio = [b / a for a, b in pairs]
+        lo, hi = bootstrap_ci(ratio)
+        print(f"learned {what} over {steps[-1]} decode steps of SmolLM2, batch {len(lengths)}, prompts "
+              f"{min(lengths)}-{max(lengths)} tokens, {'no padding, ' if unpadded else ''}{new_tokens} new, budget 50%, "
+              f"refresh 8: before {statistics.median(a for a, _ in pairs):.0f} ms, after "
+              f"{statistics.median(b for _, b in pairs):.0f} ms, after / before {statistics.median(ratio):.2f} "
+              f"[{min(ratio):.2f}, {max(ratio):.2f}] over {rounds} rounds; mean {statistics.mean(ratio):.3f} "
+              f"[{lo:.3f}, {hi:.3f}] 95%")
 
 
 def refresh_inputs(g) -> tuple:
@@ -346,7 +372,8 @@ def main() -> None:
         run(model_keys_cases())
         return
     if "--refresh-model" in args:
-        refresh_model_rounds()
+        rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 3
+        refresh_model_rounds(rounds, unpadded="--unpadded" in args)
         return
     if "--step" in args or "--rkv" in args or "--refresh" in args:
         run([*(step_cases(g) if "--step" in args else []), *(rkv_cases(g) if "--rkv" in args else []),

@@ -15,7 +15,7 @@ import torch
 
 from conftest import params_for, random_ids
 from learnkv import generate
-from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker
+from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker, token_norms
 from learnkv.policies import learned
 from learnkv.scorer.model import Scorer
 
@@ -36,9 +36,10 @@ def before_tracker(n_layers, cache_norms=False):
     return FeatureTracker(n_layers)
 
 
-def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_norms=False, vocab=256, budget=24):
-    """Every layer's slot positions after every step of a left-padded batch-2 decode, and every feature tensor the
-    policy computed (in order)."""
+def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_norms=False, vocab=256, budget=24,
+           pads=(0, 7)):
+    """Every layer's slot positions after every step of a left-padded decode (one row per entry of ``pads``, its
+    left padding), and every feature tensor the policy computed (in order)."""
     if not cached:
         monkeypatch.setattr(learned, "FeatureTracker", before_tracker)
     feats, slots, checked = [], [], []
@@ -64,9 +65,10 @@ def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_
                 checked.append(int(known.sum()))
 
     monkeypatch.setattr(FeatureTracker, "features", record)
-    ids = torch.cat([random_ids(40, seed=21, vocab=vocab), random_ids(40, seed=22, vocab=vocab)])
+    ids = torch.cat([random_ids(40, seed=21 + i, vocab=vocab) for i in range(len(pads))])
     mask = torch.ones_like(ids)
-    mask[1, :7] = 0
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
     generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=budget, max_new_tokens=40, slack=slack,
              stop_at_eos=False, policy_params={**params_for("learned", 2), "refresh": refresh, "interval": interval},
              observer=observe, **({"prefill_policy": prefill} if prefill else {}))
@@ -91,6 +93,35 @@ def test_cached_norms_keep_the_same_features_and_slots(tiny, monkeypatch, slack,
 @pytest.mark.parametrize("slack, refresh, prefill, interval", DECODES)
 def test_cached_norms_follow_the_slots(tiny, monkeypatch, slack, refresh, prefill, interval):
     decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=True, check_norms=True)
+
+
+#: a batch like the benchmark's chain prompts (`bench/scoring_ab.py --refresh-model`): every row padded differently,
+#: one row shorter than the budget at the prefill (it evicts later)
+PADS = (0, 7, 19, 3)
+
+
+@pytest.mark.parametrize("slack, refresh", [(16, 8), (0, 8), (3, 1)])
+def test_cached_norms_in_a_padded_batch(tiny, monkeypatch, slack, refresh):
+    """Rows padded by 0 to 19 slots: the same features and kept slots as the code before, and the norms computed
+    once per token: the prefill's every slot, then at each refresh only the slots appended since the last one (at
+    most ``refresh`` columns per layer), never a padding slot again (a padding or filler slot left unknown would
+    make every refresh recompute from the front)."""
+    widths = []
+
+    def counted(x):
+        widths.append(x.shape[-2])
+        return token_norms(x)
+
+    monkeypatch.setattr("learnkv.features.token_norms", counted)  # until `decode` undoes its patches: this decode
+    slots, feats = decode(tiny, monkeypatch, slack, refresh, None, 1, cached=True, check_norms=True, pads=PADS)
+    slots_before, feats_before = decode(tiny, monkeypatch, slack, refresh, None, 1, cached=False, pads=PADS)
+    assert all(torch.equal(a, b) for step_a, step_b in zip(slots, slots_before) for a, b in zip(step_a, step_b))
+    assert len(feats) == len(feats_before) > 0
+    assert all(torch.equal(a, b) for a, b in zip(feats, feats_before))
+    n_layers = tiny.config.num_hidden_layers
+    assert widths[: 2 * n_layers] == [40] * (2 * n_layers)  # the prefill: every slot of every layer, keys and values
+    assert widths[2 * n_layers :] and max(widths[2 * n_layers :]) <= refresh
+    assert any(layer.shape[-1] < 80 for layer in slots[-1])  # it did evict
 
 
 @pytest.mark.parametrize("family", ["mistral-window", "gemma3-text"])
