@@ -7,7 +7,9 @@ stacked decode steps, which do not show the policy one layer's keys, at the next
 with the slots like any state. `test_cached_norms_follow_the_slots` checks, after every step of padded batch-2
 decodes (compaction and marking dead with slack, refresh 1 with its due rows, a prefill policy whose state is
 dropped, one and several refreshes between evictions, lagged schedules that run layer by layer, sliding-window
-layers dropping tokens by age), that every live slot's cached norm is its key's and value's norm.
+layers dropping tokens by age), that every live slot's cached norm is its key's and value's norm;
+`test_cached_norms_in_a_padded_batch`, on a batch padded as the benchmark's chain prompts are, that each is
+computed once (no padding or filler slot is left unknown, to be recomputed at every refresh).
 """
 
 import pytest
