@@ -9,6 +9,7 @@
     python bench/scoring_ab.py --rkv-model # R-KV's redundancy on SmolLM2's own keys (a batch-8 prefill; minutes)
     python bench/scoring_ab.py --refresh-model  # the learned policy's eviction time over a SmolLM2 decode (minutes)
     python bench/scoring_ab.py --refresh-model --unpadded --rounds 4  # the same on 4 unpadded 400-token prompts
+    python bench/scoring_ab.py --refresh-model --same --rounds 2       # control: the code after on both sides
 
 "Before" is the replaced code, kept verbatim in tests/test_scoring_speed.py (which proves both give the same bits);
 "after" is `learnkv.policies.rkv.redundancy` and `learnkv.policies.snapkv.avg_pool`. Shapes: R-KV's redundancy at
@@ -41,8 +42,10 @@ held-out chain prompts (~1k tokens, left-padded) in the bundled SmolLM2, budget 
 eviction seconds over the decode steps after the prefill (`BudgetCache.eviction_s`: the tracker's updates, the
 refreshes of every layer every 8 steps, the selections) with the tracker and scorer before (norms recomputed at every refresh, the scorer's standardised copy) and after;
 three rounds (``--rounds N``: N) of one decode each, alternating; with ``--unpadded``, 4 prompts of 400 random
-token ids (seed 0, no padding) and 40 new tokens instead. Each line also gives the mean of
-the per-round ratios with its 95% bootstrap interval (`learnkv.eval.stats.bootstrap_ci`).
+token ids (seed 0, no padding) and 40 new tokens instead; with ``--same``, both sides run the code after (an A/A
+control of the measurement's noise). Each round also gives the thread's CPU time in `BudgetCache._step` (less
+inflated than wall time where other processes share the cores). Each line also gives the mean of the per-round
+ratios with its 95% bootstrap interval (`learnkv.eval.stats.bootstrap_ci`).
 """
 
 from __future__ import annotations
@@ -177,8 +180,9 @@ def model_keys_cases() -> list:
              every_layer(rkv.redundancy), 1)]
 
 
-def refresh_model_rounds(rounds: int = 3, unpadded: bool = False) -> None:
-    """``--refresh-model`` (see the module docstring); ``unpadded``: 4 prompts of 400 random tokens, 40 new."""
+def refresh_model_rounds(rounds: int = 3, unpadded: bool = False, same: bool = False) -> None:
+    """``--refresh-model`` (see the module docstring); ``unpadded``: 4 prompts of 400 random tokens, 40 new; ``same``:
+    both sides run the code after (a control: what the measurement gives where there is no difference)."""
     # only this mode exports a scorer and loads the model (transformers: seconds to import)
     import tempfile
 
@@ -219,7 +223,7 @@ def refresh_model_rounds(rounds: int = 3, unpadded: bool = False) -> None:
                 if not depth[0]:
                     cpu[0] += time.thread_time() - t0
 
-        if before:
+        if before and not same:
             learned.FeatureTracker = before_tracker
             Scorer._mlp = lambda self, f, layer, consume=False: scorer_before(self, f, layer)
         BudgetCache._step = timed
@@ -249,7 +253,7 @@ def refresh_model_rounds(rounds: int = 3, unpadded: bool = False) -> None:
     for what, pairs in (("eviction", wall), ("eviction CPU time", cpu_ms)):
         ratio = [b / a for a, b in pairs]
         lo, hi = bootstrap_ci(ratio)
-        print(f"learned {what} over {steps[-1]} decode steps of SmolLM2, batch {len(lengths)}, prompts "
+        print(f"{'A/A control (both sides after): ' if same else ''}learned {what} over {steps[-1]} decode steps of SmolLM2, batch {len(lengths)}, prompts "
               f"{min(lengths)}-{max(lengths)} tokens, {'no padding, ' if unpadded else ''}{new_tokens} new, budget 50%, "
               f"refresh 8: before {statistics.median(a for a, _ in pairs):.0f} ms, after "
               f"{statistics.median(b for _, b in pairs):.0f} ms, after / before {statistics.median(ratio):.2f} "
@@ -373,7 +377,7 @@ def main() -> None:
         return
     if "--refresh-model" in args:
         rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 3
-        refresh_model_rounds(rounds, unpadded="--unpadded" in args)
+        refresh_model_rounds(rounds, unpadded="--unpadded" in args, same="--same" in args)
         return
     if "--step" in args or "--rkv" in args or "--refresh" in args:
         run([*(step_cases(g) if "--step" in args else []), *(rkv_cases(g) if "--rkv" in args else []),
