@@ -22,8 +22,9 @@ G query heads per KV head and S slots held (budget + slack / 2 on average: dead 
   the score: 12 + 8.
 - StreamingLLM's score: positions read, fp32 score written: 12.
 - the learned policy's features (`kernels.decode_features`): attention G * 4, positions twice 16, 8 state tensors
-  read and written 64, the 16-row window shifted (15 rows read, 16 written) 124, K and V read in full for their
-  norms 2 * 2D, 19 fp32 features written 76; then the scorer (`kernels.scorer_mlp`) reads the features and writes a
+  read and written 64, the 16-row window shifted (15 rows read, 16 written) 124, the key and value norms cached per
+  slot read 8 (K and V are read for the new slot only; before issue 43's refresh pass, in full: 2 * 2D),
+  19 fp32 features written 76; then the scorer (`kernels.scorer_mlp`) reads the features and writes a
   score: 80.
 - selection (`kernels.select_keep`, every step once over the budget): priorities from scores and positions (read
   twice) written as int64 keys, 4 + 16 + 8; a radix select reading the keys once per 4-bit digit of
@@ -36,8 +37,8 @@ The new token's K/V writes and the small per-row buffers are left out (one slot 
 
 ``--fixed`` counts three changes that are not made (docs/gpu-on-paper.md): a one-pass decode attention (K read once;
 the split's unnormalised probabilities written, then rescaled in place: 2 * 2D + 8 + 4 + 8), a radix select on
-8-bit digits (half the passes), and the learned policy's key and value norms kept per slot (computed once, when the
-token enters) with its per-head attention from the one-pass kernel instead of torch eager (2 * 2D + 20 + 4 G).
+8-bit digits (half the passes), and the learned policy's per-head attention from the one-pass kernel instead of
+torch eager (2 * 2D + 20 + 4 G). (A fourth, the learned policy's key and value norms kept per slot, is made.)
 """
 
 from __future__ import annotations
@@ -99,9 +100,9 @@ def per_slot_bytes(policy: str, m: Model, slots: int, slack: int, fixed: bool = 
     if policy == "h2o":
         return {"attention": fused, "score": 12 + 8, **evict, "compaction": 2 * (kv + 8 + 4) / slack}
     if policy == "learned":
-        norms = 8 if fixed else kv  # fixed: two fp32 norms read per slot instead of K and V
+        norms = 8  # two fp32 norms cached per slot, read instead of K and V (`learnkv.features.NORMS`)
         features = 4 * G + 16 + 64 + 124 + norms + 76
-        channels = 8 + 16 + (2 if fixed else 0)  # the tracker's state: 8 [B, H, T] tensors, the 16-row window
+        channels = 8 + 16 + 2  # the tracker's state: 8 [B, H, T] tensors, the 16-row window, the 2 norms
         attention = fused + 4 * G if fixed else kv + 28 * G + 9
         return {"attention": attention, "score": features + 80, **evict,
                 "compaction": 2 * (kv + 8 + 4 * channels) / slack}  # fmt: skip

@@ -3,9 +3,13 @@
     python bench/scoring_ab.py
     python bench/scoring_ab.py --step      # a decode step's marking, tracker window and SnapKV window instead
     python bench/scoring_ab.py --rkv       # R-KV's redundancy: the dense [B, T, T] code against the blockwise one
-    python bench/scoring_ab.py --refresh   # the learned policy's refresh of one layer: torch.std's window std or not
+    python bench/scoring_ab.py --refresh   # the learned policy's refresh of one layer: torch.std's window std or not,
+                                           # and the key/value norms recomputed or cached (with the scorer in place)
     python bench/scoring_ab.py --profile   # where those two spend their time (torch.profiler, per op)
     python bench/scoring_ab.py --rkv-model # R-KV's redundancy on SmolLM2's own keys (a batch-8 prefill; minutes)
+    python bench/scoring_ab.py --refresh-model  # the learned policy's eviction time over a SmolLM2 decode (minutes)
+    python bench/scoring_ab.py --refresh-model --unpadded --rounds 4  # the same on 4 unpadded 400-token prompts
+    python bench/scoring_ab.py --refresh-model --same --rounds 2       # control: the code after on both sides
 
 "Before" is the replaced code, kept verbatim in tests/test_scoring_speed.py (which proves both give the same bits);
 "after" is `learnkv.policies.rkv.redundancy` and `learnkv.policies.snapkv.avg_pool`. Shapes: R-KV's redundancy at
@@ -25,11 +29,23 @@ of 64 dims, 1,500 cached slots): R-KV's redundancy of one layer, dense (`test_sc
 replaced code) and blockwise (`learnkv.policies.rkv.redundancy`), with keys that have a shared direction (most rows
 find a near-duplicate among the newest slots, as SmolLM2's keys do) and with independent keys (none do: the worst
 case); the learned policy's refresh of one layer (`FeatureTracker.features` and a random-init `Scorer`), with the
-window std by `Tensor.std` (before) and by `learnkv.features.window_std` (after). ``--rkv-model``: the keys R-KV
+window std by `Tensor.std` (before) and by `learnkv.features.window_std` (after); and the same refresh with the key
+and value norms computed from the keys and values and the scorer's standardised copy (before: the tracker without
+``cache_norms``, `test_refresh.scorer_before`) against the norms read from the tracker's state, the newest 8 slots
+unknown as after 7 stacked decode steps, and the scorer standardising in place (after: the learned policy's tracker
+and `Scorer.forward(consume=True)`). ``--rkv-model``: the keys R-KV
 scores when it compresses a batch of 8 held-out chain prompts (~1k tokens, left-padded) after the prefill in the
 bundled SmolLM2 (budget 50%), all 30 layers per round; it also prints the share of valid rows whose newest
-near-duplicate is among the newest 64 slots (the blockwise search's first block). Each line also gives the mean of
-the per-round ratios with its 95% bootstrap interval (`learnkv.eval.stats.bootstrap_ci`).
+near-duplicate is among the newest 64 slots (the blockwise search's first block). ``--refresh-model``: the learned
+policy (a random-init scorer bound to SmolLM2: the timing does not depend on its weights) decoding 48 tokens after 8
+held-out chain prompts (~1k tokens, left-padded) in the bundled SmolLM2, budget 50%, refresh 8, slack 16: the cache's
+eviction seconds over the decode steps after the prefill (`BudgetCache.eviction_s`: the tracker's updates, the
+refreshes of every layer every 8 steps, the selections) with the tracker and scorer before (norms recomputed at every refresh, the scorer's standardised copy) and after;
+three rounds (``--rounds N``: N) of one decode each, alternating; with ``--unpadded``, 4 prompts of 400 random
+token ids (seed 0, no padding) and 40 new tokens instead; with ``--same``, both sides run the code after (an A/A
+control of the measurement's noise). Each round also gives the thread's CPU time in `BudgetCache._step` (less
+inflated than wall time where other processes share the cores). Each line also gives the mean of the per-round
+ratios with its 95% bootstrap interval (`learnkv.eval.stats.bootstrap_ci`).
 """
 
 from __future__ import annotations
@@ -46,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo root before bench/ (`import kernels`); tests: the references
 
 from test_fast_paths import update_decode_before  # noqa: E402
+from test_refresh import scorer_before  # noqa: E402
 from test_scoring_speed import (avg_pool_before, near_keys, redundancy_before, redundancy_dense,  # noqa: E402
                                 snapkv_update_before)
 
@@ -54,7 +71,7 @@ import learnkv.features as features  # noqa: E402
 from kernels.cpu import one_drop_victims, select_keep_one_drop  # noqa: E402
 from learnkv.cache import mark_victims  # noqa: E402
 from learnkv.eval.stats import bootstrap_ci  # noqa: E402
-from learnkv.features import STATE, WINDOW, FeatureTracker  # noqa: E402
+from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker  # noqa: E402
 from learnkv.scorer.model import Scorer  # noqa: E402
 from learnkv.policies.snapkv import SnapKV  # noqa: E402
 from learnkv.policies import rkv  # noqa: E402
@@ -163,6 +180,87 @@ def model_keys_cases() -> list:
              every_layer(rkv.redundancy), 1)]
 
 
+def refresh_model_rounds(rounds: int = 3, unpadded: bool = False, same: bool = False) -> None:
+    """``--refresh-model`` (see the module docstring); ``unpadded``: 4 prompts of 400 random tokens, 40 new; ``same``:
+    both sides run the code after (a control: what the measurement gives where there is no difference)."""
+    # only this mode exports a scorer and loads the model (transformers: seconds to import)
+    import tempfile
+
+    from test_refresh import before_tracker
+
+    from learnkv import generate, load_model
+    from learnkv.cache import BudgetCache
+    from learnkv.decode import encode_prompts
+    from learnkv.policies import learned
+    from learnkv.prompts import load_prompts
+    from learnkv.scorer.artifact import cached_kv_heads, export_scorer
+
+    model, tok = load_model("smollm2-135m-instruct")
+    if unpadded:  # every row the same length: no padding slot in any layer
+        ids = torch.randint(0, model.config.vocab_size, (4, 400), generator=torch.Generator().manual_seed(0))
+        mask, new_tokens = torch.ones_like(ids), 40
+    else:
+        ids, mask = encode_prompts(tok, [x.text for x in load_prompts("chain", n=8, split="test")])
+        new_tokens = 48
+    torch.manual_seed(0)
+    scorer = export_scorer(Scorer(model.config.num_hidden_layers), tempfile.mkdtemp() + "/scorer",
+                           model=model.config.name_or_path, n_kv_heads=cached_kv_heads(model.config))
+    fast_mlp, step = Scorer._mlp, BudgetCache._step
+
+    def run(before: bool) -> tuple[float, float]:
+        """The cache's eviction milliseconds over the decode steps (from the first decode step's observer call, after
+        the prefill's compression, to the last): wall time (`BudgetCache.eviction_s`) and this thread's CPU time in
+        `BudgetCache._step` (where a stacked decode step's update, refresh and eviction run)."""
+        seen, cpu, depth = [], [0.0], [0]
+
+        def timed(self, *args):
+            depth[0] += 1  # a step whose layers cannot be stacked calls itself per layer: count the outer call once
+            t0 = time.thread_time()
+            try:
+                return step(self, *args)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    cpu[0] += time.thread_time() - t0
+
+        if before and not same:
+            learned.FeatureTracker = before_tracker
+            Scorer._mlp = lambda self, f, layer, consume=False: scorer_before(self, f, layer)
+        BudgetCache._step = timed
+        try:
+            generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=0.5,
+                     max_new_tokens=new_tokens, stop_at_eos=False, slack=16,
+                     policy_params={"scorer": str(scorer), "refresh": 8},
+                     observer=lambda cache: seen.append((cache.eviction_s, cpu[0])))
+        finally:
+            learned.FeatureTracker, Scorer._mlp, BudgetCache._step = FeatureTracker, fast_mlp, step
+        steps.append(len(seen) - 1)
+        return (seen[-1][0] - seen[0][0]) * 1e3, (seen[-1][1] - seen[0][1]) * 1e3
+
+    lengths = mask.sum(-1).tolist()
+    wall, cpu_ms, steps = [], [], []  # per round: (before, after)
+    for i in range(rounds):
+        if i % 2 == 0:  # the side that goes first alternates
+            a = run(True)
+            b = run(False)
+        else:
+            b = run(False)
+            a = run(True)
+        wall.append((a[0], b[0]))
+        cpu_ms.append((a[1], b[1]))
+        print(f"round {i}: eviction over {steps[-1]} decode steps before {a[0]:.0f} ms, after {b[0]:.0f} ms; CPU time "
+              f"before {a[1]:.0f} ms, after {b[1]:.0f} ms", flush=True)
+    for what, pairs in (("eviction", wall), ("eviction CPU time", cpu_ms)):
+        ratio = [b / a for a, b in pairs]
+        lo, hi = bootstrap_ci(ratio)
+        print(f"{'A/A control (both sides after): ' if same else ''}learned {what} over {steps[-1]} decode steps of SmolLM2, batch {len(lengths)}, prompts "
+              f"{min(lengths)}-{max(lengths)} tokens, {'no padding, ' if unpadded else ''}{new_tokens} new, budget 50%, "
+              f"refresh 8: before {statistics.median(a for a, _ in pairs):.0f} ms, after "
+              f"{statistics.median(b for _, b in pairs):.0f} ms, after / before {statistics.median(ratio):.2f} "
+              f"[{min(ratio):.2f}, {max(ratio):.2f}] over {rounds} rounds; mean {statistics.mean(ratio):.3f} "
+              f"[{lo:.3f}, {hi:.3f}] 95%")
+
+
 def refresh_inputs(g) -> tuple:
     """A learned refresh's inputs for one layer at `LONG`: the tracker's state mid-decode, a one-row attention, keys,
     values, positions; and the tracker and a random-init scorer."""
@@ -194,7 +292,24 @@ def refresh_cases(g) -> list:
             features.window_std = fast
 
     assert torch.equal(refresh(torch_std), refresh(fast))
-    return [(f"learned refresh of one layer {list(LONG[:3])}", lambda: refresh(torch_std), lambda: refresh(fast), 3)]
+    cached, cached_state = FeatureTracker(30, cache_norms=True), dict(state)
+    for name, x in zip(NORMS, (keys, values)):
+        cached_state[name] = x.norm(dim=-1)
+
+    def norms_before():
+        with torch.no_grad():
+            return scorer_before(scorer, tracker.features(attn, keys, values, pos, 3, 100, state), 3)
+
+    def norms_after():
+        for name in NORMS:
+            cached_state[name][..., -8:] = -1.0  # the tokens of the 7 stacked steps since the last refresh and this one
+        with torch.no_grad():
+            return scorer(cached.features(attn, keys, values, pos, 3, 100, cached_state), 3, consume=True)
+
+    assert torch.equal(norms_before(), norms_after())
+    return [(f"learned refresh of one layer {list(LONG[:3])}", lambda: refresh(torch_std), lambda: refresh(fast), 3),
+            (f"learned refresh of one layer {list(LONG[:3])}, norms cached, scorer in place", norms_before,
+             norms_after, 3)]
 
 
 def profile(g) -> None:
@@ -219,10 +334,23 @@ def profile(g) -> None:
         finally:
             features.window_std = window_std
 
+    cached, cached_state = FeatureTracker(30, cache_norms=True), dict(state)
+    for name, x in zip(NORMS, (k, v)):
+        cached_state[name] = x.norm(dim=-1)
+
+    def refresh_cached():
+        for name in NORMS:
+            cached_state[name][..., -8:] = -1.0  # as `refresh_cases`' "after"
+        with torch.no_grad():
+            f = cached.features(attn, k, v, pos, 3, 100, cached_state)
+            with torch.profiler.record_function("Scorer.forward"):
+                return scorer(f, 3, consume=True)
+
     window_std = features.window_std
     for name, fn in (("rkv redundancy, dense", lambda: redundancy_dense(keys, valid, 0.5)),
                      ("rkv redundancy, blockwise", lambda: rkv.redundancy(keys, valid, 0.5)),
-                     ("learned refresh, Tensor.std", refresh_before), ("learned refresh, window_std", refresh)):
+                     ("learned refresh, Tensor.std", refresh_before), ("learned refresh, window_std", refresh),
+                     ("learned refresh, norms cached, scorer in place", refresh_cached)):
         fn()
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(3):
@@ -246,6 +374,10 @@ def main() -> None:
         return
     if "--rkv-model" in args:
         run(model_keys_cases())
+        return
+    if "--refresh-model" in args:
+        rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 3
+        refresh_model_rounds(rounds, unpadded="--unpadded" in args, same="--same" in args)
         return
     if "--step" in args or "--rkv" in args or "--refresh" in args:
         run([*(step_cases(g) if "--step" in args else []), *(rkv_cases(g) if "--rkv" in args else []),

@@ -7,6 +7,13 @@ one row: it scans the row's positions once for the visible-token count and the c
 ``f.*`` state tensor of its slots in place (the window shifted row by row, so ``f.win [B, H, WINDOW, T]`` keeps
 its layout and the torch tracker can take over mid-run), and writes the slots' ``[F]`` features.
 
+The key and value norms: where the state holds them (`learnkv.features.NORMS`, a tracker with ``cache_norms``, as
+the learned policy's), the kernel reads each slot's cached norm (4 bytes) instead of its key and value (``2 D``
+elements: 512 bytes at D = 64 in fp32, ~5x the rest of what a slot costs the kernel: its ~25 state floats and G
+attention weights), and computes from the key and value only the new slot's (the last) and any still unknown (-1),
+writing them into the state; the loads of the other slots' keys and values are masked off. Without them in the
+state it computes every slot's norm, as before.
+
 The arithmetic follows the tracker op by op in fp32: the group mean is a sequential sum then one division, divisions
 and square roots are correctly rounded (``div_rn``, ``sqrt_rn``), the window std is Welford's (as torch's), so
 integer-valued state (counts, steps, intervals) is exact and the rest agrees to a few ulps. ``log1p`` is libdevice's
@@ -23,7 +30,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.nanmax import fmax
-from learnkv.features import FEATURES, SINKS, STATE, WINDOW
+from learnkv.features import FEATURES, NORMS, SINKS, STATE, WINDOW
 
 # the column order the kernel writes; checked against the feature list so a change there cannot go unnoticed
 _ORDER = (
@@ -64,11 +71,12 @@ def _sq_norm(base, slot, m, s_t, s_d, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.cons
 @triton.jit
 def _decode_features_kernel(
     attn_ptr, key_ptr, val_ptr, pos_ptr,
-    acc_ptr, sq_ptr, cnt_ptr, lh_ptr, nr_ptr, si_ptr, li_ptr, mi_ptr, win_ptr, out_ptr,
+    acc_ptr, sq_ptr, cnt_ptr, lh_ptr, nr_ptr, si_ptr, li_ptr, mi_ptr, win_ptr, kn_ptr, vn_ptr, out_ptr,
     H, T, G, DK, DV, w_first, g_f, n_win_f, step_f, layer_f,
     sa_b, sa_h, sa_g, sa_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_h, sp_t,
     ss_b, ss_h, ss_t, sw_b, sw_h, sw_w, sw_t, so_b, so_h, so_t, so_f,
     WIN: tl.constexpr, N_SINK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
+    CACHED_NORMS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     b = (row // H).to(tl.int64)
@@ -155,8 +163,20 @@ def _decode_features_kernel(
     mean = tl.math.div_rn(acc, cnt1)
     std = tl.sqrt_rn(fmax(tl.math.div_rn(acc_sq, cnt1) - mean * mean, 0.0))
     pos_f = pos.to(tl.float32)
-    k_norm = tl.sqrt_rn(_sq_norm(key_ptr + b * sk_b + h * sk_h, slot, m, sk_t, sk_d, DK, BLOCK_T, BLOCK_D))
-    v_norm = tl.sqrt_rn(_sq_norm(val_ptr + b * sv_b + h * sv_h, slot, m, sv_t, sv_d, DV, BLOCK_T, BLOCK_D))
+    if CACHED_NORMS:  # the cached norms; the new slot's (the last) and unknown ones (-1) from the key and value
+        k_norm = tl.load(kn_ptr + st, mask=m, other=0.0)
+        k_new = m & ((slot == T - 1) | (k_norm < 0.0))
+        k_calc = tl.sqrt_rn(_sq_norm(key_ptr + b * sk_b + h * sk_h, slot, k_new, sk_t, sk_d, DK, BLOCK_T, BLOCK_D))
+        k_norm = tl.where(k_new, k_calc, k_norm)
+        tl.store(kn_ptr + st, k_norm, mask=k_new)
+        v_norm = tl.load(vn_ptr + st, mask=m, other=0.0)
+        v_new = m & ((slot == T - 1) | (v_norm < 0.0))
+        v_calc = tl.sqrt_rn(_sq_norm(val_ptr + b * sv_b + h * sv_h, slot, v_new, sv_t, sv_d, DV, BLOCK_T, BLOCK_D))
+        v_norm = tl.where(v_new, v_calc, v_norm)
+        tl.store(vn_ptr + st, v_norm, mask=v_new)
+    else:
+        k_norm = tl.sqrt_rn(_sq_norm(key_ptr + b * sk_b + h * sk_h, slot, m, sk_t, sk_d, DK, BLOCK_T, BLOCK_D))
+        v_norm = tl.sqrt_rn(_sq_norm(val_ptr + b * sv_b + h * sv_h, slot, m, sv_t, sv_d, DV, BLOCK_T, BLOCK_D))
     valid = pos >= 0
     o_base = out_ptr + b * so_b + h * so_h + slot * so_t
     for f in tl.static_range(19):
@@ -218,7 +238,8 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
         The decode step, >= 1 (the prefill stays on the torch tracker).
     state : dict[str, Tensor]
         The tracker's ``f.*`` fp32 state, updated in place: ``[B, H, T]`` tensors sharing one layout, and
-        ``f.win [B, H, WINDOW, T]``.
+        ``f.win [B, H, WINDOW, T]``; with the cached norms (`learnkv.features.NORMS`, ``[B, H, T]`` in the same
+        layout) if the tracker keeps them (they are then read, and the new and unknown slots' written).
     block_t : int, optional
         Tuning (and tests): slots per program, a power of two.
 
@@ -246,7 +267,9 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
         raise ValueError(f"state lacks {missing}: the prefill (the torch tracker) creates it")
     first = state["f.acc"]
     layout = [s for s, n in zip(first.stride(), first.shape) if n > 1]  # a size-1 dim's stride is never used
-    for name in STATE:
+    cached = NORMS[0] in state
+    names = STATE + NORMS if cached else STATE
+    for name in names:
         t = state[name]
         shape = (B, H, WINDOW, T) if name == "f.win" else (B, H, T)
         same = name == "f.win" or [s for s, n in zip(t.stride(), t.shape) if n > 1] == layout
@@ -265,18 +288,19 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
     block_t = block_t or default_t
     positions = positions.long()
     layer_f = float(torch.tensor(layer / max(n_layers - 1, 1), dtype=torch.float32))  # torch.full's fp32 value
-    s = {n: state[n] for n in STATE}
+    s = {n: state[n] for n in names}
     n_win = min(WINDOW, step + 1)  # the window rows filled so far, as the tracker counts them
     grid = (B * H, triton.cdiv(T, block_t))
     _decode_features_kernel[grid](
         attn, keys, values, positions,
         s["f.acc"], s["f.acc_sq"], s["f.count"], s["f.last_high"], s["f.n_returns"], s["f.sum_interval"],
-        s["f.last_interval"], s["f.max_interval"], s["f.win"], out,
+        s["f.last_interval"], s["f.max_interval"], s["f.win"], s.get(NORMS[0], first), s.get(NORMS[1], first), out,
         H, T, attn.shape[2], keys.shape[-1], values.shape[-1],
         WINDOW - n_win, float(attn.shape[2]), float(n_win), float(step), layer_f,
         attn.stride(0), attn.stride(1), attn.stride(2), attn.stride(4), *keys.stride(), *values.stride(),
         *positions.stride(), *first.stride(), *s["f.win"].stride(), *out.stride(),
-        WIN=WINDOW, N_SINK=SINKS, BLOCK_T=block_t, BLOCK_D=block_d, LIBDEVICE=positions.is_cuda, num_warps=warps,
+        WIN=WINDOW, N_SINK=SINKS, BLOCK_T=block_t, BLOCK_D=block_d, LIBDEVICE=positions.is_cuda, CACHED_NORMS=cached,
+        num_warps=warps,
         **LAUNCH_OPTIONS,
     )  # fmt: skip
     return out

@@ -46,6 +46,11 @@ SINKS = 4
 #: the names of the tracker's per-token state tensors (what `FeatureTracker.update` keeps; the Triton kernel
 #: `kernels.features` updates the same ones)
 STATE = ("f.acc", "f.acc_sq", "f.count", "f.win", "f.last_high", "f.n_returns", "f.sum_interval", "f.last_interval", "f.max_interval")
+#: the per-token constants a tracker with ``cache_norms`` keeps besides `STATE`: each token's key and value norm,
+#: computed once, at the first read-out after the token entered the cache (a token's key and value never change);
+#: -1 marks a slot whose norm is not known yet (the update marks its new slots so; it is not shown the keys: the
+#: cache's stacked decode step has no one layer's keys)
+NORMS = ("f.key_norm", "f.value_norm")
 
 
 @dataclass
@@ -55,15 +60,27 @@ class FeatureTracker:
     ``update`` takes the step's unreduced attention (``attn [B, H, G, W, T]``, all of the step's query rows, from a
     policy with ``group_reduce = "none"``) and a state dict; ``features`` reads them out. Prefill seeds the
     accumulated statistics; recurrence statistics start at the first decode step (as LazyEviction's do).
+
+    With ``cache_norms`` the key and value norms are per-token state too (`NORMS`): ``update`` marks the new
+    tokens' norms unknown, and ``features`` reads them, computing the unknown ones first (`fill_norms`: once per
+    token, the newest few slots at a refresh), so the state is the same whether the cache runs the update layer by
+    layer or for every layer at once (tests/test_cache_layout.py). The cache moves them with the slots like any state (compaction,
+    padding, dead slots), so the features are bit for bit those computed from the keys at every refresh
+    (tests/test_refresh.py). Without it (trace recording, the serving runtime, which keeps its own norms) the state
+    is `STATE` only and ``features`` computes the norms from the keys it is given.
     """
 
     n_layers: int
+    cache_norms: bool = False
 
     def update(self, attn: Tensor, positions: Tensor, n_new: int, step: int, state: dict[str, Tensor]) -> None:
-        """Fold the step's attention ``attn [B, H, G, q, T]`` into ``state``.
+        """Fold the step's attention ``attn [B, H, G, q, T]`` into ``state`` (with ``cache_norms``, the new slots'
+        norms marked unknown: `NORMS`).
 
         A decode step (one new token, state already seeded) updates the state tensors in place, so a cache that
         preallocates them (`learnkv.cache.BudgetLayer`) never copies them; other steps rebind the entries."""
+        if self.cache_norms:
+            self._mark_new_norms(positions, n_new, state)
         if "f.acc" in state and n_new == 1:
             self._update_decode(attn, positions, step, state)
             return
@@ -94,6 +111,32 @@ class FeatureTracker:
         state["f.last_interval"] = torch.where(returns, gap, state["f.last_interval"])
         state["f.max_interval"] = torch.maximum(state["f.max_interval"], torch.where(high, gap, torch.zeros_like(gap)))
         state["f.last_high"] = torch.where(high, torch.full_like(last, float(step)), last)
+
+    @staticmethod
+    def _mark_new_norms(positions: Tensor, n_new: int, state: dict[str, Tensor]) -> None:
+        """`NORMS` of the new tokens (the last ``n_new`` slots, where the cache appends; every slot when the state
+        starts here) marked unknown (-1), in place."""
+        if "f.acc" not in state or NORMS[0] not in state:  # the state starts: every slot is new
+            for name in NORMS:
+                state[name] = torch.full(positions.shape, -1.0, dtype=torch.float32, device=positions.device)
+            return
+        for name in NORMS:
+            state[name][..., -n_new:] = -1.0
+
+    def fill_norms(self, keys: Tensor, values: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """The cached key and value norms ``[B, H, T]`` (`NORMS`), those still unknown computed from ``keys`` and
+        ``values`` and written into ``state`` in place (they are the newest slots: from the first column holding one
+        to the end)."""
+        out = []
+        for name, x in zip(NORMS, (keys, values)):
+            cached = state[name]
+            unknown = (cached < 0).flatten(0, -2).any(0)  # [T]
+            if bool(unknown.any()):
+                first = int(unknown.int().argmax())
+                tail = cached[..., first:]
+                tail.copy_(torch.where(tail < 0, token_norms(x[..., first:, :]), tail))
+            out.append(cached)
+        return out[0], out[1]
 
     @staticmethod
     def _update_decode(attn: Tensor, positions: Tensor, step: int, state: dict[str, Tensor]) -> None:
@@ -135,6 +178,10 @@ class FeatureTracker:
         n_win = min(WINDOW, step + 1)
         recent = win[:, :, -n_win:, :]
         n_ret = state["f.n_returns"]
+        if NORMS[0] in state:
+            key_norm, value_norm = self.fill_norms(keys, values, state)
+        else:
+            key_norm, value_norm = token_norms(keys), token_norms(values)
         rel = lambda x: torch.log1p(x * n)  # noqa: E731 - relative to uniform, compressed
         cols = {
             "attn": rel(last_row.mean(dim=2)),
@@ -150,8 +197,8 @@ class FeatureTracker:
             "mean_interval": torch.log1p(state["f.sum_interval"] / n_ret.clamp(min=1)),
             "last_interval": torch.log1p(state["f.last_interval"]),
             "max_interval": torch.log1p(state["f.max_interval"]),
-            "key_norm": keys.float().norm(dim=-1),
-            "value_norm": values.float().norm(dim=-1),
+            "key_norm": key_norm,
+            "value_norm": value_norm,
             "age": torch.log1p((current - positions).clamp(min=0).float()),
             "rel_pos": positions.float() / current,
             "is_sink": ((positions >= 0) & (positions < SINKS)).float(),
@@ -159,6 +206,11 @@ class FeatureTracker:
         }
         out = torch.stack([cols[name].float() for name in FEATURES], dim=-1)
         return out.masked_fill_(~(positions >= 0)[..., None], 0.0)
+
+
+def token_norms(x: Tensor) -> Tensor:
+    """``x [..., T, D]`` -> ``[..., T]``: each token's fp32 L2 norm (the ``key_norm`` and ``value_norm`` features)."""
+    return x.float().norm(dim=-1)
 
 
 def window_std(win: Tensor) -> Tensor:

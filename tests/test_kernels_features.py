@@ -15,7 +15,7 @@ import torch
 
 from kernel_checks import assert_close, assert_compiles_for_h100, assert_nan_parity, gen, poisoned
 from kernels import reference as ref
-from learnkv.features import FEATURES, STATE, WINDOW, FeatureTracker
+from learnkv.features import FEATURES, NORMS, STATE, WINDOW, FeatureTracker
 
 pytest.importorskip("triton")
 from kernels.features import decode_features  # noqa: E402
@@ -110,9 +110,16 @@ def check(expected_state, state, expected_feats, feats, where=""):
 def test_decode_features(request, B, H, G, T, D, step, dtype, layout, block_t):
     g = gen(request.node.callspec.id)
     attn, keys, values, pos, state = decode_inputs(g, B, H, G, T, D, step, dtype, layout)
+    expected, feats = run_case(attn, keys, values, pos, step, state, layout, block_t)
+    assert (expected[~(pos >= 0)] == 0).all() and (feats[~(pos >= 0).to(DEVICE)] == 0).all()
+
+
+def run_case(attn, keys, values, pos, step, state, layout, block_t):
+    """The kernel and the reference on one decode step (the kernel's state strided inside NaN buffers for the
+    "strided" layout, a NaN-poisoned output), checked against each other (`check`) and for writes outside the
+    state; returns the reference's and the kernel's features."""
     expected_state = {n: t.clone() for n, t in state.items()}
     expected = ref.decode_features_reference(attn, keys, values, pos, 1, N_LAYERS, step, expected_state)
-
     if layout == "strided":
         actual_state, buffers = nan_views(state)
     else:
@@ -121,10 +128,42 @@ def test_decode_features(request, B, H, G, T, D, step, dtype, layout, block_t):
     with poisoned():
         feats = decode_features(*tensors, 1, N_LAYERS, step, actual_state, block_t=block_t)
     check(expected_state, actual_state, expected, feats)
-    assert (expected[~(pos >= 0)] == 0).all() and (feats[~(pos >= 0).to(DEVICE)] == 0).all()
+    for name in NORMS if NORMS[0] in state else ():
+        assert (expected_state[name] >= 0).all()
+        assert_close(name, expected_state[name], actual_state[name], *FEATURE_TOL)
     for name, buf in buffers.items():
         edges = buf[:, :, 0] if name == "f.win" else buf[..., [0, -1]]
         assert edges.isnan().all(), f"{name}: a write outside the state tensor"
+    return expected, feats
+
+
+def with_norms(g, keys, values, state, unknown):
+    """``state`` with the tracker's cached norms (`learnkv.features.NORMS`): known slots hold 1.5x their key's and
+    value's norm (so a kernel that recomputes them instead of reading them fails), the new slot 0 (as the cache
+    appends it), and with ``unknown`` a suffix of three slots and a few others -1 (not computed yet)."""
+    state = dict(state)
+    for name, x in zip(NORMS, (keys, values)):
+        norm = x.float().norm(dim=-1) * 1.5
+        if unknown:
+            norm[..., -4:] = -1.0
+            norm[torch.rand(norm.shape, generator=g) < 0.2] = -1.0
+        norm[..., -1] = 0.0
+        state[name] = norm
+    return state
+
+
+@pytest.mark.parametrize("unknown", [False, True], ids=["known", "unknown"])
+@pytest.mark.parametrize("B, H, G, T, D, step, dtype, layout, block_t", CASES)
+def test_decode_features_reads_the_cached_norms(request, B, H, G, T, D, step, dtype, layout, block_t, unknown):
+    """With the norms in the state (the learned policy's tracker, ``cache_norms``) the kernel reads them, computes
+    the new slot's and the unknown ones from the keys and values, and writes those into the state, as the reference
+    does."""
+    g = gen(request.node.callspec.id)
+    attn, keys, values, pos, state = decode_inputs(g, B, H, G, T, D, step, dtype, layout)
+    state = with_norms(g, keys, values, state, unknown)
+    _, feats = run_case(attn, keys, values, pos, step, state, layout, block_t)
+    read = (state[NORMS[0]] > 0) & (pos >= 0)  # known, not the new slot: the 1.5x values reach the features
+    assert torch.equal(feats[..., FEATURES.index("key_norm")].cpu()[read], state[NORMS[0]][read])
 
 
 def test_decode_features_nan_parity():
@@ -152,9 +191,12 @@ def test_decode_features_nan_parity():
     assert {"attn_gmax", "acc_std", "win_max", "win_std", "max_interval"} <= nan_features, nan_features
 
 
-def test_paths_take_turns_over_a_decode():
+@pytest.mark.parametrize("cached", [False, True], ids=["norms-computed", "norms-cached"])
+def test_paths_take_turns_over_a_decode(cached):
     """Prefill with the tracker, then decode steps alternating kernel and reference on one growing state, against
-    the tracker alone: either path can take over mid-run (same state layout), past the window filling up."""
+    the tracker alone: either path can take over mid-run (same state layout), past the window filling up. With
+    ``cached``, the tracker taking turns keeps the norms as state (the keys then persist from step to step, as a
+    cache's do) and the features are those of the tracker that computes them."""
     g = gen("turns")
     B, H, G, T0, D = 2, 2, 4, 6, 4
     pos = torch.arange(T0).expand(B, H, T0).clone()
@@ -162,7 +204,9 @@ def test_paths_take_turns_over_a_decode():
     attn = torch.rand(B, H, G, T0, T0, generator=g).softmax(-1)
     mine, theirs = {}, {}
     tracker = FeatureTracker(N_LAYERS)
-    tracker.update(attn, pos, T0, 0, mine)
+    g_kv = gen("turns-prefill-kv")  # not from g: the attention drawn below stays the case it was
+    keys, values = torch.randn(B, H, T0, D, generator=g_kv), torch.randn(B, H, T0, D, generator=g_kv)
+    FeatureTracker(N_LAYERS, cache_norms=cached).update(attn, pos, T0, 0, mine)
     tracker.update(attn, pos, T0, 0, theirs)
     for step in range(1, WINDOW + 3):
         pos = torch.cat([pos, torch.full((B, H, 1), T0 + step - 1)], dim=-1)
@@ -172,7 +216,11 @@ def test_paths_take_turns_over_a_decode():
                 st[n] = torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], dim=-1)
         attn = torch.rand(B, H, G, 1, T, generator=g) ** 4  # peaked: some tokens go high, come back
         attn = attn / attn.sum(-1, keepdim=True)
-        keys, values = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+        new_keys, new_values = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+        if cached:  # the cached tokens' keys and values stay; the new one's is appended
+            keys, values = torch.cat([keys, new_keys[..., -1:, :]], -2), torch.cat([values, new_values[..., -1:, :]], -2)
+        else:
+            keys, values = new_keys, new_values
         tracker.update(attn, pos, 1, step, theirs)
         expected = tracker.features(attn, keys, values, pos, 2, step, theirs)
         if step % 2:
@@ -183,6 +231,7 @@ def test_paths_take_turns_over_a_decode():
             feats = ref.decode_features_reference(attn, keys, values, pos, 2, N_LAYERS, step, mine)
         check(theirs, mine, expected, feats, where=f"step {step}: ")
     assert theirs["f.n_returns"].sum() > 0, "no token ever came back: the recurrence went untested"
+    assert (NORMS[0] in mine) == cached
 
 
 def test_decode_features_rejects_bad_arguments():
@@ -207,9 +256,10 @@ COMPILE = """
 from kernels import features
 
 fn = features._decode_features_kernel
-consts = dict(WIN=16, N_SINK=4, BLOCK_T=features.CUDA_BLOCK_T, BLOCK_D=features.CUDA_BLOCK_D, LIBDEVICE=True)
 floats = ("g_f", "n_win_f", "step_f", "layer_f")
-for kv in ("*fp32", "*bf16"):
+for kv, cached in (("*fp32", False), ("*bf16", False), ("*fp32", True), ("*bf16", True)):
+    consts = dict(WIN=16, N_SINK=4, BLOCK_T=features.CUDA_BLOCK_T, BLOCK_D=features.CUDA_BLOCK_D, LIBDEVICE=True,
+                  CACHED_NORMS=cached)
     types = {n: "fp32" if n in floats else "*fp32" for n in fn.arg_names if n in floats or n.endswith("_ptr")}
     types.update(key_ptr=kv, val_ptr=kv, pos_ptr="*i64")
     build(fn, consts, features.CUDA_WARPS, nan=True, options=features.LAUNCH_OPTIONS, **types)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 import kernels
-from learnkv.features import FeatureTracker
+from learnkv.features import NORMS, FeatureTracker
 from learnkv.fields import setting
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import POOLING
@@ -50,7 +50,8 @@ class Learned(Policy):
     finiteness, and the KV-head count and layer index of what it is shown, on first use.
 
     Decode-time cost and schedule: the feature tracker folds every step's attention into its state (in place, a
-    few tensor ops per layer). The features and the scorer run only every ``refresh`` steps; their scores are kept
+    few tensor ops per layer); each token's key and value norms are state too, computed once, at the first refresh
+    that sees the token (`FeatureTracker`, ``cache_norms``). The features and the scorer run only every ``refresh`` steps; their scores are kept
     as per-token state (compacted with the cache), and every step that overflows evicts by the latest scores, so
     the cache stays at its full budget. Tokens that arrived since the last refresh have no score yet and are kept.
     This is not the lagged schedule (``interval > 1``, as LazyEviction's and R-KV's: evict every ``interval``
@@ -133,7 +134,8 @@ class Learned(Policy):
     def _loaded(self, view: LayerView) -> Decoding:
         if self.decoding is None:
             model, manifest = load_scorer(self.scorer, expect_kv_heads=view.positions.shape[1])
-            self.decoding = Decoding(model, FeatureTracker(manifest["n_layers"]))
+            # the key and value norms computed once per token, at its first read-out (`FeatureTracker`)
+            self.decoding = Decoding(model, FeatureTracker(manifest["n_layers"], cache_norms=True))
         if view.layer >= self.decoding.scorer.n_layers:
             raise ValueError(f"scorer {self.scorer!r} has {self.decoding.scorer.n_layers} layers; the model has more")
         return self.decoding
@@ -171,7 +173,8 @@ class Learned(Policy):
         if feats is None:
             feats = self._features(tracker, view, _due_rows(view) if due_rows_only else None)
         model = model.to(feats.device)
-        return model(feats, view.layer, view.values if model.content_dim else None)
+        # the features are this call's own (a fresh read-out or the fused launch's output): standardised in place
+        return model(feats, view.layer, view.values if model.content_dim else None, consume=True)
 
     @staticmethod
     def _features(tracker, view: LayerView, due: list[int] | None) -> Tensor:
@@ -179,6 +182,8 @@ class Learned(Policy):
         they keep every live token whatever their scores). The features are computed within a row, so a row's are
         the same in any batch; the scorer then runs on the whole ``[B, H, T, F]`` tensor, so each row's scores are
         bit for bit those of scoring every row (a matmul's rounding can depend on its row count)."""
+        if due is not None and NORMS[0] in view.state:
+            tracker.fill_norms(view.keys, view.values, view.state)  # into the cache's state, not a copy of its rows
         v = view if due is None else view.select_rows(due)
         feats = tracker.features(v.attn, v.keys, v.values, v.positions, v.layer, v.step, v.state)
         if due is None:

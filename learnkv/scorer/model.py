@@ -70,14 +70,16 @@ class Scorer(nn.Module):
         self.std.copy_(std.clamp(min=1e-6))
 
     def forward(self, features: Tensor, layer: int | Tensor, values: Tensor | None = None,
-                content: Tensor | None = None) -> Tensor:
+                content: Tensor | None = None, consume: bool = False) -> Tensor:
         """``features [..., F]`` of tokens of ``layer`` (an int, or a LongTensor broadcastable to ``[...]``) -> ``[...]``.
 
         A scorer with content features also needs ``values [B, H, T, D]`` (features then ``[B, H, T, F]``; ``layer``
         an int, or ``[B, 1, 1]`` in training), or their `content_term` computed earlier (``content [B, H, T]``:
         a token's value never changes, so the serving runtime computes it once, when the token is written). A
-        scorer with a head bias needs features ``[..., H, T, F]`` too."""
-        score = self._mlp(features, layer)
+        scorer with a head bias needs features ``[..., H, T, F]`` too. With ``consume`` (a caller that owns
+        ``features`` and reads them no more: the learned policy's fresh read-out) an fp32 ``features`` is
+        standardised in place at inference: the same scores, bit for bit, without a second ``[..., F]`` tensor."""
+        score = self._mlp(features, layer, consume)
         if self.head_bias:
             bias = self.bh[layer] if isinstance(layer, int) else self.bh[layer.reshape(-1)][:, :, None]
             score = score + (bias[:, None] if isinstance(layer, int) else bias)
@@ -96,11 +98,20 @@ class Scorer(nn.Module):
             return torch.einsum("...htd,hd->...ht", values.float(), self.wc[layer])
         return torch.einsum("nhtd,nhd->nht", values.float(), self.wc[layer.reshape(-1)])
 
-    def _mlp(self, features: Tensor, layer: int | Tensor) -> Tensor:
+    def _mlp(self, features: Tensor, layer: int | Tensor, consume: bool = False) -> Tensor:
         if isinstance(layer, int) and not torch.is_grad_enabled() and kernels.use_triton(features):
             # inference on the kernel path (the learned policy on GPU): one fused launch; the kernel has no backward
             w = (self.mean, self.std, self.w1[layer], self.b1[layer], self.w2[layer], self.b2[layer])
             return kernels.scorer_mlp(features.reshape(-1, features.shape[-1]), *w).view(features.shape[:-1])
+        if isinstance(layer, int) and not torch.is_grad_enabled():
+            # inference: the ops below, element for element, in place where they would allocate (the standardised
+            # copy of the features, the hidden layer's temporaries; bench/RESULTS.md). Folding the standardisation
+            # into w1 would save its pass too, but rounds otherwise (scores ~2e-6 apart at 1.5k slots x 24 rows, not
+            # bit for bit), so it is not done.
+            own = consume and features.dtype == torch.float32
+            x = (features.sub_(self.mean) if own else features.float() - self.mean).div_(self.std)
+            h = torch.matmul(x, self.w1[layer]).add_(self.b1[layer]).relu_()
+            return h @ self.w2[layer] + self.b2[layer]
         x = (features.float() - self.mean) / self.std
         if isinstance(layer, int):
             h = torch.relu(x @ self.w1[layer] + self.b1[layer])

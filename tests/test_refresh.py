@@ -1,0 +1,256 @@
+"""The learned policy's refresh with the key and value norms as per-token state (`FeatureTracker` with
+``cache_norms``, issue 43 item 2): the same features, scores and kept slots as computing the norms from the keys at
+every refresh (the code before), bit for bit.
+
+The tracker's cached norms are computed once per token (the prefill, each decode step's new token; on the cache's
+stacked decode steps, which do not show the policy one layer's keys, at the next refresh) and moved by the cache
+with the slots like any state. `test_cached_norms_follow_the_slots` checks, after every step of padded batch-2
+decodes (compaction and marking dead with slack, refresh 1 with its due rows, a prefill policy whose state is
+dropped, one and several refreshes between evictions, lagged schedules that run layer by layer, sliding-window
+layers dropping tokens by age), that every live slot's cached norm is its key's and value's norm;
+`test_cached_norms_in_a_padded_batch`, on a batch padded as the benchmark's chain prompts are, that each is
+computed once (no padding or filler slot is left unknown, to be recomputed at every refresh).
+"""
+
+import pytest
+import torch
+
+from conftest import params_for, random_ids
+from learnkv import generate
+from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker, token_norms
+from learnkv.policies import learned
+from learnkv.scorer.model import Scorer
+
+DECODES = [  # slack, refresh, prefill policy, interval (2, 3: lagged, so the cache runs layer by layer; else one
+    # stacked update for every layer)
+    pytest.param(0, 8, None, 1, id="slack0-refresh8"),
+    pytest.param(4, 8, None, 1, id="slack4-refresh8"),
+    pytest.param(0, 1, None, 1, id="slack0-refresh1"),
+    pytest.param(3, 1, None, 1, id="slack3-refresh1"),
+    pytest.param(4, 3, "snapkv", 1, id="slack4-refresh3-prefill-snapkv"),
+    pytest.param(0, 1, None, 2, id="slack0-refresh1-interval2"),
+    pytest.param(3, 4, None, 3, id="slack3-refresh4-interval3"),
+]
+
+
+def before_tracker(n_layers, cache_norms=False):
+    """The tracker as the learned policy built it before the norms were cached."""
+    return FeatureTracker(n_layers)
+
+
+def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_norms=False, vocab=256, budget=24,
+           pads=(0, 7)):
+    """Every layer's slot positions after every step of a left-padded decode (one row per entry of ``pads``, its
+    left padding), and every feature tensor the policy computed (in order)."""
+    if not cached:
+        monkeypatch.setattr(learned, "FeatureTracker", before_tracker)
+    feats, slots, checked = [], [], []
+    real = FeatureTracker.features
+
+    def record(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        feats.append(out.clone())
+        return out
+
+    def observe(cache):
+        slots.append([layer.positions.clone() for layer in cache.layers])
+        if not check_norms:
+            return
+        for layer in cache.layers:
+            if NORMS[0] not in layer.state:
+                continue
+            live = layer.positions >= 0
+            for name, x in zip(NORMS, (layer.keys, layer.values)):
+                cached_norm, exact = layer.state[name], x.float().norm(dim=-1)
+                known = live & (cached_norm >= 0)
+                assert torch.equal(cached_norm[known], exact[known]), f"step {cache.step}: {name} left its slot"
+                checked.append(int(known.sum()))
+
+    monkeypatch.setattr(FeatureTracker, "features", record)
+    ids = torch.cat([random_ids(40, seed=21 + i, vocab=vocab) for i in range(len(pads))])
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=budget, max_new_tokens=40, slack=slack,
+             stop_at_eos=False, policy_params={**params_for("learned", 2), "refresh": refresh, "interval": interval},
+             observer=observe, **({"prefill_policy": prefill} if prefill else {}))
+    monkeypatch.undo()
+    if check_norms:
+        assert sum(checked) > 0
+    return slots, feats
+
+
+@pytest.mark.parametrize("slack, refresh, prefill, interval", DECODES)
+def test_cached_norms_keep_the_same_features_and_slots(tiny, monkeypatch, slack, refresh, prefill, interval):
+    slots, feats = decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=True)
+    slots_before, feats_before = decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=False)
+    assert len(slots) == len(slots_before) == 40
+    assert all(torch.equal(a, b) for step_a, step_b in zip(slots, slots_before) for a, b in zip(step_a, step_b))
+    assert len(feats) == len(feats_before) > 0
+    for i, (a, b) in enumerate(zip(feats, feats_before)):
+        assert torch.equal(a, b), f"features call {i} differs"
+    assert any(layer.shape[-1] < 80 for layer in slots[-1])  # it did evict
+
+
+@pytest.mark.parametrize("slack, refresh, prefill, interval", DECODES)
+def test_cached_norms_follow_the_slots(tiny, monkeypatch, slack, refresh, prefill, interval):
+    decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=True, check_norms=True)
+
+
+#: a batch like the benchmark's chain prompts (`bench/scoring_ab.py --refresh-model`): every row padded differently,
+#: one row shorter than the budget at the prefill (it evicts later)
+PADS = (0, 7, 19, 3)
+
+
+@pytest.mark.parametrize("slack, refresh", [(16, 8), (0, 8), (3, 1)])
+def test_cached_norms_in_a_padded_batch(tiny, monkeypatch, slack, refresh):
+    """Rows padded by 0 to 19 slots: the same features and kept slots as the code before, and the norms computed
+    once per token: the prefill's every slot, then at each refresh only the slots appended since the last one (at
+    most ``refresh`` columns per layer), never a padding slot again (a padding or filler slot left unknown would
+    make every refresh recompute from the front)."""
+    widths = []
+
+    def counted(x):
+        widths.append(x.shape[-2])
+        return token_norms(x)
+
+    monkeypatch.setattr("learnkv.features.token_norms", counted)  # until `decode` undoes its patches: this decode
+    slots, feats = decode(tiny, monkeypatch, slack, refresh, None, 1, cached=True, check_norms=True, pads=PADS)
+    slots_before, feats_before = decode(tiny, monkeypatch, slack, refresh, None, 1, cached=False, pads=PADS)
+    assert all(torch.equal(a, b) for step_a, step_b in zip(slots, slots_before) for a, b in zip(step_a, step_b))
+    assert len(feats) == len(feats_before) > 0
+    assert all(torch.equal(a, b) for a, b in zip(feats, feats_before))
+    n_layers = tiny.config.num_hidden_layers
+    assert widths[: 2 * n_layers] == [40] * (2 * n_layers)  # the prefill: every slot of every layer, keys and values
+    assert widths[2 * n_layers :] and max(widths[2 * n_layers :]) <= refresh
+    assert any(layer.shape[-1] < 80 for layer in slots[-1])  # it did evict
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "gemma3-text"])
+@pytest.mark.parametrize("slack, refresh, interval", [(0, 8, 1), (4, 3, 2)])
+def test_cached_norms_through_sliding_window_drops(monkeypatch, family, slack, refresh, interval):
+    """Sliding-window layers (every layer, or every other: gemma3's) drop the tokens their next query cannot see
+    (`BudgetCache._drop_by_age`, the budget above the window): the cached norms follow the slots there too, and the
+    features and kept slots are those of the code before."""
+    from architectures import FAMILIES, VOCAB  # the tiny sliding-window decoders of the architecture matrix
+
+    model = FAMILIES[family].build("eager")
+    kw = dict(vocab=VOCAB, budget=30)
+    slots, feats = decode(model, monkeypatch, slack, refresh, None, interval, cached=True, check_norms=True, **kw)
+    slots_before, feats_before = decode(model, monkeypatch, slack, refresh, None, interval, cached=False, **kw)
+    assert all(torch.equal(a, b) for step_a, step_b in zip(slots, slots_before) for a, b in zip(step_a, step_b))
+    assert len(feats) == len(feats_before) > 0
+    assert all(torch.equal(a, b) for a, b in zip(feats, feats_before))
+    assert min(layer.shape[-1] for layer in slots[-1]) < 30  # a window dropped tokens
+
+
+def tracker_case(g, B, H, G, T, D, pad, dtype):
+    pos = torch.arange(T).expand(B, H, T).clone()
+    pos[0, :, :pad] = -1
+    attn = torch.rand(B, H, G, T, T, generator=g).softmax(-1) * (pos >= 0)[:, :, None, None]
+    keys = torch.randn(B, H, T, D, generator=g).to(dtype)
+    values = torch.randn(B, H, T, D, generator=g).to(dtype)
+    return pos, attn, keys, values
+
+
+@pytest.mark.parametrize("B, H, G, T, D", [(1, 1, 1, 2, 4), (2, 3, 3, 17, 8), (3, 2, 2, 40, 64), (8, 3, 3, 130, 64)])
+@pytest.mark.parametrize("pad", [0, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("read", ["every", "alternate", "last"])
+def test_tracker_features_equal_the_recomputed_norms(B, H, G, T, D, pad, dtype, read):
+    """A prefill of ``T - 6`` tokens, then six decode steps, features read out after the prefill and every step,
+    every other step or the last only (the unknown norms then span 1 to 7 slots), some slots dead (position -1, as
+    slack leaves them): bit for bit the features of a tracker that computes the norms from the keys, and the same
+    state."""
+    g = torch.Generator().manual_seed(B * 1000 + T + D + pad)
+    pad = min(pad, T - 1)
+    pos, attn, keys, values = tracker_case(g, B, H, G, T, D, pad, dtype)
+    T0 = max(T - 6, 1)
+    mine, theirs = {}, {}
+    cached, plain = FeatureTracker(2, cache_norms=True), FeatureTracker(2)
+    cached.update(attn[..., :T0, :T0], pos[..., :T0], T0, 0, mine)
+    plain.update(attn[..., :T0, :T0], pos[..., :T0], T0, 0, theirs)
+    if read != "last":
+        args = attn[..., :T0, :T0], keys[..., :T0, :], values[..., :T0, :], pos[..., :T0], 1, 0
+        assert torch.equal(cached.features(*args, mine), plain.features(*args, theirs))
+    for t in range(T0, T):
+        for st in (mine, theirs):
+            for n, x in st.items():  # the cache appends zero state for the new slot
+                st[n] = torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)
+        p, a = pos[..., : t + 1].clone(), attn[..., t : t + 1, : t + 1]
+        if t % 3 == 1:
+            p[:, :, pad : pad + 1] = -1  # a slot marked dead
+        k, v = keys[..., : t + 1, :], values[..., : t + 1, :]
+        step = t - T0 + 1
+        cached.update(a, p, 1, step, mine)
+        plain.update(a, p, 1, step, theirs)
+        if read == "every" or (read == "alternate" and t % 2 == 0) or t == T - 1:
+            assert torch.equal(cached.features(a, k, v, p, 1, step, mine), plain.features(a, k, v, p, 1, step, theirs))
+    assert set(mine) == set(STATE) | set(NORMS) and set(theirs) == set(STATE)
+    for n in STATE:
+        assert torch.equal(mine[n], theirs[n]), n
+    assert torch.equal(mine["f.key_norm"], keys.float().norm(dim=-1))
+
+
+def test_unknown_norms_are_filled_where_they_are():
+    """`FeatureTracker.fill_norms` computes the unknown (-1) norms wherever they are (not only a common suffix), in
+    place, and leaves the known ones."""
+    g = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(2, 2, 9, 4, generator=g), torch.randn(2, 2, 9, 4, generator=g)
+    state = {NORMS[0]: keys.norm(dim=-1), NORMS[1]: torch.full((2, 2, 9), 7.0)}
+    state[NORMS[0]][0, 1, 3] = -1.0
+    state[NORMS[0]][1, 0, 7:] = -1.0
+    key_norm, value_norm = FeatureTracker(2, cache_norms=True).fill_norms(keys, values, state)
+    assert key_norm is state[NORMS[0]] and torch.equal(key_norm, keys.norm(dim=-1))
+    assert torch.equal(value_norm, torch.full((2, 2, 9), 7.0))
+
+
+def test_a_tracker_without_cache_norms_keeps_its_state():
+    """Trace recording and the serving runtime use the tracker without ``cache_norms``: its state is `STATE` only."""
+    g = torch.Generator().manual_seed(4)
+    pos, attn, keys, values = tracker_case(g, 1, 2, 2, 6, 4, 0, torch.float32)
+    state = {}
+    FeatureTracker(2).update(attn, pos, 6, 0, state)
+    assert set(state) == set(STATE) and state["f.win"].shape[2] == WINDOW
+    FeatureTracker(2, cache_norms=True).update(attn, pos, 6, 0, state)
+    assert set(state) == set(STATE) | set(NORMS) and (state[NORMS[0]] == -1).all()
+
+
+def scorer_before(scorer, features, layer):
+    """`Scorer.forward`'s MLP with an int layer and no content gate or head bias before issue 43's in-place
+    inference path (bench/scoring_ab.py --refresh times it against the new one)."""
+    x = (features.float() - scorer.mean) / scorer.std
+    h = torch.relu(x @ scorer.w1[layer] + scorer.b1[layer])
+    return h @ scorer.w2[layer] + scorer.b2[layer]
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 3, 41), (8, 3, 1500)])
+@pytest.mark.parametrize("content", [False, True])
+def test_scorer_inference_path_keeps_the_scores(shape, content):
+    """`Scorer.forward` at inference (int layer, no grad), standardising in place (``consume``) or not, gives bit
+    for bit the scores of the ops it replaced (training's path: standardise, matmul, add, relu), with non-trivial
+    standardisation statistics and biases; ``consume`` overwrites only its own fp32 input."""
+    torch.manual_seed(len(shape) + shape[-1])
+    scorer = Scorer(n_layers=3, content_dim=4 if content else 0, n_heads=shape[1])
+    with torch.no_grad():
+        scorer.b1.normal_(0, 0.3)
+        scorer.b2.normal_(0, 0.3)
+        scorer.set_normalization(torch.rand(19) * 3, torch.rand(19) * 2 + 0.05)
+        if content:
+            scorer.wc.normal_()
+    feats = torch.rand(*shape, 19) * 4
+    values = torch.randn(*shape, 4)
+    for layer in range(3):
+        x = (feats - scorer.mean) / scorer.std
+        expected = scorer_before(scorer, feats, layer)
+        if content:
+            expected = expected + scorer.content_term(values, layer)
+        expected = expected.detach()
+        with torch.no_grad():
+            assert torch.equal(scorer(feats, layer, values if content else None), expected)
+            mine = feats.clone()
+            assert torch.equal(scorer(mine, layer, values if content else None, consume=True), expected)
+            assert torch.equal(mine, x)  # standardised in place
+            half = feats.bfloat16()
+            scorer(half, layer, values if content else None, consume=True)
+            assert torch.equal(half, feats.bfloat16())  # not fp32: not its own to overwrite
