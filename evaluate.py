@@ -30,7 +30,9 @@ A killed run resumes: rerun the same command and the (policy, budget) runs of ea
 (kept in DIR/partial.jsonl until results.json is written) are not decoded again. The same command with
 --finished-only, while the run goes on or after it was killed, writes the tables of the batches it has finished so
 far into DIR/finished/, budget by budget (a budget counts every batch finished at it; each record says how many
-prompts).
+prompts). One grid on several cores or machines: run the same command with --shard 1/N, ..., --shard N/N at once
+(each decodes every N-th batch into DIR/shard-K-of-N/, skipping what the others finished), then once more without
+--shard to read them all back and write the results.
 """
 
 from __future__ import annotations
@@ -114,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode nothing: the tables of the batches of prompts that a running or killed evaluation of "
                         "this grid into --output has finished so far, per budget, written into OUTPUT/finished/ "
                         "(n stated)")
+    p.add_argument("--shard", default=None, metavar="K/N",
+                   help="decode only every N-th batch of prompts, from the K-th, into OUTPUT/shard-K-of-N/, as one of "
+                        "N processes (cores or machines sharing OUTPUT) decoding one grid; the same command without "
+                        "--shard then reads every shard's runs back and writes the results")
     return p
 
 
@@ -164,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from learnkv.eval.checkpoint import PARTIAL, kept_runs
 
     interrupt = Interruptible()
+    kept_in = args.output  # where this run's finished runs are kept (a shard's own directory)
     try:
         from learnkv.eval import evaluate, write_results
         from learnkv.eval.checkpoint import finish
@@ -175,13 +182,20 @@ def main(argv: list[str] | None = None) -> int:
         from learnkv.atomic import dir_lock, ensure_dir
         from learnkv.eval.report import prepare_output
 
+        from learnkv.eval.checkpoint import parse_shard, peer_dirs, shard_dir
+
+        shard = parse_shard(args.shard) if args.shard is not None else None
+        if shard and args.finished_only:
+            raise ValueError("--shard decodes and --finished-only decodes nothing: give one of them")
         out = Path(args.output) / "finished" if args.finished_only else args.output
-        if args.finished_only and not (Path(args.output) / PARTIAL).is_file():
+        if shard:
+            out = kept_in = shard_dir(args.output, shard)
+        if args.finished_only and not any((d / PARTIAL).is_file() for d in [Path(args.output), *peer_dirs(args.output)]):
             raise ValueError(f"{args.output} holds no running or killed evaluation ({PARTIAL}) to report on")
         # one run at a time writes a directory: a second one would take the first one's partial file for another
         # grid's and move it aside (--finished-only only reads it, and writes finished/, which it locks)
         with interrupt, dir_lock(ensure_dir(out, "output directory"), "output directory"):
-            note = prepare_output(out)  # before any decode: a bad --output must not cost a finished run
+            note = None if shard else prepare_output(out)  # before any decode: a bad --output must not cost a finished run
             if note:
                 print(f"note: {note}", file=sys.stderr)
             # -------------------------------------------------------------- everything valid: load and run
@@ -195,7 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer = load_model(args.model or DEFAULT_MODEL, device=device)
             records = evaluate(model, tokenizer, spec, progress=not args.no_progress and not args.finished_only,
                                model_name=args.model or DEFAULT_MODEL, resume_dir=args.output,
-                               finished_only=args.finished_only)
+                               finished_only=args.finished_only, shard=shard)
+            if shard:  # the results are written by the run without --shard, once every shard is done
+                left = f"batches {', '.join(map(str, records))} are left to the other shards" if records else \
+                    "every other batch is finished too"
+                print(f"shard {args.shard}: its batches are finished (runs in {out}); {left}. The same command "
+                      f"without --shard reads every shard back and writes the results (--finished-only: the "
+                      f"tables so far).", file=sys.stderr)
+                return 0
             pairs = paired(records, spec.compare, seed=args.seed) if spec.compare else []
             paths = write_results(records, out, pairs, headline={t.name: t.headline for t in spec.tasks})
             if not args.finished_only:
@@ -204,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: every finished run is in the partial file already
-        print(f"\n{interrupt.how}: {kept_runs(args.output)}. Rerun the same command to resume.", file=sys.stderr)
+        print(f"\n{interrupt.how}: {kept_runs(kept_in)}. Rerun the same command to resume.", file=sys.stderr)
         return interrupt.code
     except OSError as e:  # a full disk, say: what failed, and what the partial file still holds
-        print(f"error: {e.strerror or e}: {e.filename or args.output}; {kept_runs(args.output)}. Rerun the same "
+        print(f"error: {e.strerror or e}: {e.filename or args.output}; {kept_runs(kept_in)}. Rerun the same "
               "command to resume once that is fixed.", file=sys.stderr)
         return 1
     print(paths["table"].read_text())

@@ -558,6 +558,18 @@ def test_a_killed_evaluation_resumes_at_its_last_finished_batch(tiny, tmp_path, 
     assert [p.name for p in tmp_path.glob("earlier-*/*")] == [PARTIAL]
 
 
+def count_decodes(spec, decoded: list, references: list, monkeypatch):
+    """``spec`` with its task's decodes recorded: (prompt id, policy) of every policy decode into ``decoded``, the
+    prompt ids of every full-cache reference decoded into ``references``."""
+    task = spec.tasks[0]
+    real_run, real_reference = task.run_batch, task.reference_batch
+    monkeypatch.setattr(task, "run_batch", lambda m, t, batch, refs, cfg: (
+        decoded.extend((s.id, cfg.policy) for s in batch), real_run(m, t, batch, refs, cfg))[1])
+    monkeypatch.setattr(task, "reference_batch", lambda m, t, batch: (
+        references.extend(s.id for s in batch), real_reference(m, t, batch))[1])
+    return spec
+
+
 def test_a_grid_given_more_policies_resumes_and_reads_small_references_back(tiny, tmp_path, monkeypatch):
     """The same grid with more policies keeps what was finished and decodes only the new policies' runs, against
     the full-cache references it kept (small ones, as an accuracy grid's free runs); the results equal one run of
@@ -571,13 +583,7 @@ def test_a_grid_given_more_policies_resumes_and_reads_small_references_back(tiny
     evaluate(tiny, None, spec("full,h2o"), samples=items, resume_dir=out)  # killed before its results: keep its file
     assert len(list(out.glob("reference-*.safetensors"))) == 2  # both batches' references, small: kept
     decoded, references = [], []
-    bigger = spec("tova,full,h2o")
-    task = bigger.tasks[0]
-    real_run, real_reference = task.run_batch, task.reference_batch
-    monkeypatch.setattr(task, "run_batch", lambda m, t, batch, refs, cfg: (
-        decoded.extend((s.id, cfg.policy) for s in batch), real_run(m, t, batch, refs, cfg))[1])
-    monkeypatch.setattr(task, "reference_batch", lambda m, t, batch: (
-        references.extend(s.id for s in batch), real_reference(m, t, batch))[1])
+    bigger = count_decodes(spec("tova,full,h2o"), decoded, references, monkeypatch)
     resumed = evaluate(tiny, None, bigger, samples=items, resume_dir=out)
     assert references == [] and sorted(decoded) == sorted((f"ids/{i}", "tova") for i in range(4) for _ in range(2))
     head = json.loads((out / PARTIAL).read_text().splitlines()[0])
@@ -586,6 +592,56 @@ def test_a_grid_given_more_policies_resumes_and_reads_small_references_back(tiny
     assert _strip_timing(resumed) == _strip_timing(whole)
     checkpoint.finish(out)
     assert not list(out.glob("reference-*")) and not (out / PARTIAL).exists()  # results written: nothing kept
+
+
+def test_shards_decode_one_grid_together_and_the_main_run_reads_them_back(tiny, tmp_path, monkeypatch, capsys):
+    """Shards 1/2 and 2/2 decode alternate batches into their own directories; shard 2/2 started after shard 1/2
+    finished decodes only its own, and shard 1/2 run again decodes nothing; the run without a shard decodes nothing,
+    reads both back (its results equal one uninterrupted run's, timings aside) and removes the shards' directories.
+    A shard reads a reference the main directory stored instead of decoding the full cache again."""
+    from learnkv.eval import checkpoint
+    from learnkv.eval.checkpoint import PARTIAL
+
+    items = samples(n=5, length=24)  # three batches of 2, 2, 1 prompts
+    spec = lambda: build_spec("full,h2o", "0.8,28", "fidelity", max_new_tokens=8, batch_size=2)  # noqa
+    whole = evaluate(tiny, None, spec(), samples=items)
+    decoded, references = [], []
+
+    def counted():
+        return count_decodes(spec(), decoded, references, monkeypatch)
+
+    out = tmp_path / "out"
+    left = evaluate(tiny, None, counted(), samples=items, resume_dir=out, shard=(1, 2))
+    assert left == [2]  # batch 2 (ids/2, ids/3) is the other shard's
+    assert sorted({i for i, _ in decoded}) == ["ids/0", "ids/1", "ids/4"] and not (out / PARTIAL).exists()
+    assert (out / "shard-1-of-2" / PARTIAL).is_file()
+    # the main directory holds a reference of batch 2, as a killed unsharded run leaves it: shard 2/2 reads it
+    checkpoint.save_references(out, checkpoint.reference_identity(None, spec().tasks[0], ["ids/2", "ids/3"]),
+                               spec().tasks[0].reference_batch(tiny, None, items[2:4]))
+    decoded.clear(), references.clear()
+    assert evaluate(tiny, None, counted(), samples=items, resume_dir=out, shard=(2, 2)) == []
+    assert sorted({i for i, _ in decoded}) == ["ids/2", "ids/3"] and references == []
+    decoded.clear()
+    assert evaluate(tiny, None, counted(), samples=items, resume_dir=out, shard=(1, 2)) == [] and decoded == []
+    so_far = evaluate(tiny, None, spec(), samples=items, resume_dir=out, finished_only=True)
+    assert _strip_timing(so_far) == _strip_timing(whole)
+    resumed = evaluate(tiny, None, counted(), samples=items, resume_dir=out)
+    assert decoded == [] and references == []
+    assert _strip_timing(resumed) == _strip_timing(whole)
+    checkpoint.finish(out)
+    assert not list(out.glob("shard-*")) and not (out / PARTIAL).exists()
+    with pytest.raises(ValueError, match="resume_dir"):
+        evaluate(tiny, None, spec(), samples=items, shard=(1, 2))
+
+
+@pytest.mark.parametrize("text", ["0/2", "3/2", "2", "a/b", "1/0", "-1/2"])
+def test_a_bad_shard_is_one_line(text, capsys, tmp_path):
+    from evaluate import main
+
+    assert main([f"--shard={text}", "--output", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: --shard") and "K/N" in err
 
 
 def test_a_partial_file_written_before_the_resume_object_resumes(tiny, tmp_path, monkeypatch):

@@ -12,6 +12,13 @@ into ``earlier-<time>/`` (never deleted), and the run starts over. ``evaluate.py
 results.json is written. `Resume` is what `evaluate` holds of all this: what an earlier run finished, what this one
 stores, and the references of the batch in progress.
 
+One grid may be decoded by several processes at once (`evaluate.py --shard K/N`, one per core or machine on a shared
+disk): shard K/N decodes the batches whose index is K-1 modulo N into its own directory, ``shard-K-of-N/`` inside the
+output directory (its own partial file, references and lock), and reads what the main directory and the other shards
+have finished (`peer_dirs`) as its own, so nothing is decoded twice. The run without ``--shard`` (or
+``--finished-only``) reads every shard's runs back the same way, and `finish` removes the shard directories once
+results.json holds them.
+
 The full-cache reference of a batch is kept too, while some of the batch's runs are left
 (``reference-<digest>.safetensors``, `save_references`), and after it where small (`KEEP_REFERENCE_BYTES`): at
 length it is the costliest single decode of a batch
@@ -28,6 +35,8 @@ import hashlib
 import importlib
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -40,6 +49,29 @@ from learnkv.scorer.artifact import read_artifact_manifest
 
 PARTIAL = "partial.jsonl"
 FORMAT = 1
+SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)")
+
+
+def shard_dir(out_dir: str | Path, shard: tuple[int, int]) -> Path:
+    """Where shard ``(k, n)`` of an evaluation into ``out_dir`` keeps its runs."""
+    return Path(out_dir) / f"shard-{shard[0]}-of-{shard[1]}"
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"K/N"`` -> ``(K, N)`` with 1 <= K <= N; raises ValueError on anything else."""
+    k, sep, n = str(text).partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise ValueError(f"--shard {text!r}: expected K/N with 1 <= K <= N (e.g. 2/3: the second of three processes)")
+    return int(k), int(n)
+
+
+def peer_dirs(out_dir: str | Path) -> list[Path]:
+    """The directories whose finished runs an evaluation into ``out_dir`` reads as its own: for the main output
+    directory its shards' directories; for a shard's, the main directory and the other shards'."""
+    out_dir = Path(out_dir)
+    main = out_dir.parent if SHARD_DIR.fullmatch(out_dir.name) else out_dir
+    shards = sorted(d for d in main.glob("shard-*-of-*") if SHARD_DIR.fullmatch(d.name) and d.is_dir())
+    return [d for d in [main, *shards] if d != out_dir]
 
 
 def scorer_identity(path: str) -> dict:
@@ -151,6 +183,29 @@ def read_partial(out_dir: str | Path, identity: dict) -> dict:
     return _by_batch(entries)
 
 
+def read_peers(out_dir: str | Path, identity: dict, finished: dict) -> list[str]:
+    """Add to ``finished`` (`_by_batch`'s form) the runs that the peers of ``out_dir`` (`peer_dirs`) finished of
+    this grid (of any set of its policies), where ``finished`` has none for that (policy, budget) of the batch; the
+    peers' files are only read. Returns the peer files of another grid, which are left out."""
+    foreign = []
+    for peer in peer_dirs(out_dir):
+        path = peer / PARTIAL
+        if not path.is_file():
+            continue
+        head, entries, _, _ = _read(path)
+        if not (isinstance(head, dict) and _mismatch({**head, "runs": identity["runs"]}, identity) is None):
+            foreign.append(str(path))
+            continue
+        for key, runs in _by_batch(entries).items():
+            for run, entry in runs.items():
+                finished.setdefault(key, {}).setdefault(run, entry)
+    return foreign
+
+
+def _peer_partials(out_dir: str | Path) -> list[Path]:
+    return [d / PARTIAL for d in peer_dirs(out_dir) if (d / PARTIAL).is_file()]
+
+
 def _some_runs_of(head, identity: dict) -> bool:
     """Whether ``identity`` is the grid of ``head`` but for fewer policies: a report on those, over the batches
     every one of them has finished, reads the same prompts' runs as the whole grid."""
@@ -190,10 +245,14 @@ def kept_runs(out_dir: str | Path) -> str:
 
 
 def finish(out_dir: str | Path) -> None:
-    """The results are written: the partial file and any stored reference have nothing left to give."""
+    """The results are written: the partial file, any stored reference and the shards' directories have nothing
+    left to give."""
     (Path(out_dir) / PARTIAL).unlink(missing_ok=True)
     for path in Path(out_dir).glob("reference-*.safetensors"):
         path.unlink(missing_ok=True)
+    for shard in peer_dirs(out_dir):
+        if SHARD_DIR.fullmatch(shard.name):  # never the main directory, whoever calls this
+            shutil.rmtree(shard, ignore_errors=True)
 
 
 class _NotStorable(Exception):
@@ -275,10 +334,11 @@ def save_references(out_dir: str | Path, identity: dict, refs: list) -> Path | N
 
 
 def load_references(out_dir: str | Path, identity: dict) -> list | None:
-    """The references `save_references` stored for ``identity``, or None (none stored, or a damaged or foreign
-    file: the caller decodes them again)."""
-    path = _reference_path(out_dir, identity)
-    if not path.is_file():
+    """The references `save_references` stored for ``identity`` in ``out_dir`` or a peer's directory (`peer_dirs`),
+    or None (none stored, or a damaged or foreign file: the caller decodes them again)."""
+    paths = [_reference_path(d, identity) for d in [Path(out_dir), *peer_dirs(out_dir)]]
+    path = next((p for p in paths if p.is_file()), None)
+    if path is None:
         return None
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -316,19 +376,32 @@ class Resume:
     """An evaluation's resume state in ``out_dir``: what an earlier run of its grid finished (read back, not
     decoded again), what this run stores as it finishes it, and each batch's full-cache references while the
     batch has runs left. ``out_dir`` None: nothing is read or stored. ``finished_only``: the partial file is only
-    read (`read_partial`: it raises if there is none of this grid), and nothing is stored."""
+    read (`read_partial`: it raises if there is none of this grid, here or in a peer's directory), and nothing is
+    stored. The peers' finished runs (`peer_dirs`) count as finished here too (`refresh`)."""
 
     def __init__(self, out_dir: str | Path | None, identity: dict, finished_only: bool = False):
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.finished: dict = {}  # (task, prompt ids) -> {(policy label, budget): entry}
         self.note = None  # resuming, or where another grid's partial file was moved
         self.read_only = finished_only
+        self.identity = identity
         if finished_only:
             if out_dir is None:
                 raise ValueError("finished_only reads the finished runs of an evaluation into resume_dir: give it")
-            self.finished = read_partial(out_dir, identity)
+            has_own = (Path(out_dir) / PARTIAL).is_file()
+            self.finished = read_partial(out_dir, identity) if has_own or not _peer_partials(out_dir) else {}
         elif out_dir is not None:
             self.finished, self.note = open_partial(out_dir, identity)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read again what the peers (`peer_dirs`: the shards, or the main directory and the other shards) have
+        finished meanwhile, so a batch one of them finished is not decoded again here."""
+        if self.out_dir is None:
+            return
+        foreign = read_peers(self.out_dir, self.identity, self.finished)
+        if foreign and self.note is None:
+            self.note = f"left out (runs of another grid): {', '.join(foreign)}"
 
     @property
     def stores(self) -> bool:
@@ -365,4 +438,5 @@ class Resume:
 
 
 __all__ = ["KEEP_REFERENCE_BYTES", "PARTIAL", "Resume", "append_run", "drop_references", "finish", "grid_identity", "kept_runs", "load_references",
-           "open_partial", "reference_identity", "save_references"]
+           "open_partial", "parse_shard", "peer_dirs", "read_peers", "reference_identity", "save_references",
+           "shard_dir"]

@@ -286,7 +286,7 @@ def batches(items: list, size: int):
 
 def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None = None, progress: bool | None = None,
              model_name: str | None = None, resume_dir: str | Path | None = None,
-             finished_only: bool = False) -> list[dict]:
+             finished_only: bool = False, shard: tuple[int, int] | None = None) -> list:
     """Run every policy x budget x task of ``spec``.
 
     Parameters
@@ -305,16 +305,27 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         ``resume_dir`` has finished so far (its partial file is only read), per budget: a budget's records count
         every batch finished at that budget, so one budget may have more prompts than another (each record says
         how many) and a budget no batch has finished has no records. Raises ValueError if none is finished.
+    shard : (k, n), optional
+        Decode only the batches of prompts whose index is k-1 modulo n (1 <= k <= n), into
+        ``resume_dir/shard-k-of-n/``, reading what the main directory and the other shards finished as done; several
+        processes, one per shard, decode one grid together, and a run without ``shard`` reads all of it back
+        (`learnkv.eval.checkpoint`).
 
     Returns
     -------
     list of dict
         One record per (policy, budget, task), task-major, then budget, then policy: ``{"policy": label,
         "budget", "task", "metrics": {m, m_ci95, ..., cost}, "per_prompt": {m: [...]}, "config": {...}}``, with
-        ``config["policy_params"]`` the resolved parameters and ``config["n_prompts"]``.
+        ``config["policy_params"]`` the resolved parameters and ``config["n_prompts"]``. With ``shard``, instead:
+        the 1-based indices of the batches left to other shards (none finished when this one ended).
     """
     torch.manual_seed(spec.seed)
-    resume = checkpoint.Resume(resume_dir, checkpoint.grid_identity(spec, model_name), finished_only)
+    if shard is not None and (resume_dir is None or finished_only):
+        raise ValueError("a shard decodes into its own directory of resume_dir, and decodes: give resume_dir, "
+                         "without finished_only")
+    resume = checkpoint.Resume(resume_dir if shard is None else checkpoint.shard_dir(resume_dir, shard),
+                               checkpoint.grid_identity(spec, model_name), finished_only)
+    left = []  # with a shard: the batches (1-based) left to the other shards
     if resume.note:
         print(f"note: {resume.note}", file=sys.stderr)
     records = []
@@ -322,14 +333,20 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         prompts = _prompts(model, tokenizer, task, spec, samples)
         grid = _TaskGrid(model, tokenizer, task, spec, resume, model_name, len(prompts), progress)
         try:
-            for batch in batches(prompts, spec.batch_size):
-                if not grid.read_back(batch, finished_only):
-                    grid.run_batch(batch)
+            for i, batch in enumerate(batches(prompts, spec.batch_size)):
+                resume.refresh()  # a shard may have finished it meanwhile
+                if grid.read_back(batch, finished_only):
+                    continue
+                if shard is not None and i % shard[1] != shard[0] - 1:
+                    left.append(i + 1)  # another shard's
+                    continue
+                grid.run_batch(batch)
         finally:
             task.on_step = None
             grid.bar.close()
-        records += grid.records(resume_dir)
-    return records
+        if shard is None:
+            records += grid.records(resume_dir)
+    return left if shard is not None else records
 
 
 def _prompts(model, tokenizer, task: Task, spec: EvalSpec, samples: Sequence[Sample] | None) -> list[Sample]:
