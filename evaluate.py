@@ -30,8 +30,8 @@ A killed run resumes: rerun the same command and the (policy, budget) runs of ea
 (kept in DIR/partial.jsonl until results.json is written) are not decoded again. The same command with
 --finished-only, while the run goes on or after it was killed, writes the tables of the batches it has finished so
 far into DIR/finished/, budget by budget (a budget counts every batch finished at it; each record says how many
-prompts). One grid on several cores or machines: run the same command with --shard 1/N, ..., --shard N/N at once
-(each decodes every N-th batch into DIR/shard-K-of-N/, skipping what the others finished), then once more without
+prompts). One grid on several cores or machines: run the same command with --shard 0/n, ..., --shard n-1/n at once
+(each decodes every n-th batch into DIR/shard-i-of-n/, skipping what the others finished), then once more without
 --shard to read them all back and write the results.
 """
 
@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from learnkv.cli import Interruptible, OneLineParser, set_threads, thread_count
+from learnkv.cli import Interruptible, OneLineParser, set_threads, shard_of, thread_count
 
 
 def _numbers(cast):
@@ -116,10 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode nothing: the tables of the batches of prompts that a running or killed evaluation of "
                         "this grid into --output has finished so far, per budget, written into OUTPUT/finished/ "
                         "(n stated)")
-    p.add_argument("--shard", default=None, metavar="K/N",
-                   help="decode only every N-th batch of prompts, from the K-th, into OUTPUT/shard-K-of-N/, as one of "
-                        "N processes (cores or machines sharing OUTPUT) decoding one grid; the same command without "
-                        "--shard then reads every shard's runs back and writes the results")
+    p.add_argument("--shard", default=None, metavar="i/n",
+                   help="decode only every n-th batch of prompts from the i-th (0 <= i < n) into OUTPUT/shard-i-of-n/, "
+                        "as one of n processes (cores, or machines sharing OUTPUT) decoding one grid; the same command "
+                        "without --shard then reads every shard's runs back and writes the results")
     return p
 
 
@@ -182,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         from learnkv.atomic import dir_lock, ensure_dir
         from learnkv.eval.report import prepare_output
 
-        from learnkv.eval.checkpoint import parse_shard, peer_dirs, shard_dir
+        from learnkv.eval.checkpoint import peer_dirs, shard_dir
 
-        shard = parse_shard(args.shard) if args.shard is not None else None
+        shard = shard_of(args.shard) if args.shard is not None else None
         if shard and args.finished_only:
             raise ValueError("--shard decodes and --finished-only decodes nothing: give one of them")
         out = Path(args.output) / "finished" if args.finished_only else args.output

@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 
-from learnkv.cli import Interruptible, OneLineParser, set_threads, thread_count
+from learnkv.cli import Interruptible, OneLineParser, set_threads, shard_of, thread_count
 
 # imports inside functions: each subcommand imports only what it runs, so `--help` and a bad argument answer at once
 
@@ -131,14 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_shard(text: str) -> tuple[int, int]:
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise ValueError(f"--shard takes i/n (e.g. 0/4), got {text!r}") from None
-    return i, n
-
-
 def _kept(out: str) -> str:
     """What a trace directory holds now, for the interrupt message."""
     from pathlib import Path
@@ -176,7 +168,7 @@ def cmd_collect(args) -> int:
     )
     try:
         with Interruptible() as interrupt:
-            manifest, stats = collect(args.out, cfg, shard=_parse_shard(args.shard), progress=True)
+            manifest, stats = collect(args.out, cfg, shard=shard_of(args.shard), progress=True)
     except KeyboardInterrupt:
         print(f"\n{interrupt.how}: {_kept(args.out)}; the shard in progress was discarded. Rerun the same command to "
               "resume.", file=sys.stderr)

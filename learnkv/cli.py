@@ -1,5 +1,6 @@
 """What every command line shares (`python -m learnkv`, `train.py`, `evaluate.py`): argparse errors as one line, the
-``--threads`` option's range, and SIGTERM handled like Ctrl-C (what a scheduler or `timeout` sends)."""
+``--threads`` option's range, ``--shard i/n``, and SIGTERM handled like Ctrl-C (what a scheduler or `timeout`
+sends)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ def thread_count(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1 thread, got {n}")
     return n
+
+
+def shard_of(text: str) -> tuple[int, int]:
+    """``--shard i/n`` (`collect`, `evaluate.py`): this process takes every n-th piece of work from the i-th, 0 <= i <
+    n; raises ValueError on anything else."""
+    i, sep, n = str(text).partition("/")
+    if not (sep and i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise ValueError(f"--shard takes i/n with 0 <= i < n (e.g. 0/4: the first of four processes), got {text!r}")
+    return int(i), int(n)
 
 
 def set_threads(n: int | None) -> None:

@@ -379,6 +379,8 @@ def test_generate_refuses_before_loading_the_model(capsys, no_model, args, messa
 @pytest.mark.parametrize("args,message", [
     (["--source", "nope"], "unknown prompt source(s) ['nope']"),
     (["--prompts", "0"], "prompts must be >= 1, got 0"),
+    (["--shard", "2/2"], "--shard takes i/n with 0 <= i < n"),  # the parser evaluate.py's --shard shares
+    (["--shard", "x"], "--shard takes i/n with 0 <= i < n"),
 ])
 def test_collect_refuses_before_loading_the_model(tmp_path, capsys, no_model, args, message):
     code, _, err = run(learnkv_cli, ["collect", "--out", tmp_path / "t", *args], capsys)

@@ -595,8 +595,8 @@ def test_a_grid_given_more_policies_resumes_and_reads_small_references_back(tiny
 
 
 def test_shards_decode_one_grid_together_and_the_main_run_reads_them_back(tiny, tmp_path, monkeypatch, capsys):
-    """Shards 1/2 and 2/2 decode alternate batches into their own directories; shard 2/2 started after shard 1/2
-    finished decodes only its own, and shard 1/2 run again decodes nothing; the run without a shard decodes nothing,
+    """Shards 0/2 and 1/2 decode alternate batches into their own directories; shard 1/2 started after shard 0/2
+    finished decodes only its own, and shard 0/2 run again decodes nothing; the run without a shard decodes nothing,
     reads both back (its results equal one uninterrupted run's, timings aside) and removes the shards' directories.
     A shard reads a reference the main directory stored instead of decoding the full cache again."""
     from learnkv.eval import checkpoint
@@ -611,18 +611,18 @@ def test_shards_decode_one_grid_together_and_the_main_run_reads_them_back(tiny, 
         return count_decodes(spec(), decoded, references, monkeypatch)
 
     out = tmp_path / "out"
-    left = evaluate(tiny, None, counted(), samples=items, resume_dir=out, shard=(1, 2))
+    left = evaluate(tiny, None, counted(), samples=items, resume_dir=out, shard=(0, 2))
     assert left == [2]  # batch 2 (ids/2, ids/3) is the other shard's
     assert sorted({i for i, _ in decoded}) == ["ids/0", "ids/1", "ids/4"] and not (out / PARTIAL).exists()
-    assert (out / "shard-1-of-2" / PARTIAL).is_file()
-    # the main directory holds a reference of batch 2, as a killed unsharded run leaves it: shard 2/2 reads it
+    assert (out / "shard-0-of-2" / PARTIAL).is_file()
+    # the main directory holds a reference of batch 2, as a killed unsharded run leaves it: shard 1/2 reads it
     checkpoint.save_references(out, checkpoint.reference_identity(None, spec().tasks[0], ["ids/2", "ids/3"]),
                                spec().tasks[0].reference_batch(tiny, None, items[2:4]))
     decoded.clear(), references.clear()
-    assert evaluate(tiny, None, counted(), samples=items, resume_dir=out, shard=(2, 2)) == []
+    assert evaluate(tiny, None, counted(), samples=items, resume_dir=out, shard=(1, 2)) == []
     assert sorted({i for i, _ in decoded}) == ["ids/2", "ids/3"] and references == []
     decoded.clear()
-    assert evaluate(tiny, None, counted(), samples=items, resume_dir=out, shard=(1, 2)) == [] and decoded == []
+    assert evaluate(tiny, None, counted(), samples=items, resume_dir=out, shard=(0, 2)) == [] and decoded == []
     so_far = evaluate(tiny, None, spec(), samples=items, resume_dir=out, finished_only=True)
     assert _strip_timing(so_far) == _strip_timing(whole)
     resumed = evaluate(tiny, None, counted(), samples=items, resume_dir=out)
@@ -634,14 +634,14 @@ def test_shards_decode_one_grid_together_and_the_main_run_reads_them_back(tiny, 
         evaluate(tiny, None, spec(), samples=items, shard=(1, 2))
 
 
-@pytest.mark.parametrize("text", ["0/2", "3/2", "2", "a/b", "1/0", "-1/2"])
+@pytest.mark.parametrize("text", ["2/2", "3/2", "2", "a/b", "0/0", "-1/2", "1/2/3"])
 def test_a_bad_shard_is_one_line(text, capsys, tmp_path):
     from evaluate import main
 
     assert main([f"--shard={text}", "--output", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()  # refused before anything is written
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("error: --shard") and "K/N" in err
+    assert err.count("\n") == 0 and err.startswith("error: --shard takes i/n")
 
 
 def test_a_partial_file_written_before_the_resume_object_resumes(tiny, tmp_path, monkeypatch):

@@ -12,8 +12,8 @@ into ``earlier-<time>/`` (never deleted), and the run starts over. ``evaluate.py
 results.json is written. `Resume` is what `evaluate` holds of all this: what an earlier run finished, what this one
 stores, and the references of the batch in progress.
 
-One grid may be decoded by several processes at once (`evaluate.py --shard K/N`, one per core or machine on a shared
-disk): shard K/N decodes the batches whose index is K-1 modulo N into its own directory, ``shard-K-of-N/`` inside the
+One grid may be decoded by several processes at once (`evaluate.py --shard i/n`, one per core or machine on a shared
+disk): shard i/n decodes the batches whose index is i modulo n into its own directory, ``shard-i-of-n/`` inside the
 output directory (its own partial file, references and lock), and reads what the main directory and the other shards
 have finished (`peer_dirs`) as its own, so nothing is decoded twice. The run without ``--shard`` (or
 ``--finished-only``) reads every shard's runs back the same way, and `finish` removes the shard directories once
@@ -53,16 +53,8 @@ SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)")
 
 
 def shard_dir(out_dir: str | Path, shard: tuple[int, int]) -> Path:
-    """Where shard ``(k, n)`` of an evaluation into ``out_dir`` keeps its runs."""
+    """Where shard ``(i, n)`` of an evaluation into ``out_dir`` keeps its runs."""
     return Path(out_dir) / f"shard-{shard[0]}-of-{shard[1]}"
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """``"K/N"`` -> ``(K, N)`` with 1 <= K <= N; raises ValueError on anything else."""
-    k, sep, n = str(text).partition("/")
-    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
-        raise ValueError(f"--shard {text!r}: expected K/N with 1 <= K <= N (e.g. 2/3: the second of three processes)")
-    return int(k), int(n)
 
 
 def peer_dirs(out_dir: str | Path) -> list[Path]:
@@ -438,5 +430,5 @@ class Resume:
 
 
 __all__ = ["KEEP_REFERENCE_BYTES", "PARTIAL", "Resume", "append_run", "drop_references", "finish", "grid_identity", "kept_runs", "load_references",
-           "open_partial", "parse_shard", "peer_dirs", "read_peers", "reference_identity", "save_references",
+           "open_partial", "peer_dirs", "read_peers", "reference_identity", "save_references",
            "shard_dir"]

@@ -305,9 +305,9 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
         ``resume_dir`` has finished so far (its partial file is only read), per budget: a budget's records count
         every batch finished at that budget, so one budget may have more prompts than another (each record says
         how many) and a budget no batch has finished has no records. Raises ValueError if none is finished.
-    shard : (k, n), optional
-        Decode only the batches of prompts whose index is k-1 modulo n (1 <= k <= n), into
-        ``resume_dir/shard-k-of-n/``, reading what the main directory and the other shards finished as done; several
+    shard : (i, n), optional
+        Decode only the batches of prompts whose index is i modulo n (0 <= i < n), into
+        ``resume_dir/shard-i-of-n/``, reading what the main directory and the other shards finished as done; several
         processes, one per shard, decode one grid together, and a run without ``shard`` reads all of it back
         (`learnkv.eval.checkpoint`).
 
@@ -337,7 +337,7 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
                 resume.refresh()  # a shard may have finished it meanwhile
                 if grid.read_back(batch, finished_only):
                     continue
-                if shard is not None and i % shard[1] != shard[0] - 1:
+                if shard is not None and i % shard[1] != shard[0]:
                     left.append(i + 1)  # another shard's
                     continue
                 grid.run_batch(batch)
