@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="paired intervals of every policy to a baseline across finished evaluations "
                                          "of the same prompts (no decode)")
     cmp.add_argument("paths", nargs="+", metavar="PATH",
-                     help="an evaluation's output directory (or its finished/), or a results.json")
+                     help="an evaluation's output directory (or its finished/), or a results.json; PATH@TAG labels "
+                          "its policies LABEL@TAG (one policy under two setups, e.g. two prefill policies)")
     cmp.add_argument("--baseline", required=True, help="policy label to pair against, as the tables name it")
     cmp.add_argument("--metric", default=None, help="comma-separated metrics to show (default: all)")
     cmp.add_argument("--json", default=None, metavar="PATH", help="also write the pairs as JSON")

@@ -85,6 +85,22 @@ def test_what_is_not_a_pair_is_refused(tmp_path, second, message):
         compare([a, b], "learned")
 
 
+def test_a_tagged_file_pairs_one_policy_under_two_setups(tmp_path):
+    """The same label under another prefill policy is refused as one policy, and pairs as two once tagged."""
+    a = write(tmp_path / "a", [record("learned", IDS), record("h2o", IDS)])
+    b = write(tmp_path / "b", [record("learned", IDS, prefill="learned", kl=KL["new"])])
+    with pytest.raises(ValueError, match="not one policy"):
+        compare([a, b], "learned")
+    pairs = by_policy(compare([a, f"{b}@prefill-learned"], "learned@prefill-learned")[0])
+    assert pairs[("learned", "kl")]["mean_diff"] == pytest.approx(sum(
+        l - n for l, n in zip(KL["learned"], KL["new"])) / 6)
+    assert pairs[("h2o", "kl")]["n"] == 6
+    with pytest.raises(ValueError, match="empty tag"):
+        compare([a, f"{b}@"], "learned")
+    at = write(tmp_path / "x@y", [record("learned", IDS)])  # a path that exists is a path, '@' and all
+    assert {p["policy"] for p in compare([at, b.parent / "a"], "learned")[0]} == {"h2o"}
+
+
 def test_float_rounding_between_batchings_is_one_value(tmp_path):
     a = write(tmp_path / "a", [record("learned", IDS), record("h2o", IDS)])
     b = write(tmp_path / "b", [record("h2o", IDS, kl=[x + 1e-7 for x in KL["h2o"]])])

@@ -10,7 +10,9 @@ from several files (batches finished by different runs) pools into one set of pr
 give different values on one prompt (two scorers under one label, say) is refused rather than silently picked.
 Only one regime is paired at a time: records of one task and budget must agree on the model and the task's options
 (the continuation, its length, the prompts' source), which is what makes two values a pair; one label from two
-files must also name one setup (its parameters, scorer path included, and its prefill policy).
+files must also name one setup (its parameters, scorer path included, and its prefill policy). Two setups under one
+label (the same policy with another prefill policy, say) pair once one file's labels are tagged: ``PATH@TAG`` reads
+that file's policies as ``LABEL@TAG`` (``--baseline learned@TAG`` names one of them).
 """
 
 from __future__ import annotations
@@ -28,8 +30,21 @@ SETUP = ("policy_name", "policy_params", "prefill_policy")
 
 
 def read_records(path: str | Path) -> list[dict]:
-    """The records of one evaluation: ``path`` is its output directory (or finished/) or a results.json."""
-    path = Path(path)
+    """The records of one evaluation: ``path`` is its output directory (or finished/) or a results.json, or either
+    as ``PATH@TAG``, whose records' policy labels become ``LABEL@TAG`` (a path that exists as written is a path)."""
+    tag = None
+    if not Path(path).exists() and "@" in str(path):
+        path, tag = str(path).rsplit("@", 1)
+        if not tag:
+            raise ValueError(f"{path}@: an empty tag (PATH@TAG labels that file's policies LABEL@TAG)")
+    records = _read_records(Path(path))
+    for r in records:
+        if tag:
+            r["policy"] = f"{r['policy']}@{tag}"
+    return records
+
+
+def _read_records(path: Path) -> list[dict]:
     file = path / "results.json" if path.is_dir() else path
     if not file.is_file():
         raise ValueError(f"{path}: no results.json (give an evaluation's output directory, its finished/ while it "
