@@ -644,6 +644,31 @@ def test_a_bad_shard_is_one_line(text, capsys, tmp_path):
     assert err.count("\n") == 0 and err.startswith("error: --shard takes i/n")
 
 
+def test_a_grid_given_more_prompts_decodes_only_the_added_batches(tiny, tmp_path, monkeypatch, capsys):
+    """A larger --limit resumes a smaller one's partial file: its batches (keyed by prompt ids) are read back, only
+    the added prompts' batches decoded; the results equal one run of the larger grid's (timings aside). A smaller
+    limit after it is a report (--finished-only) on its first batches, and a larger limit with another budget is
+    another grid."""
+    from learnkv.eval.checkpoint import PARTIAL
+
+    items = samples(n=4, length=24)
+    spec = lambda limit, budgets="0.8,28": build_spec("full,h2o", budgets, "fidelity", max_new_tokens=8,  # noqa
+                                                     batch_size=2, limit=limit)
+    out = tmp_path / "out"
+    evaluate(tiny, None, spec(2), samples=items, resume_dir=out)  # killed before its results: its file is kept
+    decoded, references = [], []
+    resumed = evaluate(tiny, None, count_decodes(spec(4), decoded, references, monkeypatch), samples=items,
+                       resume_dir=out)
+    assert sorted({i for i, _ in decoded}) == ["ids/2", "ids/3"] and references == ["ids/2", "ids/3"]
+    assert "the grid gained prompts, --limit 2 -> 4" in capsys.readouterr().err
+    assert _strip_timing(resumed) == _strip_timing(evaluate(tiny, None, spec(4), samples=items))
+    first = evaluate(tiny, None, spec(2), samples=items, resume_dir=out, finished_only=True)
+    assert {tuple(r["config"]["prompt_ids"]) for r in first} == {("ids/0", "ids/1")}
+    evaluate(tiny, None, spec(8, "0.5"), samples=items, resume_dir=out)
+    assert "is a run of another grid (budgets, limit differ)" in capsys.readouterr().err
+    assert [p.name for p in out.glob("earlier-*/*")] == [PARTIAL]
+
+
 def test_a_partial_file_written_before_the_resume_object_resumes(tiny, tmp_path, monkeypatch):
     """tests/data/resume-format-1 is what learnkv at 45c09ad (evaluate's resume bookkeeping inline, before
     `checkpoint.Resume`) left when killed: the grid below, killed in the second batch (ids/2) after its full and

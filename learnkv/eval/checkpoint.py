@@ -6,9 +6,10 @@ directory, after a first line naming the grid (`grid_identity`: model, tasks, po
 digest, budgets, prompts, seed, prefill policy, batch size). A rerun of the same grid into the same directory reads
 what was finished and decodes only the rest (the full-cache reference of a batch is read back, see below, or
 recomputed); so does the same grid given more policies (their runs are decoded on every batch, the finished ones
-read back); the values come back bit for bit (JSON keeps floats exact), so the results equal an uninterrupted
-run's except the timings. A partial run of another grid, or a damaged file, is moved
-into ``earlier-<time>/`` (never deleted), and the run starts over. ``evaluate.py`` removes the file once
+read back) or more prompts (a larger ``limit``: the batches of the prompts it adds are decoded; finished runs are
+keyed by their prompts' ids); the values come back bit for bit (JSON keeps floats exact), so the results equal an
+uninterrupted run's except the timings. A partial run of another grid, or a damaged file, is moved into
+``earlier-<time>/`` (never deleted), and the run starts over. ``evaluate.py`` removes the file once
 results.json is written. `Resume` is what `evaluate` holds of all this: what an earlier run finished, what this one
 stores, and the references of the batch in progress.
 
@@ -145,9 +146,12 @@ def open_partial(out_dir: str | Path, identity: dict) -> tuple[dict, str | None]
         return {}, None
     head, entries, complete, torn = _read(path)
     gained = ""
-    if isinstance(head, dict) and _mismatch(head, identity) and _some_runs_of(identity, head):  # the same grid given more policies
+    if isinstance(head, dict) and _mismatch(head, identity) and _part_of(head, identity):  # more policies or prompts
         added = [run["label"] for run in identity["runs"] if run not in head["runs"]]
-        gained = f" (the grid gained {', '.join(added)}: decoded on every batch)"
+        more = [f"{', '.join(added)}: decoded on every batch"] if added else []
+        if head.get("limit") != identity.get("limit"):
+            more.append(f"prompts, --limit {head.get('limit')} -> {identity.get('limit') or 'all'}")
+        gained = f" (the grid gained {'; '.join(more)})"
         complete, torn = [json.dumps({"identity": identity}), *complete[1:]], True  # rewritten under the new grid
     elif why := _mismatch(head, identity):
         keep = keep_aside(out_dir, [path])
@@ -185,7 +189,7 @@ def read_peers(out_dir: str | Path, identity: dict, finished: dict) -> list[str]
         if not path.is_file():
             continue
         head, entries, _, _ = _read(path)
-        if not (isinstance(head, dict) and _mismatch({**head, "runs": identity["runs"]}, identity) is None):
+        if not _same_but_runs_and_limit(head, identity):
             foreign.append(str(path))
             continue
         for key, runs in _by_batch(entries).items():
@@ -198,12 +202,26 @@ def _peer_partials(out_dir: str | Path) -> list[Path]:
     return [d / PARTIAL for d in peer_dirs(out_dir) if (d / PARTIAL).is_file()]
 
 
-def _some_runs_of(head, identity: dict) -> bool:
-    """Whether ``identity`` is the grid of ``head`` but for fewer policies: a report on those, over the batches
-    every one of them has finished, reads the same prompts' runs as the whole grid."""
+def _same_but_runs_and_limit(head, identity: dict) -> bool:
+    """Whether ``head`` is ``identity``'s grid but perhaps for its policies and its number of prompts (``limit``):
+    a finished run of a batch is keyed by its prompts' ids (`_by_batch`), so it counts wherever those ids make a
+    batch of the other grid too."""
     return (isinstance(head, dict) and isinstance(head.get("runs"), list)
-            and all(run in head["runs"] for run in identity["runs"])
-            and _mismatch({**head, "runs": identity["runs"]}, identity) is None)
+            and _mismatch({**head, "runs": identity["runs"], "limit": identity.get("limit")}, identity) is None)
+
+
+def _some_runs_of(head, identity: dict) -> bool:
+    """Whether ``identity`` is the grid of ``head`` but for fewer policies (and any number of prompts): a report on
+    those, over the batches every one of them has finished, reads the same prompts' runs as the whole grid."""
+    return _same_but_runs_and_limit(head, identity) and all(run in head["runs"] for run in identity["runs"])
+
+
+def _part_of(head, identity: dict) -> bool:
+    """Whether ``head`` is ``identity``'s grid but for fewer policies or prompts (a smaller ``limit``; None is all):
+    ``identity`` resumes it, decoding the added policies on every batch and the added prompts' batches."""
+    small, big = head.get("limit") if isinstance(head, dict) else None, identity.get("limit")
+    return (_same_but_runs_and_limit(head, identity) and all(run in identity["runs"] for run in head["runs"])
+            and (big is None or (small is not None and small <= big)))
 
 
 def _start(path: Path, identity: dict) -> None:
