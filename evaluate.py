@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                                model_name=args.model or DEFAULT_MODEL, resume_dir=args.output,
                                finished_only=args.finished_only, shard=shard)
             if shard:  # the results are written by the run without --shard, once every shard is done
-                left = f"batches {', '.join(map(str, records))} are left to the other shards" if records else \
+                left = f"left to the other shards: batch {', '.join(map(str, records))}" if records else \
                     "every other batch is finished too"
                 print(f"shard {args.shard}: its batches are finished (runs in {out}); {left}. The same command "
                       f"without --shard reads every shard back and writes the results (--finished-only: the "
