@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     kept_in = args.output  # where this run's finished runs are kept (a shard's own directory)
     try:
         from learnkv.eval import evaluate, write_results
-        from learnkv.eval.checkpoint import finish
+        from learnkv.eval.checkpoint import finish, partial_files, shard_dir
         from learnkv.eval.run import paired
 
         spec = spec_of(args)
@@ -182,15 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         from learnkv.atomic import dir_lock, ensure_dir
         from learnkv.eval.report import prepare_output
 
-        from learnkv.eval.checkpoint import peer_dirs, shard_dir
-
         shard = shard_of(args.shard) if args.shard is not None else None
         if shard and args.finished_only:
             raise ValueError("--shard decodes and --finished-only decodes nothing: give one of them")
         out = Path(args.output) / "finished" if args.finished_only else args.output
         if shard:
             out = kept_in = shard_dir(args.output, shard)
-        if args.finished_only and not any((d / PARTIAL).is_file() for d in [Path(args.output), *peer_dirs(args.output)]):
+        if args.finished_only and not partial_files(args.output):
             raise ValueError(f"{args.output} holds no running or killed evaluation ({PARTIAL}) to report on")
         # one run at a time writes a directory: a second one would take the first one's partial file for another
         # grid's and move it aside (--finished-only only reads it, and writes finished/, which it locks)

@@ -170,6 +170,8 @@ def read_partial(out_dir: str | Path, identity: dict) -> dict:
     raises ValueError if there is none."""
     path = Path(out_dir) / PARTIAL
     if not path.is_file():
+        if partial_files(out_dir):  # only shards have run: their runs come in through `read_peers`
+            return {}
         raise ValueError(f"{path} does not exist: no evaluation of this grid has started in {out_dir}")
     head, entries, _, _ = _read(path)
     if _some_runs_of(head, identity):  # a report on some of its policies (--finished-only --policy full,learned)
@@ -198,8 +200,9 @@ def read_peers(out_dir: str | Path, identity: dict, finished: dict) -> list[str]
     return foreign
 
 
-def _peer_partials(out_dir: str | Path) -> list[Path]:
-    return [d / PARTIAL for d in peer_dirs(out_dir) if (d / PARTIAL).is_file()]
+def partial_files(out_dir: str | Path) -> list[Path]:
+    """The partial files of an evaluation into ``out_dir`` and of its peers (`peer_dirs`) that exist."""
+    return [d / PARTIAL for d in [Path(out_dir), *peer_dirs(out_dir)] if (d / PARTIAL).is_file()]
 
 
 def _same_but_runs_and_limit(head, identity: dict) -> bool:
@@ -219,9 +222,10 @@ def _some_runs_of(head, identity: dict) -> bool:
 def _part_of(head, identity: dict) -> bool:
     """Whether ``head`` is ``identity``'s grid but for fewer policies or prompts (a smaller ``limit``; None is all):
     ``identity`` resumes it, decoding the added policies on every batch and the added prompts' batches."""
-    small, big = head.get("limit") if isinstance(head, dict) else None, identity.get("limit")
-    return (_same_but_runs_and_limit(head, identity) and all(run in identity["runs"] for run in head["runs"])
-            and (big is None or (small is not None and small <= big)))
+    if not (_same_but_runs_and_limit(head, identity) and all(run in identity["runs"] for run in head["runs"])):
+        return False
+    small, big = head.get("limit"), identity.get("limit")
+    return big is None or (small is not None and small <= big)
 
 
 def _start(path: Path, identity: dict) -> None:
@@ -398,8 +402,7 @@ class Resume:
         if finished_only:
             if out_dir is None:
                 raise ValueError("finished_only reads the finished runs of an evaluation into resume_dir: give it")
-            has_own = (Path(out_dir) / PARTIAL).is_file()
-            self.finished = read_partial(out_dir, identity) if has_own or not _peer_partials(out_dir) else {}
+            self.finished = read_partial(out_dir, identity)
         elif out_dir is not None:
             self.finished, self.note = open_partial(out_dir, identity)
         self.refresh()
@@ -448,5 +451,5 @@ class Resume:
 
 
 __all__ = ["KEEP_REFERENCE_BYTES", "PARTIAL", "Resume", "append_run", "drop_references", "finish", "grid_identity", "kept_runs", "load_references",
-           "open_partial", "peer_dirs", "read_peers", "reference_identity", "save_references",
+           "open_partial", "partial_files", "peer_dirs", "read_peers", "reference_identity", "save_references",
            "shard_dir"]

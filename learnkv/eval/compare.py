@@ -38,8 +38,8 @@ def read_records(path: str | Path) -> list[dict]:
         if not tag:
             raise ValueError(f"{path}@: an empty tag (PATH@TAG labels that file's policies LABEL@TAG)")
     records = _read_records(Path(path))
-    for r in records:
-        if tag:
+    if tag:
+        for r in records:
             r["policy"] = f"{r['policy']}@{tag}"
     return records
 
