@@ -463,7 +463,7 @@ def _with_future(model, rows: list[Policy], input_ids: Tensor, attention_mask: T
     if future is None:
         future = [step_attention(model, input_ids[b : b + 1, attention_mask[b].bool()], forced[b : b + 1, :n], observe)
                   for b, n in enumerate(lengths)]
-    seer = rows[0].with_future(future)
+    seer = rows[0].with_future(future, model)
     return [dataclasses.replace(seer, **{k: getattr(r, k) for k in r.per_row_fields}) for r in rows], forced
 
 

@@ -132,3 +132,57 @@ def test_fidelity_hands_the_oracle_its_reference_attention_not_a_copy(tiny, monk
     for got, want in zip(metrics, alone):
         assert got["kl"] == pytest.approx(want["kl"], abs=1e-5)
         assert got["attention_recall"] == pytest.approx(want["attention_recall"], abs=1e-5)
+
+
+def test_output_utility_weights_the_future_mass_by_the_residual_stream_error(tiny):
+    """``utility="output"``: each slot's future mass times ``||W_o,g (v_i - o)||`` (root mean square over the KV
+    head's query heads), ``o`` the live values averaged by that mass; computed here head by head from o_proj."""
+    from learnkv.allocation import normalisation_for
+
+    N, H, T, D = 12, 2, 5, 16
+    attn = torch.rand(H, N - 4, N, generator=torch.Generator().manual_seed(3))
+    future = [[attn, attn]] * 2  # per row, per layer
+    plain = Oracle(horizon=3).with_future(future)
+    oracle = Oracle(horizon=3, utility="output").with_future(future, tiny)
+    positions = torch.tensor([[0, 2, 5, 7, 8], [-1, 1, 5, 6, 8]])[:, None].expand(2, H, T)
+    values = torch.randn(2, H, T, D, generator=torch.Generator().manual_seed(4))
+    view = LayerView(layer=1, step=4, keys=torch.zeros(2, H, T, D), values=values, positions=positions, n_new=1)
+    mass = plain.score(view)
+    got = oracle.score(view)
+    w_o = tiny.model.layers[1].self_attn.o_proj.weight.detach()  # [hidden, Hq * D]
+    G = tiny.config.num_attention_heads // H
+    for b in range(2):
+        for h in range(H):
+            live = positions[b, h] >= 0
+            weight = mass[b, h] * live
+            out = (weight[:, None] * values[b, h]).sum(0) / weight.sum()
+            for i in range(T):
+                sq = [float((w_o[:, (h * G + g) * D : (h * G + g + 1) * D] @ (values[b, h, i] - out)).square().sum())
+                      for g in range(G)]
+                want = float(mass[b, h, i]) * (sum(sq) / G) ** 0.5
+                assert got[b, h, i].item() == pytest.approx(want, rel=1e-4, abs=1e-6)
+    assert normalisation_for(oracle) == "raw" and normalisation_for(plain) == "mass"
+    assert oracle.params()["utility"] == "output" and "utility" not in plain.params()
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "head", "global"])
+def test_output_utility_oracle_replays_the_full_continuation_within_the_total(tiny, allocation):
+    ids = random_ids(30, seed=2)
+    full = generate(tiny, input_ids=ids, policy="full", max_new_tokens=20)
+    seen = []
+    r = generate(tiny, input_ids=ids, policy="oracle", policy_params={"utility": "output"}, allocation=allocation,
+                 budget=16, max_new_tokens=20,
+                 observer=lambda cache: seen.append(sum(int((layer.positions >= 0).sum()) for layer in cache.layers)))
+    assert r.tokens.tolist() == full.tokens.tolist()
+    H = tiny.config.num_key_value_heads
+    assert seen and max(seen) <= 16 * H * tiny.config.num_hidden_layers
+
+
+def test_output_utility_refuses_a_model_without_output_projections():
+    class Bare(torch.nn.Module):
+        config = type("Config", (), {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+
+    with pytest.raises(ValueError, match="reads each layer's self_attn.o_proj; Bare has 0 for 2 layers"):
+        Oracle(utility="output").with_future([[torch.zeros(2, 1, 4)]], Bare())
+    with pytest.raises(ValueError, match="needs the model's output projections"):
+        Oracle(utility="output").with_future([[torch.zeros(2, 1, 4)]])
