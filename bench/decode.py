@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 # the repo root must come before this script's folder, or `import kernels` would find bench/kernels.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from learnkv import POLICIES, attention, generate, load_model  # noqa: E402
 from learnkv.cli import thread_count  # noqa: E402
 from learnkv.eval.metrics import agreement_length  # noqa: E402
+from learnkv.progress import redraw_seconds  # noqa: E402
 
 PROMPT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -212,16 +214,23 @@ def long_table(model, tok, names, args) -> list[dict]:
             raise SystemExit(f"error: cache length {length} is not above the prompts' median {median}")
         plan[b, length] = (ids, mask, lengths, new)
     rounds: dict[tuple, list[dict]] = {(b, length, n, f): [] for b, length in settings for n, f in runs}
-    for _ in range(args.repeats):
+    # one tick per decode (minutes each), nothing per step: the bar must not touch what it times
+    bar = tqdm(total=args.repeats * len(settings) * len(runs), desc="long", unit="decode",
+               mininterval=redraw_seconds())
+    for i in range(args.repeats):
         for b, length in settings:
             ids, mask, lengths, new = plan[b, length]
             for name, frac in runs:
                 params = {"scorer": args.scorer} if name == "learned" else {}
                 r = generate(model, input_ids=ids, attention_mask=mask, policy=name, budget=frac, policy_params=params,
                              max_new_tokens=new, stop_at_eos=False, **prefill(name, args))
+                rate = sum(r.new_tokens) / max(r.decode_s, 1e-9)
                 rounds[b, length, name, frac].append({
-                    "decode_tokens_per_s": sum(r.new_tokens) / max(r.decode_s, 1e-9), "tokens_per_s": r.tokens_per_s,
+                    "decode_tokens_per_s": rate, "tokens_per_s": r.tokens_per_s,
                     "eviction_share": r.eviction_share, "budgets": r.budgets})
+                bar.update()
+                bar.set_postfix_str(f"round {i + 1}, batch {b}, {name} {frac or ''}: {rate:.1f} decode tok/s")
+    bar.close()
     records = []
     for b, length in settings:
         _, _, lengths, new = plan[b, length]
