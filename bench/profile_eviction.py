@@ -71,7 +71,8 @@ def main(argv=None) -> None:
         prof.disable()
         stats = pstats.Stats(prof)
         total = r.prefill_s + r.decode_s
-        print(f"\n## {name}: budgets {min(r.budgets)}-{max(r.budgets)}, decode {r.decode_s:.1f} s, prefill "
+        held = "the full cache" if r.budgets is None else f"budgets {min(r.budgets)}-{max(r.budgets)}"
+        print(f"\n## {name}: {held}, decode {r.decode_s:.1f} s, prefill "
               f"{r.prefill_s:.1f} s, eviction share {r.eviction_share:.0%} (of prefill + decode)\n")
         print("| cumulative s | share of prefill + decode | calls | function |")
         print("|---|---|---|---|")
