@@ -472,10 +472,12 @@ class BudgetCache(Cache):
 
     @staticmethod
     def _store_state(layers: list[BudgetLayer], state: dict[str, Tensor], stacked: dict[str, Tensor]) -> None:
-        """What the policy rebound or added in a stacked view's ``state``, back into each layer's state."""
+        """What the policy rebound or added in a stacked view's ``state``, back into each layer's state. An entry
+        rebound with another shape (SnapKV's window of attention rows, growing until it holds its window) goes to
+        the layers as a new one would: each layer its own rows of it."""
         B = layers[0].positions.shape[0]
         for name, t in state.items():
-            if name in stacked:
+            if name in stacked and t.shape == stacked[name].shape:
                 if t is not stacked[name]:
                     stacked[name].copy_(t)
             else:

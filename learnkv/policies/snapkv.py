@@ -47,6 +47,12 @@ class SnapKV(Policy):
     row_windows: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
 
     @property
+    def rowwise(self) -> bool:
+        """Each row is scored from its own window rows alone, so the cache may stack every layer's rows in one view
+        and score them at once; not when the rows have windows of their own (`row_windows`, read by row index)."""
+        return not self.row_windows
+
+    @property
     def obs_window(self) -> int:
         return max(self.row_windows) if self.row_windows else self.window or DEFAULT_WINDOW
 
