@@ -43,6 +43,13 @@ def test_oracle_score_is_future_attention_mass(start):
             assert abs(scores[0, h, slot].item() - expected) < 1e-5
 
 
+def test_with_future_keeps_every_setting():
+    oracle = Oracle(n_sink=2, n_recent=0.25, interval=3, block_size=4, horizon=7)
+    attn = torch.rand(2, 3, 8)
+    clone = oracle.with_future([[attn]])
+    assert clone == oracle and clone.future[0][0] is attn and oracle.future is None  # settings equal, self untouched
+
+
 def test_oracle_scores_nothing_ahead_past_the_end_and_refuses_before_the_start():
     H = 2
     attn = torch.rand(H, 3, 8, generator=torch.Generator().manual_seed(0))  # queries at positions 5..7, keys 0..7

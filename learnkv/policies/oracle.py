@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -65,9 +65,7 @@ class Oracle(Policy):
     def with_future(self, future: list[list[Tensor]], model=None) -> "Oracle":
         """A copy that looks ahead at ``future``: per row, `step_attention` of that row's unpadded prompt and the
         continuation it replays. ``utility="output"`` also reads the output projections of ``model``."""
-        clone = Oracle(n_sink=self.n_sink, n_recent=self.n_recent, interval=self.interval, horizon=self.horizon,
-                       utility=self.utility)
-        clone.future = list(future)
+        clone = replace(self, future=list(future), out_grams=None)  # every setting carried, block_size included
         if self.utility == "output":
             if model is None:
                 raise ValueError("oracle utility 'output' needs the model's output projections: pass the model")
