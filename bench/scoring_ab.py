@@ -21,8 +21,9 @@ rounds, the side that goes first alternating; per round after / before, median [
 ``--step``: the per-step work of a long decode (batch 8, 3 KV heads, 790 slots; 30 layers stacked for the first two):
 marking one dead slot per row (`kernels.cpu.select_keep_one_drop` + `learnkv.slots.mark_dead` before, the victims'
 argmin and one scatter after), the learned tracker's window shift ([240, 3, 16, 790], a temporary copy before, row by
-row after; tests/test_fast_paths.py keeps the replaced code) and SnapKV's 64-row window update for 30 layers
-(concatenation, then the cache's copy back into its buffer before; an in-place shift after).
+row after; tests/test_fast_paths.py keeps the replaced code) and SnapKV's 64-row window update of the 30 stacked
+layers (an in-place shift of its 64 rows before; one row written among 64 + `SPARE_ROWS` after, the window moving
+back to the top every 17 steps).
 
 ``--rkv`` and ``--refresh`` (issue 43 item 2, second pass), at a long decode's shapes (batch 8, SmolLM2's 3 KV heads
 of 64 dims, 1,500 cached slots): R-KV's redundancy of one layer, dense (`test_scoring_speed.redundancy_dense`, the
@@ -63,8 +64,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo root before bench/ (
 
 from test_fast_paths import update_decode_before  # noqa: E402
 from test_refresh import scorer_before  # noqa: E402
-from test_scoring_speed import (avg_pool_before, near_keys, redundancy_before, redundancy_dense,  # noqa: E402
-                                snapkv_update_before)
+from test_scoring_speed import avg_pool_before, near_keys, redundancy_before, redundancy_dense  # noqa: E402
 
 import learnkv.features as features  # noqa: E402
 
@@ -73,7 +73,7 @@ from learnkv.cache import mark_victims  # noqa: E402
 from learnkv.eval.stats import bootstrap_ci  # noqa: E402
 from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker  # noqa: E402
 from learnkv.scorer.model import Scorer  # noqa: E402
-from learnkv.policies.snapkv import SnapKV  # noqa: E402
+from learnkv.policies.snapkv import SPARE_ROWS, SnapKV  # noqa: E402
 from learnkv.policies import rkv  # noqa: E402
 from learnkv.policies.snapkv import avg_pool  # noqa: E402
 from learnkv.slots import mark_dead  # noqa: E402
@@ -105,24 +105,26 @@ def step_cases(g) -> list:
     state = {n: torch.zeros(L * B, H, *((WINDOW,) if n == "f.win" else ()), T + 17)[..., :T] for n in STATE}
     attn = torch.rand(L * B, H, 3, 1, T, generator=g) / T
     tracker = FeatureTracker(L)
-    window = [torch.rand(B, H, 64, T + 17, generator=g)[..., :T] for _ in range(L)]  # the cache's buffer views
-    rows = torch.rand(B, H, 1, T, generator=g)
-    policy = SnapKV(window=64)
+    # SnapKV's window state of the stacked layers, as the cache's buffer views: 64 rows shifted in place every step
+    # (before: the code of commit cb04402) or 64 of 64 + SPARE_ROWS rows, one row written per step (after)
+    shifted = torch.rand(L * B, H, 64, T + 17, generator=g)[..., :T]
+    spare = torch.rand(L * B, H, 64 + SPARE_ROWS, T + 17, generator=g)[..., :T]
+    rows = torch.rand(L * B, H, 1, T, generator=g)
+    policy, step = SnapKV(window=64), [1]
 
     def snapkv_before():
-        for buf in window:
-            view = SimpleNamespace(attn=rows, state={"window_attn": buf})
-            snapkv_update_before(policy, view)
-            buf.copy_(view.state["window_attn"])  # the cache's copy back into its buffer (`BudgetLayer._pack_state`)
+        for j in range(shifted.shape[2] - 1):
+            shifted[:, :, j] = shifted[:, :, j + 1]
+        shifted[:, :, -1] = rows[:, :, 0]
 
     def snapkv_after():
-        for buf in window:
-            policy.update(SimpleNamespace(attn=rows, state={"window_attn": buf}))
+        step[0] += 1
+        policy.update(SimpleNamespace(attn=rows, state={"window_attn": spare}, step=step[0]))
 
     return [(f"mark one dead slot per row [{L * B}, {H}, {T}]", mark_before, mark_after, 3),
             (f"tracker window shift [{L * B}, {H}, {WINDOW}, {T}]", lambda: update_decode_before(attn, pos, 5, state),
              lambda: tracker._update_decode(attn, pos, 5, state), 3),
-            (f"snapkv window update {L} x [{B}, {H}, 64, {T}]", snapkv_before, snapkv_after, 3)]
+            (f"snapkv window update [{L * B}, {H}, 64, {T}]", snapkv_before, snapkv_after, 3)]
 
 
 LONG = (8, 3, 1500, 64)  # batch, KV heads, cached slots, head dim: SmolLM2 at ~1.5k tokens, batch 8

@@ -20,6 +20,7 @@ from kernels.reference import gather_tokens_reference, select_keep_reference
 from learnkv.attention import learnkv_attention
 from learnkv.policies import make_policy
 from learnkv.policies.base import LayerView
+from learnkv.policies.snapkv import SPARE_ROWS, window_rows
 
 # -- the driver: one cache layer, by hand -----------------------------------------------------------------------
 
@@ -230,7 +231,7 @@ def run_snapkv(spec_edge):
     the scores of every slot at least 3 slots before the window; the kept set must hold the window and the budget.
     spec_edge=True checks every non-window score and the kept set, with kvpress's pooling (keys before the window).
     """
-    B, H, T0, steps, budget, window = 1, 2, 12, 10, 10, 3
+    B, H, T0, steps, budget, window = 1, 2, 12, 2 * SPARE_ROWS + 4, 10, 3  # the window wraps to the top twice
     A = causal_attention(B, H, T0 + steps, seed=4)
     a = A.tolist()
     cache = MiniCache(make_policy("snapkv", window=window), budget, attn=A, B=B, H=H, N=T0 + steps)
@@ -257,7 +258,7 @@ def run_snapkv(spec_edge):
                     assert len(cached) == budget and set(cached) >= recent(queries, window)
             ref[h] = cached
             assert kept_positions(cache, 0, h) == cached, f"step {step} h{h}"
-            rows = cache.state["window_attn"][0, h].tolist()  # [window, T]: the last queries' rows, kept slots
+            rows = window_rows(cache.state["window_attn"], window, step)[0, h].tolist()  # the last queries' rows
             assert len(rows) == len(queries)
             for row, q in zip(rows, queries):
                 assert row == pytest.approx([a[0][h][q][p] for p in cached], abs=1e-7)

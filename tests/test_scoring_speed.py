@@ -195,26 +195,37 @@ def test_snapkv_pool_bits_unchanged(k, n):
     assert same_bits(snapkv.avg_pool(x, k), avg_pool_before(x, k))
 
 
-def kept_slots(model, policy, budget, monkeypatch=None, **params):
-    """Every layer's slot positions after every step of a batch-2 left-padded decode."""
+def kept_slots(model, policy, budget, eviction=None, **params):
+    """Every layer's slot positions after every step of a batch-2 left-padded decode (``eviction``: more of
+    `generate`'s eviction fields, e.g. ``slack``)."""
     ids = torch.cat([random_ids(60, seed=5), random_ids(60, seed=6)])
     mask = torch.ones_like(ids)
     mask[1, :9] = 0  # a left-padded row: the padding masks of R-KV's redundancy are exercised
     seen = []
     generate(model, input_ids=ids, attention_mask=mask, policy=policy, budget=budget, max_new_tokens=70,
-             stop_at_eos=False, policy_params=params,
+             stop_at_eos=False, policy_params=params, **(eviction or {}),
              observer=lambda cache: seen.append([layer.positions.clone() for layer in cache.layers]))
     return seen
 
 
-@pytest.mark.parametrize("policy,params", [("rkv", {}), ("rkv", {"buffer": 8, "window": 4}),
-                                           ("snapkv", {}), ("snapkv", {"window": 5, "kernel_size": 7})])
-def test_decode_keeps_the_same_slots(tiny, monkeypatch, policy, params):
-    fast = kept_slots(tiny, policy, 48, **params)
+@pytest.mark.parametrize("policy,params,eviction", [
+    ("rkv", {}, {}), ("rkv", {"buffer": 8, "window": 4}, {}),
+    ("snapkv", {}, {}), ("snapkv", {"window": 5, "kernel_size": 7}, {}),
+    ("snapkv", {"window": 5}, {"slack": 4}),  # dead slots between compactions
+    ("snapkv", {}, {"budget": [48, 36]}),  # rows with windows of their own (12 and 9 rows), layer by layer
+    ("snapkv", {"window": 5, "interval": 3}, {}),  # lagged: scored every third step, updated at every one
+    ("snapkv", {"window": 20}, {"prefill_policy": "h2o"}),  # the window fills during the decode
+])
+def test_decode_keeps_the_same_slots(tiny, monkeypatch, policy, params, eviction):
+    """The optimised paths keep the slots of the code before them, bit for bit, over 69 decode steps: R-KV's
+    blockwise redundancy, SnapKV's pooling and its window kept among spare rows (it wraps to the top four times)."""
+    eviction = dict(eviction)
+    budget = eviction.pop("budget", 48)
+    fast = kept_slots(tiny, policy, budget, eviction, **params)
     monkeypatch.setattr(rkv, "redundancy", redundancy_before)
     monkeypatch.setattr(snapkv, "avg_pool", avg_pool_before)
     monkeypatch.setattr(snapkv.SnapKV, "update", snapkv_update_before)
-    before = kept_slots(tiny, policy, 48, **params)
+    before = kept_slots(tiny, policy, budget, eviction, **params)
     assert len(fast) == len(before) == 70  # the prefill and 69 decode steps
     assert all(torch.equal(a, b) for step_a, step_b in zip(fast, before) for a, b in zip(step_a, step_b))
     assert any(layer.shape[-1] < 60 + 70 for layer in fast[-1])  # it did evict
