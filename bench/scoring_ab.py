@@ -21,7 +21,8 @@ rounds, the side that goes first alternating; per round after / before, median [
 ``--step``: the per-step work of a long decode (batch 8, 3 KV heads, 790 slots; 30 layers stacked for the first two):
 marking one dead slot per row (`kernels.cpu.select_keep_one_drop` + `learnkv.slots.mark_dead` before, the victims'
 argmin and one scatter after), the learned tracker's window shift ([240, 3, 16, 790], a temporary copy before, row by
-row after; tests/test_fast_paths.py keeps the replaced code) and SnapKV's 64-row window update of the 30 stacked
+row after; tests/test_fast_paths.py keeps the replaced code), the tracker's whole decode update with its window
+shifted (before) or kept among `learnkv.features.SPARE_ROWS` spare rows (after), and SnapKV's 64-row window update of the 30 stacked
 layers (an in-place shift of its 64 rows before; one row written among 64 + `SPARE_ROWS` after, the window moving
 back to the top every 17 steps).
 
@@ -72,6 +73,7 @@ from kernels.cpu import one_drop_victims, select_keep_one_drop  # noqa: E402
 from learnkv.cache import mark_victims  # noqa: E402
 from learnkv.eval.stats import bootstrap_ci  # noqa: E402
 from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker  # noqa: E402
+from learnkv.features import SPARE_ROWS as FEATURE_SPARE_ROWS  # noqa: E402
 from learnkv.scorer.model import Scorer  # noqa: E402
 from learnkv.policies.snapkv import SPARE_ROWS, SnapKV  # noqa: E402
 from learnkv.policies import rkv  # noqa: E402
@@ -105,6 +107,13 @@ def step_cases(g) -> list:
     state = {n: torch.zeros(L * B, H, *((WINDOW,) if n == "f.win" else ()), T + 17)[..., :T] for n in STATE}
     attn = torch.rand(L * B, H, 3, 1, T, generator=g) / T
     tracker = FeatureTracker(L)
+    spare_state = dict(state, **{"f.win": torch.zeros(L * B, H, WINDOW + FEATURE_SPARE_ROWS, T + 17)[..., :T]})
+    tracker_step = [5]
+
+    def tracker_spare():
+        tracker_step[0] += 1
+        tracker._update_decode(attn, pos, tracker_step[0], spare_state, FEATURE_SPARE_ROWS)
+
     # SnapKV's window state of the stacked layers, as the cache's buffer views: 64 rows shifted in place every step
     # (before: the code of commit cb04402) or 64 of 64 + SPARE_ROWS rows, one row written per step (after)
     shifted = torch.rand(L * B, H, 64, T + 17, generator=g)[..., :T]
@@ -124,6 +133,8 @@ def step_cases(g) -> list:
     return [(f"mark one dead slot per row [{L * B}, {H}, {T}]", mark_before, mark_after, 3),
             (f"tracker window shift [{L * B}, {H}, {WINDOW}, {T}]", lambda: update_decode_before(attn, pos, 5, state),
              lambda: tracker._update_decode(attn, pos, 5, state), 3),
+            (f"tracker update, window among {FEATURE_SPARE_ROWS} spare rows [{L * B}, {H}, {WINDOW}, {T}]",
+             lambda: tracker._update_decode(attn, pos, 5, state), tracker_spare, 3),
             (f"snapkv window update [{L * B}, {H}, 64, {T}]", snapkv_before, snapkv_after, 3)]
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from learnkv.sliding_rows import laid_out, push_row, window_view
+
 FEATURE_VERSION = 1
 
 FEATURES: tuple[str, ...] = (
@@ -42,6 +44,8 @@ FEATURES: tuple[str, ...] = (
 )
 N_FEATURES = len(FEATURES)
 WINDOW = 16
+#: the learned policy's tracker keeps its window among WINDOW + SPARE_ROWS rows on the torch path (`spare_rows`)
+SPARE_ROWS = 8
 SINKS = 4
 #: the names of the tracker's per-token state tensors (what `FeatureTracker.update` keeps; the Triton kernel
 #: `kernels.features` updates the same ones)
@@ -72,6 +76,10 @@ class FeatureTracker:
 
     n_layers: int
     cache_norms: bool = False
+    #: the window's ``WINDOW`` rows kept among ``WINDOW + spare_rows`` (`learnkv.sliding_rows`: a decode step writes
+    #: one row instead of moving ``WINDOW``); 0, its rows in order, is what the Triton kernel, trace recording and
+    #: the serving runtime hold
+    spare_rows: int = 0
 
     def update(self, attn: Tensor, positions: Tensor, n_new: int, step: int, state: dict[str, Tensor]) -> None:
         """Fold the step's attention ``attn [B, H, G, q, T]`` into ``state`` (with ``cache_norms``, the new slots'
@@ -82,7 +90,7 @@ class FeatureTracker:
         if self.cache_norms:
             self._mark_new_norms(positions, n_new, state)
         if "f.acc" in state and n_new == 1:
-            self._update_decode(attn, positions, step, state)
+            self._update_decode(attn, positions, step, state, self.spare_rows)
             return
         mean_rows = attn.mean(dim=2)  # [B, H, q, T]
         if "f.acc" not in state:
@@ -95,8 +103,9 @@ class FeatureTracker:
         state["f.acc"] = state["f.acc"] + mean_rows.sum(dim=2)
         state["f.acc_sq"] = state["f.acc_sq"] + (mean_rows * mean_rows).sum(dim=2)
         state["f.count"] = state["f.count"] + seen.sum(-1)
-        win = torch.cat([state["f.win"], mean_rows[:, :, -WINDOW:, :]], dim=2)
-        state["f.win"] = win[:, :, -WINDOW:, :]
+        spare = self.spare_rows
+        win = torch.cat([window_view(state["f.win"], WINDOW, spare, step - 1), mean_rows[:, :, -WINDOW:, :]], dim=2)
+        state["f.win"] = laid_out(win[:, :, -WINDOW:, :], spare, step)
         if step == 0:
             return
         # recurrence: "high" = above-uniform attention over the visible tokens, from any head of the group
@@ -139,18 +148,23 @@ class FeatureTracker:
         return out[0], out[1]
 
     @staticmethod
-    def _update_decode(attn: Tensor, positions: Tensor, step: int, state: dict[str, Tensor]) -> None:
+    def _update_decode(attn: Tensor, positions: Tensor, step: int, state: dict[str, Tensor], spare: int = 0) -> None:
         """`update` for one decode step, in place, in as few tensor ops as the arithmetic allows (on CPU every op
-        costs a dispatch): the same values as the general path."""
+        costs a dispatch): the same values as the general path (``spare``: `spare_rows`)."""
         valid = positions >= 0
         m = attn[:, :, :, -1, :].mean(dim=2)  # [B, H, T]
         state["f.acc"].add_(m)
         state["f.acc_sq"].addcmul_(m, m)
         state["f.count"].add_(valid & valid[..., -1:])  # the query is the newest slot: it sees every live one
         win = state["f.win"]
-        for j in range(win.shape[2] - 1):  # row by row, no overlap: no temporary copy of the window (~3x faster)
-            win[:, :, j] = win[:, :, j + 1]
-        win[:, :, -1] = m
+        if spare:
+            if win.shape[2] != WINDOW + spare:  # rows in order (another tracker's prefill): laid out once
+                win = state["f.win"] = laid_out(win, spare, step - 1)
+            push_row(win, m, WINDOW, spare, step)
+        else:
+            for j in range(win.shape[2] - 1):  # row by row, no overlap: no temporary copy of the window (~3x faster)
+                win[:, :, j] = win[:, :, j + 1]
+            win[:, :, -1] = m
         if step == 0:
             return
         n_visible = valid.sum(-1, keepdim=True).clamp(min=1)
@@ -174,9 +188,8 @@ class FeatureTracker:
         count = state["f.count"].clamp(min=1)
         mean = state["f.acc"] / count
         std = (state["f.acc_sq"] / count - mean * mean).clamp(min=0).sqrt()
-        win = state["f.win"]
         n_win = min(WINDOW, step + 1)
-        recent = win[:, :, -n_win:, :]
+        recent = window_view(state["f.win"], WINDOW, self.spare_rows, step)[:, :, -n_win:, :]
         n_ret = state["f.n_returns"]
         if NORMS[0] in state:
             key_norm, value_norm = self.fill_norms(keys, values, state)

@@ -20,7 +20,8 @@ from kernels.reference import gather_tokens_reference, select_keep_reference
 from learnkv.attention import learnkv_attention
 from learnkv.policies import make_policy
 from learnkv.policies.base import LayerView
-from learnkv.policies.snapkv import SPARE_ROWS, window_rows
+from learnkv.policies.snapkv import SPARE_ROWS
+from learnkv.sliding_rows import window_view
 
 # -- the driver: one cache layer, by hand -----------------------------------------------------------------------
 
@@ -258,7 +259,7 @@ def run_snapkv(spec_edge):
                     assert len(cached) == budget and set(cached) >= recent(queries, window)
             ref[h] = cached
             assert kept_positions(cache, 0, h) == cached, f"step {step} h{h}"
-            rows = window_rows(cache.state["window_attn"], window, step)[0, h].tolist()  # the last queries' rows
+            rows = window_view(cache.state["window_attn"], window, SPARE_ROWS, step)[0, h].tolist()  # the last queries' rows
             assert len(rows) == len(queries)
             for row, q in zip(rows, queries):
                 assert row == pytest.approx([a[0][h][q][p] for p in cached], abs=1e-7)

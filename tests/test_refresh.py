@@ -33,8 +33,8 @@ DECODES = [  # slack, refresh, prefill policy, interval (2, 3: lagged, so the ca
 ]
 
 
-def before_tracker(n_layers, cache_norms=False):
-    """The tracker as the learned policy built it before the norms were cached."""
+def before_tracker(n_layers, cache_norms=False, spare_rows=0):
+    """The tracker as the learned policy built it before the norms were cached and its window had spare rows."""
     return FeatureTracker(n_layers)
 
 

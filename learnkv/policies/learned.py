@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 import kernels
-from learnkv.features import NORMS, FeatureTracker
+from learnkv.features import NORMS, SPARE_ROWS, FeatureTracker
 from learnkv.fields import setting
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import POOLING
@@ -134,8 +134,10 @@ class Learned(Policy):
     def _loaded(self, view: LayerView) -> Decoding:
         if self.decoding is None:
             model, manifest = load_scorer(self.scorer, expect_kv_heads=view.positions.shape[1])
-            # the key and value norms computed once per token, at its first read-out (`FeatureTracker`)
-            self.decoding = Decoding(model, FeatureTracker(manifest["n_layers"], cache_norms=True))
+            # the key and value norms computed once per token, at its first read-out (`FeatureTracker`); on the
+            # torch path the window among spare rows (the Triton kernel keeps its rows in order)
+            spare = 0 if kernels.use_triton(view.positions) else SPARE_ROWS
+            self.decoding = Decoding(model, FeatureTracker(manifest["n_layers"], cache_norms=True, spare_rows=spare))
         if view.layer >= self.decoding.scorer.n_layers:
             raise ValueError(f"scorer {self.scorer!r} has {self.decoding.scorer.n_layers} layers; the model has more")
         return self.decoding

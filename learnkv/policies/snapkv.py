@@ -10,9 +10,10 @@ from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
 from learnkv.fields import setting
+from learnkv.sliding_rows import laid_out, push_row, window_view
 
 DEFAULT_WINDOW = 64
-#: the window's state holds this many rows beyond the window, so a decode step writes one row instead of moving W
+#: the window's state holds this many rows beyond the window (`learnkv.sliding_rows`): a decode step writes one row
 SPARE_ROWS = 16
 
 
@@ -72,26 +73,17 @@ class SnapKV(Policy):
     def update(self, view: LayerView) -> None:
         rows = view.attn  # [B, H, W, T]; the cache zero-padded old rows for new slots (causally exact)
         W, buf = self.obs_window, view.state.get("window_attn")
-        phase = view.step % (SPARE_ROWS + 1)
         if buf is not None and buf.shape[2] == W + SPARE_ROWS and rows.shape[2] == 1:
-            # a decode step on a full window, in place in the cache's buffer: the window moves down one row, and
-            # every SPARE_ROWS + 1 steps back to the top (shifting all W rows every step cost a third of SnapKV's
-            # eviction at 1.5k slots, bench/RESULTS.md); row by row (each destination row before its source: no overlap)
-            if phase == 0:
-                for j in range(W - 1):
-                    buf[:, :, j] = buf[:, :, SPARE_ROWS + 1 + j]
-            buf[:, :, phase + W - 1] = rows[:, :, 0]
+            push_row(buf, rows[:, :, 0], W, SPARE_ROWS, view.step)  # a decode step on a full window, in place
             return
         # the prefill, a window still filling, or a step of several queries: the rows in order, then laid out
-        window = rows if buf is None else torch.cat([window_rows(buf, W, view.step - 1), rows], dim=2)
+        window = rows if buf is None else torch.cat([window_view(buf, W, SPARE_ROWS, view.step - 1), rows], dim=2)
         window = window[:, :, -W:]
-        if window.shape[2] == W:
-            window = torch.cat([window.new_zeros(*window.shape[:2], phase, window.shape[3]), window,
-                                window.new_zeros(*window.shape[:2], SPARE_ROWS - phase, window.shape[3])], dim=2)
-        view.state["window_attn"] = window
+        view.state["window_attn"] = laid_out(window, SPARE_ROWS, view.step) if window.shape[2] == W else window
 
     def score(self, view: LayerView) -> Tensor:
-        attn, positions = window_rows(view.state["window_attn"], self.obs_window, view.step), view.positions
+        attn = window_view(view.state["window_attn"], self.obs_window, SPARE_ROWS, view.step)
+        positions = view.positions
         if not self.row_windows:
             return self._score(attn, self.obs_window, positions)
         scores = attn.new_empty(attn.shape[0], attn.shape[1], attn.shape[3])
@@ -111,18 +103,6 @@ class SnapKV(Policy):
         top = pooled.amax(dim=-1, keepdim=True) if n_prefix else s.new_zeros(B, H, 1)
         scores = torch.cat([pooled, top.expand(B, H, T - n_prefix)], dim=-1)
         return scores if dest is None else scores.gather(-1, dest.clamp(max=T - 1))
-
-
-def window_rows(state: Tensor, window: int, step: int) -> Tensor:
-    """``[B, H, n, T]``: the attention rows of the window after step ``step``, oldest first, from SnapKV's
-    ``window_attn`` state. A full window is kept among ``window + SPARE_ROWS`` rows, from row
-    ``step % (SPARE_ROWS + 1)`` on (`SnapKV.update`), so a decode step writes one row; a window still filling
-    (fewer than ``window`` rows) is its rows in order. The view reduces as a contiguous tensor would, bit for bit
-    (its mean sums the same rows in the same order; tests/test_scoring_speed.py)."""
-    if state.shape[2] != window + SPARE_ROWS:
-        return state
-    first = step % (SPARE_ROWS + 1)
-    return state[:, :, first : first + window]
 
 
 def live_order(s: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
