@@ -17,7 +17,7 @@ import torch
 
 from conftest import params_for, random_ids
 from learnkv import generate
-from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker, token_norms
+from learnkv.features import NORMS, SPARE_ROWS, STATE, WINDOW, FeatureTracker, token_norms
 from learnkv.policies import learned
 from learnkv.scorer.model import Scorer
 
@@ -44,7 +44,7 @@ def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_
     left padding), and every feature tensor the policy computed (in order)."""
     if not cached:
         monkeypatch.setattr(learned, "FeatureTracker", before_tracker)
-    feats, slots, checked = [], [], []
+    feats, slots, checked, window_rows = [], [], [], set()
     real = FeatureTracker.features
 
     def record(self, *args, **kwargs):
@@ -54,6 +54,7 @@ def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_
 
     def observe(cache):
         slots.append([layer.positions.clone() for layer in cache.layers])
+        window_rows.update(layer.state["f.win"].shape[2] for layer in cache.layers if "f.win" in layer.state)
         if not check_norms:
             return
         for layer in cache.layers:
@@ -77,6 +78,8 @@ def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_
     monkeypatch.undo()
     if check_norms:
         assert sum(checked) > 0
+    # the learned policy's tracker keeps its window among spare rows (`learnkv.sliding_rows`); the one before did not
+    assert window_rows == ({WINDOW + SPARE_ROWS} if cached else {WINDOW}), window_rows
     return slots, feats
 
 
