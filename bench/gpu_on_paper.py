@@ -22,10 +22,11 @@ G query heads per KV head and S slots held (budget + slack / 2 on average: dead 
   the score: 12 + 8.
 - StreamingLLM's score: positions read, fp32 score written: 12.
 - the learned policy's features (`kernels.decode_features`): attention G * 4, positions twice 16, 8 state tensors
-  read and written 64, the 16-row window shifted (15 rows read, 16 written) 124, the key and value norms cached per
-  slot read 8 (K and V are read for the new slot only; before issue 43's refresh pass, in full: 2 * 2D),
-  19 fp32 features written 76; then the scorer (`kernels.scorer_mlp`) reads the features and writes a
-  score: 80.
+  read and written 64, the 16-row window kept among 8 spare rows (`learnkv.sliding_rows`: its 15 surviving rows
+  read, the new one written, and every 9th step the 15 moved back to the top: 60 + 4 + 60 / 9 = 70.7; shifted in
+  place before, 15 read and 16 written, 124), the key and value norms cached per slot read 8 (K and V are read for
+  the new slot only; before issue 43's refresh pass, in full: 2 * 2D), 19 fp32 features written 76; then the
+  scorer (`kernels.scorer_mlp`) reads the features and writes a score: 80.
 - selection (`kernels.select_keep`, every step once over the budget): priorities from scores and positions (read
   twice) written as int64 keys, 4 + 16 + 8; a radix select reading the keys once per 4-bit digit of
   (32 + index bits) and once more to write the kept indices: 8 * (passes + 1) + 8.
@@ -48,6 +49,9 @@ import math
 from dataclasses import dataclass
 
 HBM_H100 = 3.35e12  # bytes/s, H100 SXM
+#: the learned policy's feature window and its spare rows (`learnkv.features.WINDOW`, `SPARE_ROWS`; this script
+#: imports no torch: tests/test_bench.py checks they agree)
+WINDOW, SPARE_ROWS = 16, 8
 
 
 @dataclass(frozen=True)
@@ -101,8 +105,10 @@ def per_slot_bytes(policy: str, m: Model, slots: int, slack: int, fixed: bool = 
         return {"attention": fused, "score": 12 + 8, **evict, "compaction": 2 * (kv + 8 + 4) / slack}
     if policy == "learned":
         norms = 8  # two fp32 norms cached per slot, read instead of K and V (`learnkv.features.NORMS`)
-        features = 4 * G + 16 + 64 + 124 + norms + 76
-        channels = 8 + 16 + 2  # the tracker's state: 8 [B, H, T] tensors, the 16-row window, the 2 norms
+        rows = WINDOW + SPARE_ROWS  # the tracker's window among its spare rows
+        window = 4 * (WINDOW - 1) + 4 + 4 * (WINDOW - 1) / (SPARE_ROWS + 1)
+        features = 4 * G + 16 + 64 + window + norms + 76
+        channels = 8 + rows + 2  # the tracker's state: 8 [B, H, T] tensors, the window's rows, the 2 norms
         attention = fused + 4 * G if fixed else kv + 28 * G + 9
         return {"attention": attention, "score": features + 80, **evict,
                 "compaction": 2 * (kv + 8 + 4 * channels) / slack}  # fmt: skip

@@ -4,8 +4,10 @@ in one launch per layer (`kernels.reference.decode_features_reference`).
 The torch tracker costs dozens of small launches per layer and step (running sums, a torch.cat window shift,
 the recurrence counters, ~20 ops for the features). Here program ``(b * H + h, chunk)`` owns ``BLOCK_T`` slots of
 one row: it scans the row's positions once for the visible-token count and the current position, updates every
-``f.*`` state tensor of its slots in place (the window shifted row by row, so ``f.win [B, H, WINDOW, T]`` keeps
-its layout and the torch tracker can take over mid-run), and writes the slots' ``[F]`` features.
+``f.*`` state tensor of its slots in place (the window shifted row by row in ``f.win [B, H, WINDOW, T]``, or, kept
+among spare rows as the learned policy's tracker keeps it, ``[B, H, WINDOW + spare, T]``, only the new row written
+but when the window moves back to the top: either way the layout the torch tracker keeps, so it can take over
+mid-run), and writes the slots' ``[F]`` features.
 
 The key and value norms: where the state holds them (`learnkv.features.NORMS`, a tracker with ``cache_norms``, as
 the learned policy's), the kernel reads each slot's cached norm (4 bytes) instead of its key and value (``2 D``
@@ -31,6 +33,7 @@ from triton.language.extra import libdevice
 
 from kernels.nanmax import fmax
 from learnkv.features import FEATURES, NORMS, SINKS, STATE, WINDOW
+from learnkv.sliding_rows import first_row
 
 # the column order the kernel writes; checked against the feature list so a change there cannot go unnoticed
 _ORDER = (
@@ -72,11 +75,11 @@ def _sq_norm(base, slot, m, s_t, s_d, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.cons
 def _decode_features_kernel(
     attn_ptr, key_ptr, val_ptr, pos_ptr,
     acc_ptr, sq_ptr, cnt_ptr, lh_ptr, nr_ptr, si_ptr, li_ptr, mi_ptr, win_ptr, kn_ptr, vn_ptr, out_ptr,
-    H, T, G, DK, DV, w_first, g_f, n_win_f, step_f, layer_f,
+    H, T, G, DK, DV, w_first, w_old, w_new, g_f, n_win_f, step_f, layer_f,
     sa_b, sa_h, sa_g, sa_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_h, sp_t,
     ss_b, ss_h, ss_t, sw_b, sw_h, sw_w, sw_t, so_b, so_h, so_t, so_f,
     WIN: tl.constexpr, N_SINK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
-    CACHED_NORMS: tl.constexpr,
+    CACHED_NORMS: tl.constexpr, REWRITE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     b = (row // H).to(tl.int64)
@@ -119,9 +122,12 @@ def _decode_features_kernel(
     count = tl.load(cnt_ptr + st, mask=m) + seen.to(tl.float32)
     tl.store(cnt_ptr + st, count, mask=m)
 
-    # -- update: the window moves up one row, the step's mean enters last. Each slot's column is read and written
-    # by the same lanes in row order, so the in-place shift reads every old row before it is overwritten.
-    # The statistics of its last n_win rows come along: sequential sum, max, Welford's mean and M2.
+    # -- update: the window moves up one row, the step's mean enters last. Its rows start at row w_old (before the
+    # step) and w_new (after): the same rows in order (no spare rows, both 0) or among spare rows
+    # (`learnkv.sliding_rows`), where they are rewritten only when the window moves back to the top (REWRITE), else
+    # only the new row is written. Each slot's column is read and written by the same lanes in row order, so an
+    # in-place move reads every old row before it is overwritten. The statistics of its last n_win rows come along:
+    # sequential sum, max, Welford's mean and M2.
     w_base = win_ptr + b * sw_b + h * sw_h + slot * sw_t
     w_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
     w_max = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
@@ -131,9 +137,11 @@ def _decode_features_kernel(
     for w in tl.static_range(WIN):
         if w == WIN - 1:
             x = a_mean
+            tl.store(w_base + (w_new + w) * sw_w, x, mask=m)
         else:
-            x = tl.load(w_base + (w + 1) * sw_w, mask=m, other=0.0)
-        tl.store(w_base + w * sw_w, x, mask=m)
+            x = tl.load(w_base + (w_old + w + 1) * sw_w, mask=m, other=0.0)
+            if REWRITE:
+                tl.store(w_base + (w_new + w) * sw_w, x, mask=m)
         if w >= w_first:
             w_k += 1.0
             w_sum += x
@@ -238,7 +246,8 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
         The decode step, >= 1 (the prefill stays on the torch tracker).
     state : dict[str, Tensor]
         The tracker's ``f.*`` fp32 state, updated in place: ``[B, H, T]`` tensors sharing one layout, and
-        ``f.win [B, H, WINDOW, T]``; with the cached norms (`learnkv.features.NORMS`, ``[B, H, T]`` in the same
+        ``f.win [B, H, WINDOW, T]`` or, among spare rows (`learnkv.sliding_rows`), ``[B, H, WINDOW + spare, T]``;
+        with the cached norms (`learnkv.features.NORMS`, ``[B, H, T]`` in the same
         layout) if the tracker keeps them (they are then read, and the new and unknown slots' written).
     block_t : int, optional
         Tuning (and tests): slots per program, a power of two.
@@ -269,9 +278,10 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
     layout = [s for s, n in zip(first.stride(), first.shape) if n > 1]  # a size-1 dim's stride is never used
     cached = NORMS[0] in state
     names = STATE + NORMS if cached else STATE
+    spare = max(state["f.win"].shape[2] - WINDOW, 0) if state["f.win"].ndim == 4 else 0  # else refused below
     for name in names:
         t = state[name]
-        shape = (B, H, WINDOW, T) if name == "f.win" else (B, H, T)
+        shape = (B, H, WINDOW + spare, T) if name == "f.win" else (B, H, T)
         same = name == "f.win" or [s for s, n in zip(t.stride(), t.shape) if n > 1] == layout
         if tuple(t.shape) != shape or t.dtype != torch.float32 or not same:
             raise ValueError(f"state {name!r} must be fp32 {shape} (the [B, H, T] ones with one layout), "
@@ -290,17 +300,18 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
     layer_f = float(torch.tensor(layer / max(n_layers - 1, 1), dtype=torch.float32))  # torch.full's fp32 value
     s = {n: state[n] for n in names}
     n_win = min(WINDOW, step + 1)  # the window rows filled so far, as the tracker counts them
+    w_old, w_new = (first_row(step - 1, spare), first_row(step, spare)) if spare else (0, 0)
     grid = (B * H, triton.cdiv(T, block_t))
     _decode_features_kernel[grid](
         attn, keys, values, positions,
         s["f.acc"], s["f.acc_sq"], s["f.count"], s["f.last_high"], s["f.n_returns"], s["f.sum_interval"],
         s["f.last_interval"], s["f.max_interval"], s["f.win"], s.get(NORMS[0], first), s.get(NORMS[1], first), out,
         H, T, attn.shape[2], keys.shape[-1], values.shape[-1],
-        WINDOW - n_win, float(attn.shape[2]), float(n_win), float(step), layer_f,
+        WINDOW - n_win, w_old, w_new, float(attn.shape[2]), float(n_win), float(step), layer_f,
         attn.stride(0), attn.stride(1), attn.stride(2), attn.stride(4), *keys.stride(), *values.stride(),
         *positions.stride(), *first.stride(), *s["f.win"].stride(), *out.stride(),
         WIN=WINDOW, N_SINK=SINKS, BLOCK_T=block_t, BLOCK_D=block_d, LIBDEVICE=positions.is_cuda, CACHED_NORMS=cached,
-        num_warps=warps,
+        REWRITE=w_new == 0, num_warps=warps,
         **LAUNCH_OPTIONS,
     )  # fmt: skip
     return out

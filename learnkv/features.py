@@ -44,7 +44,7 @@ FEATURES: tuple[str, ...] = (
 )
 N_FEATURES = len(FEATURES)
 WINDOW = 16
-#: the learned policy's tracker keeps its window among WINDOW + SPARE_ROWS rows on the torch path (`spare_rows`)
+#: the learned policy's tracker keeps its window among WINDOW + SPARE_ROWS rows (`FeatureTracker.spare_rows`)
 SPARE_ROWS = 8
 SINKS = 4
 #: the names of the tracker's per-token state tensors (what `FeatureTracker.update` keeps; the Triton kernel
@@ -77,8 +77,8 @@ class FeatureTracker:
     n_layers: int
     cache_norms: bool = False
     #: the window's ``WINDOW`` rows kept among ``WINDOW + spare_rows`` (`learnkv.sliding_rows`: a decode step writes
-    #: one row instead of moving ``WINDOW``); 0, its rows in order, is what the Triton kernel, trace recording and
-    #: the serving runtime hold
+    #: one row instead of moving ``WINDOW``; the learned policy's, and the Triton kernel takes either layout); 0,
+    #: its rows in order, is what trace recording and the serving runtime hold
     spare_rows: int = 0
 
     def update(self, attn: Tensor, positions: Tensor, n_new: int, step: int, state: dict[str, Tensor]) -> None:

@@ -93,3 +93,6 @@ def test_gpu_on_paper_counts():
     assert full["attention"] > 1.5 * flash["attention"]  # K read twice by kernels.decode_attention
     half = paper.step_bytes("h2o", m, 8, 32768, 0.5, 16)
     assert half["attention"] == pytest.approx(full["attention"] * (16384 + 8) / 32768)
+    from learnkv import features
+
+    assert (paper.WINDOW, paper.SPARE_ROWS) == (features.WINDOW, features.SPARE_ROWS)  # the learned window's rows

@@ -15,7 +15,8 @@ import torch
 
 from kernel_checks import assert_close, assert_compiles_for_h100, assert_nan_parity, gen, poisoned
 from kernels import reference as ref
-from learnkv.features import FEATURES, NORMS, STATE, WINDOW, FeatureTracker
+from learnkv.features import FEATURES, NORMS, SPARE_ROWS, STATE, WINDOW, FeatureTracker
+from learnkv.sliding_rows import laid_out, window_view
 
 pytest.importorskip("triton")
 from kernels.features import decode_features  # noqa: E402
@@ -85,7 +86,7 @@ def nan_views(state):
     views, buffers = {}, {}
     for name, t in state.items():
         if name == "f.win":
-            buf = torch.full((t.shape[0], t.shape[1], WINDOW + 1, t.shape[3]), float("nan"), device=DEVICE)
+            buf = torch.full((t.shape[0], t.shape[1], t.shape[2] + 1, t.shape[3]), float("nan"), device=DEVICE)
             view = buf[:, :, 1:]
         else:
             buf = torch.full((*t.shape[:-1], t.shape[-1] + 2), float("nan"), device=DEVICE)
@@ -95,9 +96,19 @@ def nan_views(state):
     return views, buffers
 
 
-def check(expected_state, state, expected_feats, feats, where=""):
+def window_rows(win, step):
+    """The window's rows in order after ``step``, whether ``win`` keeps them so or among spare rows."""
+    return window_view(win, WINDOW, win.shape[2] - WINDOW, step)
+
+
+def check(expected_state, state, expected_feats, feats, where="", step=None):
+    """The state and features against the reference's; with ``step``, the windows compared row by row in order
+    (one of the two may keep its rows among spare rows)."""
     for name in STATE:
-        if name in EXACT:
+        if name == "f.win" and step is not None:
+            assert_close(f"{where}{name}", window_rows(expected_state[name], step), window_rows(state[name], step),
+                         *STATE_TOL)
+        elif name in EXACT:
             assert torch.equal(state[name].cpu(), expected_state[name]), f"{where}{name} differs"
         else:
             assert_close(f"{where}{name}", expected_state[name], state[name], *STATE_TOL)
@@ -112,6 +123,25 @@ def test_decode_features(request, B, H, G, T, D, step, dtype, layout, block_t):
     attn, keys, values, pos, state = decode_inputs(g, B, H, G, T, D, step, dtype, layout)
     expected, feats = run_case(attn, keys, values, pos, step, state, layout, block_t)
     assert (expected[~(pos >= 0)] == 0).all() and (feats[~(pos >= 0).to(DEVICE)] == 0).all()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("step", [1, 3, 8, 9, 17, 18, 20])  # steps 9 and 18: the window moves back to the top
+def test_decode_features_window_among_spare_rows(request, step, layout):
+    """The window kept among spare rows, as the learned policy's tracker keeps it (`learnkv.sliding_rows`): the
+    kernel reads the rows where they are after the step before, writes the new one (and moves the window back to the
+    top when due) as the reference does, and reads nothing outside the window (the spare rows hold 100, which would
+    show in the window features)."""
+    g = gen(request.node.callspec.id)
+    attn, keys, values, pos, state = decode_inputs(g, 2, 2, 4, 13, 8, step, torch.float32, "contiguous")
+    win = laid_out(state["f.win"], SPARE_ROWS, step - 1)
+    outside = torch.ones(WINDOW + SPARE_ROWS, dtype=torch.bool)
+    first = (step - 1) % (SPARE_ROWS + 1)
+    outside[first : first + WINDOW] = False
+    win[:, :, outside] = 100.0
+    state["f.win"] = win
+    expected, feats = run_case(attn, keys, values, pos, step, state, layout, None)
+    assert (feats[..., FEATURES.index("win_max")] < 3.0).all()  # log1p(100 n) > 7: no spare row was read
 
 
 def run_case(attn, keys, values, pos, step, state, layout, block_t):
@@ -191,12 +221,14 @@ def test_decode_features_nan_parity():
     assert {"attn_gmax", "acc_std", "win_max", "win_std", "max_interval"} <= nan_features, nan_features
 
 
+@pytest.mark.parametrize("spare", [0, SPARE_ROWS], ids=["window", "spare-rows"])
 @pytest.mark.parametrize("cached", [False, True], ids=["norms-computed", "norms-cached"])
-def test_paths_take_turns_over_a_decode(cached):
+def test_paths_take_turns_over_a_decode(cached, spare):
     """Prefill with the tracker, then decode steps alternating kernel and reference on one growing state, against
     the tracker alone: either path can take over mid-run (same state layout), past the window filling up. With
     ``cached``, the tracker taking turns keeps the norms as state (the keys then persist from step to step, as a
-    cache's do) and the features are those of the tracker that computes them."""
+    cache's do) and the features are those of the tracker that computes them. With ``spare``, it keeps its window
+    among spare rows (the learned policy's layout), moving back to the top at steps 9 and 18."""
     g = gen("turns")
     B, H, G, T0, D = 2, 2, 4, 6, 4
     pos = torch.arange(T0).expand(B, H, T0).clone()
@@ -206,7 +238,7 @@ def test_paths_take_turns_over_a_decode(cached):
     tracker = FeatureTracker(N_LAYERS)
     g_kv = gen("turns-prefill-kv")  # not from g: the attention drawn below stays the case it was
     keys, values = torch.randn(B, H, T0, D, generator=g_kv), torch.randn(B, H, T0, D, generator=g_kv)
-    FeatureTracker(N_LAYERS, cache_norms=cached).update(attn, pos, T0, 0, mine)
+    FeatureTracker(N_LAYERS, cache_norms=cached, spare_rows=spare).update(attn, pos, T0, 0, mine)
     tracker.update(attn, pos, T0, 0, theirs)
     for step in range(1, WINDOW + 3):
         pos = torch.cat([pos, torch.full((B, H, 1), T0 + step - 1)], dim=-1)
@@ -229,9 +261,9 @@ def test_paths_take_turns_over_a_decode(cached):
             mine = {n: t.cpu() for n, t in on.items()}
         else:
             feats = ref.decode_features_reference(attn, keys, values, pos, 2, N_LAYERS, step, mine)
-        check(theirs, mine, expected, feats, where=f"step {step}: ")
+        check(theirs, mine, expected, feats, where=f"step {step}: ", step=step)
     assert theirs["f.n_returns"].sum() > 0, "no token ever came back: the recurrence went untested"
-    assert (NORMS[0] in mine) == cached
+    assert (NORMS[0] in mine) == cached and mine["f.win"].shape[2] == WINDOW + spare
 
 
 def test_decode_features_rejects_bad_arguments():
@@ -257,9 +289,10 @@ from kernels import features
 
 fn = features._decode_features_kernel
 floats = ("g_f", "n_win_f", "step_f", "layer_f")
-for kv, cached in (("*fp32", False), ("*bf16", False), ("*fp32", True), ("*bf16", True)):
+for kv, cached, rewrite in (("*fp32", False, True), ("*bf16", False, True), ("*fp32", True, True),
+                            ("*bf16", True, True), ("*fp32", True, False), ("*bf16", True, False)):
     consts = dict(WIN=16, N_SINK=4, BLOCK_T=features.CUDA_BLOCK_T, BLOCK_D=features.CUDA_BLOCK_D, LIBDEVICE=True,
-                  CACHED_NORMS=cached)
+                  CACHED_NORMS=cached, REWRITE=rewrite)
     types = {n: "fp32" if n in floats else "*fp32" for n in fn.arg_names if n in floats or n.endswith("_ptr")}
     types.update(key_ptr=kv, val_ptr=kv, pos_ptr="*i64")
     build(fn, consts, features.CUDA_WARPS, nan=True, options=features.LAUNCH_OPTIONS, **types)

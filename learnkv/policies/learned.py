@@ -134,10 +134,10 @@ class Learned(Policy):
     def _loaded(self, view: LayerView) -> Decoding:
         if self.decoding is None:
             model, manifest = load_scorer(self.scorer, expect_kv_heads=view.positions.shape[1])
-            # the key and value norms computed once per token, at its first read-out (`FeatureTracker`); on the
-            # torch path the window among spare rows (the Triton kernel keeps its rows in order)
-            spare = 0 if kernels.use_triton(view.positions) else SPARE_ROWS
-            self.decoding = Decoding(model, FeatureTracker(manifest["n_layers"], cache_norms=True, spare_rows=spare))
+            # the key and value norms computed once per token, at its first read-out, and the window among spare
+            # rows, one row written per decode step (`FeatureTracker`; the Triton kernel keeps the same layout)
+            tracker = FeatureTracker(manifest["n_layers"], cache_norms=True, spare_rows=SPARE_ROWS)
+            self.decoding = Decoding(model, tracker)
         if view.layer >= self.decoding.scorer.n_layers:
             raise ValueError(f"scorer {self.scorer!r} has {self.decoding.scorer.n_layers} layers; the model has more")
         return self.decoding
