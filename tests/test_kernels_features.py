@@ -126,7 +126,7 @@ def test_decode_features(request, B, H, G, T, D, step, dtype, layout, block_t):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
-@pytest.mark.parametrize("step", [1, 3, 8, 9, 17, 18, 20])  # steps 9 and 18: the window moves back to the top
+@pytest.mark.parametrize("step", [1, 9, 20])  # step 9: the window moves back to the top
 def test_decode_features_window_among_spare_rows(request, step, layout):
     """The window kept among spare rows, as the learned policy's tracker keeps it (`learnkv.sliding_rows`): the
     kernel reads the rows where they are after the step before, writes the new one (and moves the window back to the
