@@ -31,7 +31,9 @@ class LayerView:
     layer : int
         Decoder layer index.
     step : int
-        0 for the prefill, then 1, 2, ... for each decode step.
+        0 for the prefill, then 1, 2, ... for each decode step. The cache calls a policy's ``update`` at every step
+        (evicting or not), so state kept by step (SnapKV's window and the learned tracker's, `learnkv.sliding_rows`)
+        may count on seeing each step once, in order.
     keys, values : Tensor
         ``[B, H, T, D]`` as cached (keys after RoPE).
     positions : Tensor
