@@ -33,8 +33,7 @@ def one_drop_victims(scores: Tensor, positions: Tensor, keep, n_sink, n_recent,
     valid = positions >= 0
     # the reference's priorities on live slots (protected ones +inf; a protected slot is never dead), dead ones +inf
     # here so that the argmin finds the lowest live one
-    live_prio = scores.float().masked_fill(protected_slots(positions, n_sink, n_recent), float("inf"))
-    live_prio = live_prio.masked_fill(~valid, float("inf"))
+    live_prio = scores.float().masked_fill(protected_slots(positions, n_sink, n_recent) | ~valid, float("inf"))
     victim = live_prio.argmin(dim=-1, keepdim=True)  # [B, H, 1]: the lowest live priority, the oldest among ties
     # one synchronisation for every case the argmin would not reproduce (NaN > -inf is False too): a NaN or -inf
     # priority on a live slot, or a row whose every live slot is +inf (the argmin then lands on a dead slot)
