@@ -22,9 +22,9 @@ rounds, the side that goes first alternating; per round after / before, median [
 marking one dead slot per row (`kernels.cpu.select_keep_one_drop` + `learnkv.slots.mark_dead` before, the victims'
 argmin and one scatter after), the learned tracker's window shift ([240, 3, 16, 790], a temporary copy before, row by
 row after; tests/test_fast_paths.py keeps the replaced code), the tracker's whole decode update with its window
-shifted (before) or kept among `learnkv.features.SPARE_ROWS` spare rows (after), and SnapKV's 64-row window update of the 30 stacked
-layers (an in-place shift of its 64 rows before; one row written among 64 + `SPARE_ROWS` after, the window moving
-back to the top every 17 steps).
+shifted (before) or kept among `learnkv.features.SPARE_ROWS` spare rows (after), and SnapKV's 64-row window
+update of the 30 stacked layers (an in-place shift of its 64 rows before; one row written among 64 + `SPARE_ROWS`
+after, the window moving back to the top every 17 steps).
 
 ``--rkv`` and ``--refresh`` (issue 43 item 2, second pass), at a long decode's shapes (batch 8, SmolLM2's 3 KV heads
 of 64 dims, 1,500 cached slots): R-KV's redundancy of one layer, dense (`test_scoring_speed.redundancy_dense`, the

@@ -404,8 +404,8 @@ def decode_features_reference(
         The decode step (>= 1); the prefill, which creates the state, runs the tracker itself.
     state : dict[str, Tensor]
         The tracker's ``f.*`` state, updated (its entries rebound to the new tensors; ``f.win`` holds ``WINDOW``
-        rows, or the window among ``WINDOW + spare`` rows as `FeatureTracker.spare_rows` keeps it); with the cached norms
-        (`learnkv.features.NORMS`) if it holds them: the update marks the new slot's unknown, the read-out computes
+        rows, or the window among ``WINDOW + spare`` rows as `FeatureTracker.spare_rows` keeps it); with the
+        cached norms (`learnkv.features.NORMS`) if it holds them: the update marks the new slot's unknown, the read-out computes
         the unknown ones from their keys and values and reads the others.
 
     Returns
