@@ -300,7 +300,7 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
     layer_f = float(torch.tensor(layer / max(n_layers - 1, 1), dtype=torch.float32))  # torch.full's fp32 value
     s = {n: state[n] for n in names}
     n_win = min(WINDOW, step + 1)  # the window rows filled so far, as the tracker counts them
-    w_old, w_new = (first_row(step - 1, spare), first_row(step, spare)) if spare else (0, 0)
+    w_old, w_new = first_row(step - 1, spare), first_row(step, spare)  # both 0 without spare rows
     grid = (B * H, triton.cdiv(T, block_t))
     _decode_features_kernel[grid](
         attn, keys, values, positions,

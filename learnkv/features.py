@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from learnkv.sliding_rows import laid_out, push_row, window_view
+from learnkv.sliding_rows import appended, laid_out, push_row, window_view
 
 FEATURE_VERSION = 1
 
@@ -103,9 +103,7 @@ class FeatureTracker:
         state["f.acc"] = state["f.acc"] + mean_rows.sum(dim=2)
         state["f.acc_sq"] = state["f.acc_sq"] + (mean_rows * mean_rows).sum(dim=2)
         state["f.count"] = state["f.count"] + seen.sum(-1)
-        spare = self.spare_rows
-        win = torch.cat([window_view(state["f.win"], WINDOW, spare, step - 1), mean_rows[:, :, -WINDOW:, :]], dim=2)
-        state["f.win"] = laid_out(win[:, :, -WINDOW:, :], spare, step)
+        state["f.win"] = appended(state["f.win"], mean_rows, WINDOW, self.spare_rows, step)
         if step == 0:
             return
         # recurrence: "high" = above-uniform attention over the visible tokens, from any head of the group
@@ -157,14 +155,9 @@ class FeatureTracker:
         state["f.acc_sq"].addcmul_(m, m)
         state["f.count"].add_(valid & valid[..., -1:])  # the query is the newest slot: it sees every live one
         win = state["f.win"]
-        if spare:
-            if win.shape[2] != WINDOW + spare:  # rows in order (another tracker's prefill): laid out once
-                win = state["f.win"] = laid_out(win, spare, step - 1)
-            push_row(win, m, WINDOW, spare, step)
-        else:
-            for j in range(win.shape[2] - 1):  # row by row, no overlap: no temporary copy of the window (~3x faster)
-                win[:, :, j] = win[:, :, j + 1]
-            win[:, :, -1] = m
+        if win.shape[2] != WINDOW + spare:  # rows in order (another tracker's prefill): laid out once
+            win = state["f.win"] = laid_out(win, spare, step - 1)
+        push_row(win, m, WINDOW, spare, step)  # without spare rows, the in-place shift row by row (no temporary copy)
         if step == 0:
             return
         n_visible = valid.sum(-1, keepdim=True).clamp(min=1)

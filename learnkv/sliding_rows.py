@@ -5,7 +5,7 @@ Shifting W rows down at every decode step to append one rewrites the whole windo
 batch 8, SnapKV's 64 rows cost more than its scoring; bench/RESULTS.md). Kept among ``W + spare`` rows, the window
 instead moves down one row per step, written in place, and back to the top every ``spare + 1`` steps (one move of
 W - 1 rows): the window after step ``t`` is rows ``t % (spare + 1)`` to that + W, a view that reduces as a
-contiguous tensor of its rows would, bit for bit (tests/test_scoring_speed.py, tests/test_refresh.py). The owner of
+contiguous tensor of its rows would, bit for bit (tests/test_sliding_rows.py). The owner of
 the state calls `push_row` at every decode step, as the cache calls a policy's update at every step.
 """
 
@@ -37,6 +37,17 @@ def laid_out(rows: Tensor, spare: int, step: int) -> Tensor:
     first = first_row(step, spare)
     B, H, _, T = rows.shape
     return torch.cat([rows.new_zeros(B, H, first, T), rows, rows.new_zeros(B, H, spare - first, T)], dim=2)
+
+
+def appended(state: Tensor | None, rows: Tensor, window: int, spare: int, step: int) -> Tensor:
+    """The window after step ``step``: ``rows [B, H, q, T]`` (oldest first) appended to the window ``state`` held
+    after step ``step - 1`` (None: none yet), its last ``window`` rows kept; laid out among the spare rows once it is
+    full (`laid_out`), else its rows in order. The general path (a prefill, a window still filling, a step of several
+    queries); a decode step on a full window is `push_row`, in place."""
+    rows = rows[:, :, -window:]
+    if state is not None:
+        rows = torch.cat([window_view(state, window, spare, step - 1), rows], dim=2)[:, :, -window:]
+    return laid_out(rows, spare, step) if rows.shape[2] == window else rows
 
 
 def push_row(state: Tensor, row: Tensor, window: int, spare: int, step: int) -> None:

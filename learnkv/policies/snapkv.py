@@ -10,7 +10,7 @@ from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
 from learnkv.fields import setting
-from learnkv.sliding_rows import laid_out, push_row, window_view
+from learnkv.sliding_rows import appended, push_row, window_view
 
 DEFAULT_WINDOW = 64
 #: the window's state holds this many rows beyond the window (`learnkv.sliding_rows`): a decode step writes one row
@@ -76,10 +76,7 @@ class SnapKV(Policy):
         if buf is not None and buf.shape[2] == W + SPARE_ROWS and rows.shape[2] == 1:
             push_row(buf, rows[:, :, 0], W, SPARE_ROWS, view.step)  # a decode step on a full window, in place
             return
-        # the prefill, a window still filling, or a step of several queries: the rows in order, then laid out
-        window = rows if buf is None else torch.cat([window_view(buf, W, SPARE_ROWS, view.step - 1), rows], dim=2)
-        window = window[:, :, -W:]
-        view.state["window_attn"] = laid_out(window, SPARE_ROWS, view.step) if window.shape[2] == W else window
+        view.state["window_attn"] = appended(buf, rows, W, SPARE_ROWS, view.step)
 
     def score(self, view: LayerView) -> Tensor:
         attn = window_view(view.state["window_attn"], self.obs_window, SPARE_ROWS, view.step)
