@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 from kernels.nanmax import fmax
 from learnkv.features import FEATURES, NORMS, SINKS, STATE, WINDOW
-from learnkv.sliding_rows import first_row
+from learnkv.sliding_rows import first_row, in_rows
 
 # the column order the kernel writes; checked against the feature list so a change there cannot go unnoticed
 _ORDER = (
@@ -229,7 +229,8 @@ def _decode_features_kernel(
         tl.store(o_base + f * so_f, tl.where(valid, v, 0.0), mask=m)
 
 
-def decode_features(attn, keys, values, positions, layer: int, n_layers: int, step: int, state, *, block_t=None):
+def decode_features(attn, keys, values, positions, layer: int, n_layers: int, step: int, state, spare: int = 0, *,
+                    block_t=None):
     """Triton launcher of `kernels.reference.decode_features_reference` (same arguments, same effect).
 
     Parameters
@@ -249,6 +250,9 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
         ``f.win [B, H, WINDOW, T]`` or, among spare rows (`learnkv.sliding_rows`), ``[B, H, WINDOW + spare, T]``;
         with the cached norms (`learnkv.features.NORMS`, ``[B, H, T]`` in the same
         layout) if the tracker keeps them (they are then read, and the new and unknown slots' written).
+    spare : int
+        The tracker's `learnkv.features.FeatureTracker.spare_rows`; a window held in order is laid out once
+        (`learnkv.sliding_rows.in_rows`), as the tracker does.
     block_t : int, optional
         Tuning (and tests): slots per program, a power of two.
 
@@ -278,7 +282,8 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
     layout = [s for s, n in zip(first.stride(), first.shape) if n > 1]  # a size-1 dim's stride is never used
     cached = NORMS[0] in state
     names = STATE + NORMS if cached else STATE
-    spare = max(state["f.win"].shape[2] - WINDOW, 0) if state["f.win"].ndim == 4 else 0  # else refused below
+    if state["f.win"].ndim == 4:  # else refused below
+        state["f.win"] = in_rows(state["f.win"], WINDOW, spare, step - 1)
     for name in names:
         t = state[name]
         shape = (B, H, WINDOW + spare, T) if name == "f.win" else (B, H, T)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learnkv.features import NORMS, WINDOW, FeatureTracker
+from learnkv.features import NORMS, FeatureTracker
 
 
 def per_row(value, B: int, device=None) -> Tensor:
@@ -387,6 +387,7 @@ def decode_features_reference(
     n_layers: int,
     step: int,
     state: dict[str, Tensor],
+    spare: int = 0,
 ) -> Tensor:
     """One decode step of the learned policy's feature tracker: `FeatureTracker.update` then `.features`.
 
@@ -404,9 +405,11 @@ def decode_features_reference(
         The decode step (>= 1); the prefill, which creates the state, runs the tracker itself.
     state : dict[str, Tensor]
         The tracker's ``f.*`` state, updated (its entries rebound to the new tensors; ``f.win`` holds ``WINDOW``
-        rows, or the window among ``WINDOW + spare`` rows as `FeatureTracker.spare_rows` keeps it); with the
+        rows, or the window among ``WINDOW + spare`` rows as a tracker with ``spare_rows=spare`` keeps it); with the
         cached norms (`learnkv.features.NORMS`) if it holds them: the update marks the new slot's unknown, the read-out computes
         the unknown ones from their keys and values and reads the others.
+    spare : int
+        The tracker's `FeatureTracker.spare_rows` (`learnkv.sliding_rows`); a window held in order is laid out once.
 
     Returns
     -------
@@ -415,7 +418,6 @@ def decode_features_reference(
     """
     if attn.ndim != 5 or attn.shape[3] != 1 or step < 1:
         raise ValueError(f"a decode step: attn [B, H, G, 1, T] and step >= 1, got {tuple(attn.shape)}, step {step}")
-    spare = state["f.win"].shape[2] - WINDOW  # the window kept among spare rows (`learnkv.sliding_rows`) or not
     tracker = FeatureTracker(n_layers, cache_norms=NORMS[0] in state, spare_rows=spare)
     tracker.update(attn, positions, 1, step, state)
     return tracker.features(attn, keys, values, positions, layer, step, state)

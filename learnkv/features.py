@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from learnkv.sliding_rows import appended, laid_out, push_row, window_view
+from learnkv.sliding_rows import appended, in_rows, push_row, window_view
 
 FEATURE_VERSION = 1
 
@@ -154,9 +154,7 @@ class FeatureTracker:
         state["f.acc"].add_(m)
         state["f.acc_sq"].addcmul_(m, m)
         state["f.count"].add_(valid & valid[..., -1:])  # the query is the newest slot: it sees every live one
-        win = state["f.win"]
-        if win.shape[2] != WINDOW + spare:  # rows in order (another tracker's prefill): laid out once
-            win = state["f.win"] = laid_out(win, spare, step - 1)
+        win = state["f.win"] = in_rows(state["f.win"], WINDOW, spare, step - 1)
         push_row(win, m, WINDOW, spare, step)  # without spare rows, the in-place shift row by row (no temporary copy)
         if step == 0:
             return

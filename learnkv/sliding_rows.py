@@ -39,6 +39,12 @@ def laid_out(rows: Tensor, spare: int, step: int) -> Tensor:
     return torch.cat([rows.new_zeros(B, H, first, T), rows, rows.new_zeros(B, H, spare - first, T)], dim=2)
 
 
+def in_rows(state: Tensor, window: int, spare: int, step: int) -> Tensor:
+    """The window state after step ``step`` in ``window + spare`` rows: ``state`` itself, or laid out once
+    (`laid_out`) when it holds a full window's rows in order (a state another owner, without spare rows, created)."""
+    return laid_out(state, spare, step) if spare and state.shape[2] == window else state
+
+
 def appended(state: Tensor | None, rows: Tensor, window: int, spare: int, step: int) -> Tensor:
     """The window after step ``step``: ``rows [B, H, q, T]`` (oldest first) appended to the window ``state`` held
     after step ``step - 1`` (None: none yet), its last ``window`` rows kept; laid out among the spare rows once it is

@@ -140,23 +140,23 @@ def test_decode_features_window_among_spare_rows(request, step, layout):
     outside[first : first + WINDOW] = False
     win[:, :, outside] = 100.0
     state["f.win"] = win
-    expected, feats = run_case(attn, keys, values, pos, step, state, layout, None)
+    expected, feats = run_case(attn, keys, values, pos, step, state, layout, None, spare=SPARE_ROWS)
     assert (feats[..., FEATURES.index("win_max")] < 3.0).all()  # log1p(100 n) > 7: no spare row was read
 
 
-def run_case(attn, keys, values, pos, step, state, layout, block_t):
+def run_case(attn, keys, values, pos, step, state, layout, block_t, spare=0):
     """The kernel and the reference on one decode step (the kernel's state strided inside NaN buffers for the
     "strided" layout, a NaN-poisoned output), checked against each other (`check`) and for writes outside the
     state; returns the reference's and the kernel's features."""
     expected_state = {n: t.clone() for n, t in state.items()}
-    expected = ref.decode_features_reference(attn, keys, values, pos, 1, N_LAYERS, step, expected_state)
+    expected = ref.decode_features_reference(attn, keys, values, pos, 1, N_LAYERS, step, expected_state, spare)
     if layout == "strided":
         actual_state, buffers = nan_views(state)
     else:
         actual_state, buffers = {n: t.to(DEVICE) for n, t in state.items()}, {}
     tensors = [t.to(DEVICE) for t in (attn, keys, values, pos)]
     with poisoned():
-        feats = decode_features(*tensors, 1, N_LAYERS, step, actual_state, block_t=block_t)
+        feats = decode_features(*tensors, 1, N_LAYERS, step, actual_state, spare, block_t=block_t)
     check(expected_state, actual_state, expected, feats)
     for name in NORMS if NORMS[0] in state else ():
         assert (expected_state[name] >= 0).all()
@@ -221,14 +221,16 @@ def test_decode_features_nan_parity():
     assert {"attn_gmax", "acc_std", "win_max", "win_std", "max_interval"} <= nan_features, nan_features
 
 
-@pytest.mark.parametrize("spare", [0, SPARE_ROWS], ids=["window", "spare-rows"])
+@pytest.mark.parametrize("prefill_spare, spare", [(0, 0), (SPARE_ROWS, SPARE_ROWS), (0, SPARE_ROWS)],
+                         ids=["window", "spare-rows", "spare-rows-after-a-plain-prefill"])
 @pytest.mark.parametrize("cached", [False, True], ids=["norms-computed", "norms-cached"])
-def test_paths_take_turns_over_a_decode(cached, spare):
+def test_paths_take_turns_over_a_decode(cached, prefill_spare, spare):
     """Prefill with the tracker, then decode steps alternating kernel and reference on one growing state, against
     the tracker alone: either path can take over mid-run (same state layout), past the window filling up. With
     ``cached``, the tracker taking turns keeps the norms as state (the keys then persist from step to step, as a
     cache's do) and the features are those of the tracker that computes them. With ``spare``, it keeps its window
-    among spare rows (the learned policy's layout), moving back to the top at steps 9 and 18."""
+    among spare rows (the learned policy's layout), moving back to the top at steps 9 and 18; after a prefill that
+    kept it in order, the first decode step lays it out (either path)."""
     g = gen("turns")
     B, H, G, T0, D = 2, 2, 4, 6, 4
     pos = torch.arange(T0).expand(B, H, T0).clone()
@@ -238,7 +240,8 @@ def test_paths_take_turns_over_a_decode(cached, spare):
     tracker = FeatureTracker(N_LAYERS)
     g_kv = gen("turns-prefill-kv")  # not from g: the attention drawn below stays the case it was
     keys, values = torch.randn(B, H, T0, D, generator=g_kv), torch.randn(B, H, T0, D, generator=g_kv)
-    FeatureTracker(N_LAYERS, cache_norms=cached, spare_rows=spare).update(attn, pos, T0, 0, mine)
+    FeatureTracker(N_LAYERS, cache_norms=cached, spare_rows=prefill_spare).update(attn, pos, T0, 0, mine)
+    assert mine["f.win"].shape[2] == WINDOW + prefill_spare
     tracker.update(attn, pos, T0, 0, theirs)
     for step in range(1, WINDOW + 3):
         pos = torch.cat([pos, torch.full((B, H, 1), T0 + step - 1)], dim=-1)
@@ -257,10 +260,10 @@ def test_paths_take_turns_over_a_decode(cached, spare):
         expected = tracker.features(attn, keys, values, pos, 2, step, theirs)
         if step % 2:
             on = {n: t.to(DEVICE) for n, t in mine.items()}
-            feats = decode_features(*(t.to(DEVICE) for t in (attn, keys, values, pos)), 2, N_LAYERS, step, on)
+            feats = decode_features(*(t.to(DEVICE) for t in (attn, keys, values, pos)), 2, N_LAYERS, step, on, spare)
             mine = {n: t.cpu() for n, t in on.items()}
         else:
-            feats = ref.decode_features_reference(attn, keys, values, pos, 2, N_LAYERS, step, mine)
+            feats = ref.decode_features_reference(attn, keys, values, pos, 2, N_LAYERS, step, mine, spare)
         check(theirs, mine, expected, feats, where=f"step {step}: ", step=step)
     assert theirs["f.n_returns"].sum() > 0, "no token ever came back: the recurrence went untested"
     assert (NORMS[0] in mine) == cached and mine["f.win"].shape[2] == WINDOW + spare
@@ -280,6 +283,9 @@ def test_decode_features_rejects_bad_arguments():
     other = dict(state, **{"f.count": state["f.count"].transpose(0, 1).contiguous().transpose(0, 1)})
     with pytest.raises(ValueError, match="one layout"):
         decode_features(attn, keys, values, pos, 0, N_LAYERS, 3, other)
+    spare_rows = dict(state, **{"f.win": laid_out(state["f.win"], SPARE_ROWS, 2)})
+    with pytest.raises(ValueError, match="f.win"):  # a window among spare rows, passed as if it had none
+        decode_features(attn, keys, values, pos, 0, N_LAYERS, 3, spare_rows)
     with pytest.raises(ValueError, match="step >= 1"):
         ref.decode_features_reference(attn, keys, values, pos, 0, N_LAYERS, 0, dict(state))
 

@@ -149,7 +149,8 @@ class Learned(Policy):
             # one launch updates the state and computes the features; `score`, which the cache calls right after
             # this update when it evicts or refreshes, takes them from here (only the latest layer's are kept)
             feats = kernels.decode_features(view.attn, view.keys, view.values, view.positions, view.layer,
-                                            run.tracker.n_layers, view.step, view.state)  # fmt: skip
+                                            run.tracker.n_layers, view.step, view.state,
+                                            run.tracker.spare_rows)  # fmt: skip
             run.fused = (view.layer, view.step, view.positions, feats)
         else:
             run.tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
