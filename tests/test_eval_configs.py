@@ -12,6 +12,7 @@ from evaluate import parse_args, spec_of
 from learnkv.eval import checkpoint
 from learnkv.eval.checkpoint import PARTIAL, grid_identity
 from learnkv.model import DEFAULT_MODEL
+from learnkv.prompts import load_prompts
 from conftest import scorer_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +110,28 @@ def test_qwen_gsm8k_config_asks_what_issue_39_item_3_asks():
     assert learned.params["scorer"] == "docs/results/train-qwen/round-1/scorer" and spec.compare == "learned"
 
 
-@pytest.mark.parametrize("name", ["long-chain-smollm2.yaml", "chain-accuracy-qwen.yaml", "gsm8k-accuracy-qwen.yaml"])
+def test_qwen_chain_fidelity_config_is_the_accuracy_tables_subset_teacher_forced():
+    """configs/chain-fidelity-qwen.yaml, issue 39's fidelity column: the accuracy table's first 8 prompts (same
+    source, split, seed and chain settings), its policies, budgets, prefill compression and slack, teacher-forced
+    (the fidelity task: KL along the full cache's output), compared with learned."""
+    fid = parse_args(["--config", str(ROOT / "configs" / "chain-fidelity-qwen.yaml")])
+    acc = parse_args(["--config", str(ROOT / "configs" / "chain-accuracy-qwen.yaml")])
+    f_spec, a_spec = spec_of(fid), spec_of(acc)
+    task, chain = f_spec.tasks[0], a_spec.tasks[0]
+    assert task.name == "fidelity" and task.source == "chain" and task.split == "test"
+    # the fidelity task loads the chain source with its default settings: the chain task's, so the same prompts
+    settings = dict(n_problems=chain.n_problems, n_facts=chain.n_facts, linked_share=chain.linked_share,
+                    fact_share=chain.fact_share)
+    assert load_prompts("chain", n=8, seed=0, split="test") == load_prompts("chain", n=8, seed=0, split="test", **settings)
+    assert task.max_new_tokens == chain.max_new_tokens and f_spec.limit == 8 and a_spec.batch_size % 8 == 0
+    assert fid.model == acc.model and fid.prefill_policy == acc.prefill_policy and fid.slack == acc.slack
+    assert sorted(f_spec.budgets) == sorted(a_spec.budgets) and f_spec.batch_budgets and f_spec.compare == "learned"
+    assert set(f_spec.policies) == set(a_spec.policies) | {"learned"}
+    assert fid.scorer == "docs/results/train-qwen/round-1/scorer"
+
+
+@pytest.mark.parametrize("name", ["long-chain-smollm2.yaml", "chain-accuracy-qwen.yaml", "gsm8k-accuracy-qwen.yaml",
+                                  "chain-fidelity-qwen.yaml"])
 def test_a_long_table_keeps_its_records_in_git_and_they_are_a_run_of_its_config(name):
     """The long tables outlive a machine (runs/ is not kept between sessions): their configs write into docs/results/,
     whose records git keeps and whose batch references (~1 GB a prompt) it ignores. Committed records must be a run of
