@@ -6,6 +6,7 @@
     python bench/scoring_ab.py --refresh   # the learned policy's refresh of one layer: torch.std's window std or not,
                                            # and the key/value norms recomputed or cached (with the scorer in place)
     python bench/scoring_ab.py --profile   # where those two spend their time (torch.profiler, per op)
+    python bench/scoring_ab.py --stacked-refresh  # the refresh's feature read-out layer by layer or all 30 at once
     python bench/scoring_ab.py --rkv-model # R-KV's redundancy on SmolLM2's own keys (a batch-8 prefill; minutes)
     python bench/scoring_ab.py --refresh-model  # the learned policy's eviction time over a SmolLM2 decode (minutes)
     python bench/scoring_ab.py --refresh-model --unpadded --rounds 4  # the same on 4 unpadded 400-token prompts
@@ -25,6 +26,12 @@ row after; tests/test_fast_paths.py keeps the replaced code), the tracker's whol
 shifted (before) or kept among `learnkv.features.SPARE_ROWS` spare rows (after), and SnapKV's 64-row window
 update of the 30 stacked layers (an in-place shift of its 64 rows before; one row written among 64 + `SPARE_ROWS`
 after, the window moving back to the top every 17 steps).
+
+``--stacked-refresh``: what a refresh would save by reading out the features of all 30 layers in one call (one
+``[30 x 8, 3, 790]`` `FeatureTracker.features`, as the stacked decode step updates the tracker) instead of one
+``[8, 3, 790]`` call per layer (how the cache's refresh calls `score`): the same features bit for bit (checked, the
+``layer`` column aside, which a stacked call would take per row), a tracker state after 11 decode steps with dead
+slots in every fifth row, the norms cached.
 
 ``--rkv`` and ``--refresh`` (issue 43 item 2, second pass), at a long decode's shapes (batch 8, SmolLM2's 3 KV heads
 of 64 dims, 1,500 cached slots): R-KV's redundancy of one layer, dense (`test_scoring_speed.redundancy_dense`, the
@@ -325,6 +332,39 @@ def refresh_cases(g) -> list:
              norms_after, 3)]
 
 
+def stacked_refresh_cases(g) -> list:
+    """The ``--stacked-refresh`` case: 30 layers' feature read-out, layer by layer or in one stacked call."""
+    L, (B, H, T, D) = 30, (8, 3, 790, 64)
+    tracker = FeatureTracker(L, cache_norms=True, spare_rows=FEATURE_SPARE_ROWS)
+    pos = torch.arange(T).expand(L * B, H, T).clone()
+    pos[::5, :, :17] = -1
+    state = {}
+    tracker.update(torch.rand(L * B, H, 3, 8, T, generator=g).softmax(-1), pos, 8, 0, state)
+    for step in range(1, 12):
+        attn = torch.rand(L * B, H, 3, 1, T, generator=g) ** 4
+        attn = attn / attn.sum(-1, keepdim=True)
+        tracker.update(attn, pos, 1, step, state)
+    keys, values = torch.randn(L * B, H, T, D, generator=g), torch.randn(L * B, H, T, D, generator=g)
+    tracker.fill_norms(keys, values, state)
+    rows = [slice(layer * B, (layer + 1) * B) for layer in range(L)]
+
+    def by_layer():
+        return [tracker.features(attn[r], keys[r], values[r], pos[r], layer, step, {n: t[r] for n, t in state.items()})
+                for layer, r in enumerate(rows)]
+
+    def stacked():
+        return tracker.features(attn, keys, values, pos, 0, step, state)
+
+    column = features.FEATURES.index("layer")
+    whole = stacked()
+    for layer, (r, one) in enumerate(zip(rows, by_layer())):
+        mine = whole[r].clone()
+        mine[..., column] = one[..., column]
+        assert torch.equal(mine, one), f"layer {layer}: the stacked read-out differs"
+    return [(f"learned feature read-out of {L} layers {[B, H, T]}: by layer (before), stacked (after)", by_layer,
+             stacked, 2)]
+
+
 def profile(g) -> None:
     """``--profile``: the ops R-KV's redundancy (dense, blockwise) and the learned refresh spend their time in."""
     from torch.profiler import ProfilerActivity
@@ -391,6 +431,9 @@ def main() -> None:
     if "--refresh-model" in args:
         rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 3
         refresh_model_rounds(rounds, unpadded="--unpadded" in args, same="--same" in args)
+        return
+    if "--stacked-refresh" in args:
+        run(stacked_refresh_cases(g))
         return
     if "--step" in args or "--rkv" in args or "--refresh" in args:
         run([*(step_cases(g) if "--step" in args else []), *(rkv_cases(g) if "--rkv" in args else []),

@@ -457,12 +457,18 @@ def test_the_bar_counts_the_tokens_of_every_decode_as_they_come(tiny, monkeypatc
     assert "tokens=" not in out.getvalue()  # not yet due
     hook(0, redraw=True)
     assert "tokens=5" in out.getvalue()
+    hook(0, doing="h2o at 0.5")  # drawn at once, and kept on the later redraws
+    last = out.getvalue().split("\r")[-1]
+    assert "doing=h2o at 0.5" in last and "tokens=5" in last
+    hook(1, redraw=True)
+    last = out.getvalue().split("\r")[-1]
+    assert "doing=h2o at 0.5" in last and "tokens=6" in last
     counted = []
     real = run_module.token_counter
 
     def recording(bar, every_s):
         inner = real(bar, every_s)
-        return lambda n: (counted.append(n), inner(n))
+        return lambda n, **kw: (counted.append(n), inner(n, **kw))
 
     monkeypatch.setattr(run_module, "token_counter", recording)
     spec = build_spec("full,h2o", "0.5", "fidelity", max_new_tokens=6, batch_size=2)
@@ -954,6 +960,8 @@ def test_ci_command_writes_results_table_and_plots(tmp_path):
     assert len(list(tmp_path.glob("fidelity_*.png"))) == len(FIDELITY) + 4
     # into a pipe (a log file) the bar still reports, at its start and end at least
     assert "fidelity: 100%" in out.stderr and "tok_s=" in out.stderr, out.stderr[-2000:]
+    # and what is under way, from before its prefill: the reference, then each policy at its budgets
+    assert "doing=full-cache reference of 4 prompts" in out.stderr and "doing=lazy at 128" in out.stderr
 
 
 @pytest.mark.slow

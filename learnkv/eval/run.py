@@ -386,7 +386,7 @@ class _TaskGrid:
         self.bar = tqdm(total=n_prompts * self.runs_per_prompt, desc=task.name, unit="run",
                         disable=not sys.stderr.isatty() if progress is None else not progress,
                         mininterval=redraw_s, file=sys.stderr)
-        task.on_step = token_counter(self.bar, every_s=redraw_s)  # live tokens and tok/s inside long decodes
+        task.on_step = self.counter = token_counter(self.bar, every_s=redraw_s)  # live tokens, tok/s, what runs
 
     def keep(self, run_b: tuple, ids: list[str], metrics: list, row_costs: list, params: dict | None) -> None:
         """File one (policy, budget)'s per-prompt metrics and costs for a batch of prompts under their ids."""
@@ -419,7 +419,8 @@ class _TaskGrid:
         full-cache references (read back, or decoded once), stored as each finishes."""
         task, spec, ids = self.task, self.spec, [s.id for s in batch]
         ref_identity = checkpoint.reference_identity(self.model_name, task, ids)
-        refs = self.resume.references(ref_identity, lambda: task.reference_batch(self.model, self.tokenizer, batch))
+        refs = self.resume.references(ref_identity, lambda: self._doing(
+            f"full-cache reference of {len(batch)} prompts", task.reference_batch, self.model, self.tokenizer, batch))
         self.bar.update(len(batch))
         finals = [task.final_length(s, r) for s, r in zip(batch, refs)]
         done = {}  # (label, budget tokens per row) -> (metrics, costs, params): full once, equal budgets once
@@ -446,8 +447,12 @@ class _TaskGrid:
         for b, tokens, key, entry in plan:
             if entry is None and key not in done and key not in have:
                 todo.setdefault(key, (b, tokens))
-        decoded = dict(zip(todo, _decode(self.model, self.tokenizer, self.task, self.spec, run, batch, refs,
-                                         list(todo.values())))) if todo else {}
+        if todo:
+            doing = f"{run.label} at {', '.join(str(b) for b, _ in todo.values())}"
+            decoded = dict(zip(todo, self._doing(doing, _decode, self.model, self.tokenizer, self.task, self.spec,
+                                                 run, batch, refs, list(todo.values()))))
+        else:
+            decoded = {}
         for b, _, key, entry in plan:
             result = _stored(entry) if entry is not None else done.get(key) or have.get(key) or decoded[key]
             if key not in done:
@@ -456,6 +461,12 @@ class _TaskGrid:
             if entry is None:
                 self.resume.store(self.task.name, ids, run.label, b, result)
             self.keep((run, b), ids, *result)
+
+    def _doing(self, what: str, work, *args):
+        """``work(*args)``, its name on the bar's postfix meanwhile (a prefill of many long prompts runs for minutes
+        before the first decode step moves the token count)."""
+        self.counter(0, doing=what)
+        return work(*args)
 
     def records(self, resume_dir) -> list[dict]:
         """One record per (policy, budget) with prompts finished at that budget."""
