@@ -26,6 +26,7 @@ from learnkv import attention
 from learnkv.model import cache_kwargs
 from learnkv.cache import BudgetCache, kept_per_step, max_kept
 from learnkv.capture import step_attention
+from learnkv.fisher import step_fisher
 from learnkv.memory import TRIM_EVERY, release_free_heap
 from learnkv.policies import Policy, make_policy
 from learnkv.settings import Eviction, resolve_budget
@@ -450,7 +451,8 @@ def observe(model, *, input_ids: Tensor, attention_mask: Tensor, policy: Policy,
 def _with_future(model, rows: list[Policy], input_ids: Tensor, attention_mask: Tensor, forced: Tensor | None,
                  future, max_new_tokens: int, sampling: dict, stop_at_eos: bool) -> tuple[list[Policy], Tensor]:
     """(the rows of a look-ahead policy given the future, the tokens they replay): without ``forced``, the full-cache
-    continuation of the same prompts and sampling; without ``future``, each row's full-cache attention over it."""
+    continuation of the same prompts and sampling; without ``future``, each row's full-cache attention over it, or
+    the other kind of future the policy reads (``future_kind``: the Fisher utility), once per distinct row."""
     if forced is None:  # the future is the full-cache continuation of this very call
         cache = BudgetCache(model.config.num_hidden_layers, [make_policy("full")] * len(rows), None,
                             last_step=max_new_tokens - 1)
@@ -460,9 +462,18 @@ def _with_future(model, rows: list[Policy], input_ids: Tensor, attention_mask: T
         forced, lengths = torch.stack(full.tokens, dim=1).cpu(), full.new_tokens
     else:  # the caller's forced rows: a row's own end is not known, the whole row is its continuation
         lengths = [forced.shape[1]] * len(rows)
-    if future is None:
-        future = [step_attention(model, input_ids[b : b + 1, attention_mask[b].bool()], forced[b : b + 1, :n], observe)
-                  for b, n in enumerate(lengths)]
+    kind = rows[0].future_kind
+    if future is None:  # a caller's future is already of the policy's kind
+        seen: list[tuple[Tensor, Tensor, list]] = []  # rows of one prompt and continuation (several budgets): once
+        future = []
+        for b, n in enumerate(lengths):
+            prompt, continuation = input_ids[b : b + 1, attention_mask[b].bool()], forced[b : b + 1, :n]
+            same = [f for p, c, f in seen if torch.equal(p, prompt) and torch.equal(c, continuation)]
+            if not same:
+                same = [step_attention(model, prompt, continuation, observe) if kind == "attention"
+                        else step_fisher(model, prompt, continuation)]
+                seen.append((prompt, continuation, same[0]))
+            future.append(same[0])
     seer = rows[0].with_future(future, model)
     return [dataclasses.replace(seer, **{k: getattr(r, k) for k in r.per_row_fields}) for r in rows], forced
 

@@ -128,7 +128,8 @@ def _constructed(small):
     ids = torch.tensor([tok(full_text, add_special_tokens=False)["input_ids"]])
     text = tok.decode(ids[0], skip_special_tokens=True)
     gold = task.gold(sample)
-    ref = ChainRun(ids, None, None, sample.input_ids.shape[1], text, grade_chain(text, gold, given=given)["parsed"])
+    ref = ChainRun(ids, None, None, sample.input_ids.shape[1], text=text,
+                   answers=grade_chain(text, gold, given=given)["parsed"])
     wrong = str(int(gold[k]) + 1)
     policy_text = text.replace(f"Answer {k + 1}: {gold[k]}", f"Answer {k + 1}: {wrong}")
     return model, tok, task, sample, ref, policy_text, k

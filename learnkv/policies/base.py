@@ -205,6 +205,10 @@ class Policy:
     #: True for the oracle: `generate` first decodes with the full cache, then replays those tokens under the
     #: budget with ``policy.with_future(future)`` (that run's attention per row)
     needs_future: ClassVar[bool] = False
+    #: what a look-ahead policy (``needs_future``) reads of that run, per row and layer ``[H, steps, keys]``:
+    #: ``"attention"`` (`learnkv.capture.step_attention`, what the fidelity task's reference holds) or ``"fisher"``
+    #: (`learnkv.fisher.step_fisher`: each key's second-order cost to each step's next-token distribution)
+    future_kind: ClassVar[str] = "attention"
     #: whether the policy has anything to decide on at the prefill. False for LazyEviction, which observes nothing
     #: there (every prompt token scores the same): a prompt longer than the budget then needs a ``prefill_policy``
     #: to compress it (`learnkv.generate`), rather than a decision on all-tied scores

@@ -25,7 +25,8 @@ class Oracle(Policy):
     Compared across heads and layers (``allocation=head|global``) its scores are ``mass``
     (`learnkv.allocation.normalisation_for`): each head's divided by its live total. With ``utility="output"``
     they are ``raw``: each token's future mass is weighted by what dropping it would move the residual stream
-    (below), a scale every layer and head shares.
+    (below), a scale every layer and head shares; with ``utility="fisher"`` too: the score is then the cost itself,
+    in nats of KL to each future step's next-token distribution.
 
     Parameters
     ----------
@@ -39,6 +40,10 @@ class Oracle(Policy):
         slice of the layer's output projection) carries that into the residual stream, which every layer adds
         to directly, so one scale serves every layer and head. ``o`` is the future-mass-weighted mean of the
         head's live values, and the norm is the root mean square over the query heads sharing the KV head.
+        ``"fisher"``: the second-order KL cost of dropping the token, summed over the horizon's steps
+        (`learnkv.fisher`: through everything above the layer at each step, the later layers' included, with
+        the full-cache run's attention at each step; 8 sampled tokens per step, seed 0), the decode computing it
+        from the full-cache run before the replay (`future_kind`).
     """
 
     name = "oracle"
@@ -46,7 +51,7 @@ class Oracle(Policy):
     needs_attention = False
     needs_future = True
     horizon: int = setting(32, ge=1)
-    utility: str = setting("attention", choices=("attention", "output"))
+    utility: str = setting("attention", choices=("attention", "output", "fisher"))
     #: per row of the batch, `step_attention` of its prompt and continuation (per layer ``[H, steps, keys]``; its
     #: first query row is at position keys - steps, the prompt length)
     future: list | None = field(default=None, repr=False, compare=False)
@@ -56,7 +61,11 @@ class Oracle(Policy):
 
     @property
     def normalisation(self) -> str | None:
-        return "raw" if self.utility == "output" else None
+        return "raw" if self.utility in ("output", "fisher") else None
+
+    @property
+    def future_kind(self) -> str:  # the Fisher utility is its own future; the other utilities read attention
+        return "fisher" if self.utility == "fisher" else "attention"
 
     def params(self) -> dict:
         out = {"n_sink": self.n_sink, "n_recent": self.n_recent, "horizon": self.horizon}
@@ -64,7 +73,8 @@ class Oracle(Policy):
 
     def with_future(self, future: list[list[Tensor]], model=None) -> "Oracle":
         """A copy that looks ahead at ``future``: per row, `step_attention` of that row's unpadded prompt and the
-        continuation it replays. ``utility="output"`` also reads the output projections of ``model``."""
+        continuation it replays (`future_kind`: attention, or the Fisher utility). ``utility="output"`` also reads
+        the output projections of ``model``."""
         clone = replace(self, future=list(future), out_grams=None)  # every setting carried, block_size included
         if self.utility == "output":
             if model is None:

@@ -190,8 +190,9 @@ class Chain(Fidelity):
         refs = []
         for sample, full, run in zip(samples, fulls, runs):
             text = _decode(tokenizer, full.tokens[0])
-            refs.append(ChainRun(full.tokens, full.logits, full.attention, full.prompt_len, text,
-                                 grade_chain(text, self.gold(sample), given=self.given(sample))["parsed"], run))
+            refs.append(ChainRun(full.tokens, full.logits, full.attention, full.prompt_len, text=text,
+                                 answers=grade_chain(text, self.gold(sample), given=self.given(sample))["parsed"],
+                                 free_run=run))
         return refs
 
     def reference_run(self, samples: list[Sample], refs: list[ChainRun]):

@@ -30,6 +30,7 @@ from learnkv.capture import step_attention
 from learnkv.decode import generate
 from learnkv.eval import metrics as M
 from learnkv.eval.tasks.base import RunConfig, Sample, Task, capture_logits, left_pad, replays
+from learnkv.fisher import step_fisher
 from learnkv.prompts import SOURCES, load_prompts
 
 HELD_OUT = ("test", "validation")  # splits a fidelity run may use: never the training prompts
@@ -52,12 +53,26 @@ class FullRun:
         looks ahead at.
     prompt_len : int
         P.
+    fisher : list of Tensor or None
+        Per layer ``[H, N - 1, L]`` bfloat16, laid out as ``attention``: what dropping each key costs each step's
+        next-token distribution (`learnkv.fisher.step_fisher`), computed when a policy that reads it first asks
+        (`future`), then kept for the batch's other runs (not stored with the reference).
     """
 
     tokens: Tensor
     logits: Tensor
     attention: list[Tensor]
     prompt_len: int
+    fisher: list[Tensor] | None = None
+
+    def future(self, kind: str, model, prompt: Tensor) -> list[Tensor]:
+        """What a look-ahead policy of ``future_kind`` ``kind`` reads of this run (``prompt [1, P]``: its ids)."""
+        if kind == "attention":
+            return self.attention
+        if self.fisher is None:
+            # bf16 (fp32's range: costs span ~12 decades) halves what a batch of long references holds
+            self.fisher = [u.bfloat16() for u in step_fisher(model, prompt, self.tokens)]
+        return self.fisher
 
     @property
     def final_length(self) -> int:
@@ -203,8 +218,10 @@ class Fidelity(Task):
         latest, handle = capture_logits(model)
         tracker = _Tracker(refs, latest)
         try:
-            # the oracle looks ahead at the reference's own attention: the same tensors, no second copy
-            future = [r.attention for r in refs] if replays(run.policy) else None
+            # the oracle looks ahead at the reference's own attention (the same tensors, no second copy) or at the
+            # Fisher utility of its run, computed once per prompt for every budget and allocation of the batch
+            kind = self.eviction(run).make().future_kind if replays(run.policy) else None
+            future = [r.future(kind, model, s.input_ids) for r, s in zip(refs, samples)] if kind else None
             result = self.decode_batch(model, tokenizer, samples, run, forced_tokens=_pad_tokens(refs, pad_id or 0),
                                        future=future, observer=tracker)
         finally:
