@@ -468,12 +468,12 @@ def _with_future(model, rows: list[Policy], input_ids: Tensor, attention_mask: T
         future = []
         for b, n in enumerate(lengths):
             prompt, continuation = input_ids[b : b + 1, attention_mask[b].bool()], forced[b : b + 1, :n]
-            same = [f for p, c, f in seen if torch.equal(p, prompt) and torch.equal(c, continuation)]
-            if not same:
-                same = [step_attention(model, prompt, continuation, observe) if kind == "attention"
-                        else step_fisher(model, prompt, continuation)]
-                seen.append((prompt, continuation, same[0]))
-            future.append(same[0])
+            known = next((f for p, c, f in seen if torch.equal(p, prompt) and torch.equal(c, continuation)), None)
+            if known is None:
+                known = (step_attention(model, prompt, continuation, observe) if kind == "attention"
+                         else step_fisher(model, prompt, continuation))
+                seen.append((prompt, continuation, known))
+            future.append(known)
     seer = rows[0].with_future(future, model)
     return [dataclasses.replace(seer, **{k: getattr(r, k) for k in r.per_row_fields}) for r in rows], forced
 

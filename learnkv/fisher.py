@@ -29,6 +29,8 @@ import contextlib
 import torch
 from torch import Tensor
 
+from learnkv.attention import unsupported_terms
+
 NAME = "learnkv_fisher"
 
 
@@ -50,8 +52,6 @@ def fisher_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
                      dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
     """Causal attention by position index over one unpadded row, keeping what `step_fisher` needs; keys and values
     detached. Refuses what it does not implement (a sliding window, soft-capping, sink logits, any other term)."""
-    from learnkv.attention import unsupported_terms  # the one list of attention terms that change the result
-
     extra = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.pop(k, None) is not None]
     if extra or (terms := unsupported_terms(kwargs)):
         raise ValueError(f"the Fisher utility's attention does not implement {', '.join(extra or terms)} "
@@ -93,9 +93,15 @@ def _recording(model, record: _Record):
         model.set_attn_implementation(previous)
 
 
+def _sequence(model, prompt: Tensor, continuation: Tensor) -> Tensor:
+    """``[1, P + N - 1]``: the prompt and every continuation token a decode step feeds, on the model's device."""
+    return torch.cat([prompt, continuation[:, :-1]], dim=1).to(next(model.parameters()).device)
+
+
 def _forward(model, seq: Tensor, record: _Record) -> Tensor:
-    """``[S, V]`` fp32 log-probabilities of ``seq [1, S]``, the graph running from each layer's attention output."""
-    with _recording(model, record), torch.enable_grad():  # drop_cost calls it under no_grad
+    """``[S, V]`` fp32 log-probabilities of ``seq [1, S]``; where grad is enabled, the graph runs from each layer's
+    attention output (the embeddings are a leaf that needs grad, the weights need none)."""
+    with _recording(model, record):
         embeds = model.get_input_embeddings()(seq).detach().requires_grad_()
         logits = model(inputs_embeds=embeds, use_cache=False).logits[0]
         return logits.float().log_softmax(-1)
@@ -108,9 +114,8 @@ def step_fisher(model, prompt: Tensor, continuation: Tensor, samples: int | None
     `learnkv.capture.step_attention`'s attention, so the oracle reads either the same way. ``prompt [1, P]``,
     ``continuation [1, N]`` (one unpadded row). ``samples``: draws of ``y`` per position (seeded by ``seed``), or
     None for the exact expectation over the vocabulary (one backward pass per token: tests' tiny models)."""
-    device = next(model.parameters()).device
-    seq = torch.cat([prompt, continuation[:, :-1]], dim=1).to(device)
-    P, S = prompt.shape[1], seq.shape[1]
+    seq = _sequence(model, prompt, continuation)
+    device, P, S = seq.device, prompt.shape[1], seq.shape[1]
     record = _Record()
     logp = _forward(model, seq, record)[P:]  # [N - 1, V]: the decode steps' next-token distributions
     layers = sorted(record.outputs)
@@ -149,13 +154,12 @@ def drop_cost(model, prompt: Tensor, continuation: Tensor, layer: int, head: int
     """The true ``KL(p_s || p_s')`` of dropping key position ``key`` from ``layer``'s KV head ``head`` for decode
     step ``step``'s query alone (position ``P + step``), its other inputs unchanged: what `step_fisher` estimates to
     second order (tests)."""
-    device = next(model.parameters()).device
-    seq = torch.cat([prompt, continuation[:, :-1]], dim=1).to(device)
+    seq = _sequence(model, prompt, continuation)
     s = prompt.shape[1] + step
     with torch.no_grad():
         base = _forward(model, seq, _Record())[s]
         dropped = _forward(model, seq, _Record(drop=(layer, head, s, key)))[s]
-    return float((base.exp() * (base - dropped)).sum().detach())
+    return float((base.exp() * (base - dropped)).sum())
 
 
 __all__ = ["drop_cost", "fisher_attention", "step_fisher"]
