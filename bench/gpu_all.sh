@@ -13,6 +13,7 @@
 # 3. bench/decode.py --long on CUDA in bf16: every policy at 25% and 50% of the final length against the full cache.
 # A step that fails is reported and the next one still runs; the exit status is 1 if any failed.
 set -uo pipefail
+export PYTHONUNBUFFERED=1  # a step cut at its cap keeps the rows it printed
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUT=${1:-runs/gpu}
@@ -47,20 +48,24 @@ model_args=()
 xdist=()
 $PY -c "import xdist" 2>/dev/null && xdist=(-n 4)
 if [ -n "${QUICK:-}" ]; then
-    # each step capped, so a slow one leaves the next its time (a 15-minute lease, a 10-minute command)
-    run kernel-tests timeout 180 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" \
+    # each step capped, so a slow one leaves the next its time (a 15-minute lease, a 10-minute command); the
+    # largest shapes first, so a step cut short has printed the rows the goals are about
+    run kernel-tests timeout 120 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" \
         tests/test_kernels.py tests/test_kernels_features.py tests/test_kernels_state.py tests/test_kernel_path.py
-    # one round each: the 2026-11-27 lease took 80 s per command here (batch 8 to 1,536 tokens, six policies at two
-    # budgets and two rounds needed more than 160 s)
-    run bench-decode-long timeout 160 "$PY" bench/decode.py --long --dtype bfloat16 "${model_args[@]}" \
-        --long-settings 8:1280 --long-fractions 0.5 --policies full,h2o,knorm,snapkv --slack 16 --repeats 1 \
-        --json "$OUT/bench-decode-long.json"
+    run bench-kernels timeout 70 "$PY" bench/kernels.py --quick --skip-steps
+    # where the KV bytes dominate a step (2 layers of a 7B-like attention, batch 32 and 8, 32k and 8k tokens): every
+    # policy that scores per token, the learned one with a seeded untrained scorer (timing only), at 25% and 50%
+    for budget in 0.25 0.5; do
+        run "bench-steps-$budget" timeout $([ $budget = 0.25 ] && echo 120 || echo 100) "$PY" bench/kernels.py \
+            --skip-kernels --batches 32,8 --contexts 32768,8192 --budget $budget --slacks 0,64 \
+            --policies learned,h2o,snapkv,tova,knorm,lazy,paged
+    done
+    # whole decodes of a bundled model's shape (host-bound on a GPU: the 2026-11-27 lease), the learned scorer's
     if [ -n "${SCORER:-}" ] && [ -n "${LEARNED_MODEL:-}" ]; then
         run bench-decode-learned timeout 120 "$PY" bench/decode.py --long --dtype bfloat16 --model "$LEARNED_MODEL" \
             --random-weights --scorer "$SCORER" --long-settings 8:1280 --long-fractions 0.5 \
-            --policies full,learned,rkv --slack 16 --repeats 1 --json "$OUT/bench-decode-learned.json"
+            --policies full,learned,snapkv,h2o --slack 16 --repeats 1 --json "$OUT/bench-decode-learned.json"
     fi
-    run bench-kernels timeout 80 "$PY" bench/kernels.py --quick
 else
     run kernel-tests env TRITON_INTERPRET=0 "$PY" -m pytest -q "${xdist[@]}" tests/test_kernels.py \
         tests/test_kernels_features.py tests/test_kernels_state.py tests/test_kernel_path.py

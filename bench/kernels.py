@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -170,18 +171,30 @@ def step_model(Hq: int, H: int, D: int, layers: int, dtype, device: str):
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
+def untrained_scorer(model, out: Path) -> str:
+    """A seeded, untrained scorer artifact bound to the step model's shape: the learned policy's decode step costs
+    the same whatever its weights hold, so its row times the real path (tracker, features, MLP, selection)."""
+    from learnkv.scorer.artifact import export_scorer
+    from learnkv.scorer.model import Scorer
+
+    torch.manual_seed(0)
+    cfg = model.config
+    return str(export_scorer(Scorer(cfg.num_hidden_layers), out, model="bench-step-model",
+                             n_kv_heads=cfg.num_key_value_heads))
+
+
 @torch.no_grad()
 def decode_step_ms(model, policy: str, B: int, T: int, budget: int | None, steps: int, time_ms,
-                   slack: int = 0) -> tuple[float, int]:  # fmt: skip
+                   slack: int = 0, scorer: str | None = None) -> tuple[float, int]:  # fmt: skip
     """Milliseconds per decode step over a cache pre-filled with ``T`` random tokens, through `BudgetCache`, and
-    the slack the cache applied (0 for policies that always compact)."""
+    the slack the cache applied (0 for policies that always compact). ``scorer``: the learned policy's artifact."""
     from learnkv.cache import BudgetCache
     from learnkv.model import cache_kwargs
     from learnkv.policies import make_policy
 
     cfg = model.config
     device, dtype = model.device, model.dtype
-    p = make_policy(policy)
+    p = make_policy(policy, **({"scorer": scorer} if policy == "learned" else {}))
     p = p.resolve(budget) if p.evicts else p
     # the full cache grows by a token per step for as long as the timer runs: room for that, allocated up front
     cache = BudgetCache(cfg.num_hidden_layers, p, budget if p.evicts else None, slack=slack,
@@ -215,7 +228,9 @@ def main() -> None:
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (overrides the defaults)")
     parser.add_argument("--contexts", default=None, help="comma-separated context lengths T (overrides the defaults)")
     parser.add_argument("--budget", type=float, default=0.25, help="decode-step table: budget as a share of T")
-    parser.add_argument("--policies", default="h2o,lazy,paged", help="decode-step table: comma-separated policies")
+    parser.add_argument("--policies", default="h2o,lazy,paged",
+                        help="decode-step table: comma-separated policies ('learned' runs a seeded untrained scorer "
+                             "of the step model's shape: timing only)")
     parser.add_argument("--slacks", default="0,64", help="decode-step table: comma-separated cache slacks")
     parser.add_argument("--layers", type=int, default=2, help="decode-step table: decoder layers of the model")
     parser.add_argument("--steps", type=int, default=8, help="decode-step table: steps per timed run")
@@ -270,14 +285,17 @@ def main() -> None:
     print("| B | T | budget | full | no eviction | policy | slack | ms | eviction share | speed-up vs full |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     slacks = [int(s) for s in args.slacks.split(",")]
+    policies = args.policies.split(",")
+    scorer_dir = tempfile.TemporaryDirectory(prefix="bench-scorer-")
+    scorer = untrained_scorer(model, Path(scorer_dir.name) / "scorer") if "learned" in policies else None
     for B in batches:
         for T in contexts:
             budget = max(1, int(args.budget * T))
             full, _ = decode_step_ms(model, "full", B, T, None, args.steps, time_ms)
             floor, _ = decode_step_ms(model, "full", B, budget, None, args.steps, time_ms)
-            for policy in args.policies.split(","):
+            for policy in policies:
                 for slack in slacks:
-                    ms, applied = decode_step_ms(model, policy, B, budget, budget, args.steps, time_ms, slack)
+                    ms, applied = decode_step_ms(model, policy, B, budget, budget, args.steps, time_ms, slack, scorer)
                     if applied != slack and slack != slacks[0]:
                         continue  # the policy always compacts: its row is already printed
                     print(f"| {B} | {T} | {budget} | {full:.2f} | {floor:.2f} | {policy} | {applied} | {ms:.2f} | "

@@ -193,3 +193,15 @@ def test_benchmark_triton_rows_match_their_references_in_the_interpreter():
     assert {"decode_attention", "gather_tokens K", "block_scores bs=16", "update_token_state (all 6)", "scorer_mlp",
             "decode_features", "select_keep bs=1", "select_keep bs=16"} <= kernels_run, res.stdout
     assert all(r[8].strip() in ("=", "~") for r in rows), res.stdout
+
+
+def test_benchmark_decode_step_table_times_the_learned_policy():
+    """The decode-step table's learned row runs the real path with an untrained scorer of the step model's shape
+    (so a GPU session can time it without a trained artifact of that shape)."""
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "bench/kernels.py", "--skip-kernels", "--batches", "1", "--contexts", "64",
+                          "--policies", "learned", "--slacks", "0", "--steps", "2", "--layers", "1"],
+                         cwd=root, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split("|") for line in res.stdout.splitlines() if "| learned |" in line]
+    assert len(rows) == 1 and float(rows[0][8]) > 0, res.stdout
