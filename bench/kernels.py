@@ -208,11 +208,12 @@ def decode_step_ms(model, policy: str, B: int, T: int, budget: int | None, steps
     cache.end_step()
     tok = torch.zeros(B, 1, dtype=torch.long, device=device)
     pos = torch.full((B, 1), T, dtype=torch.long, device=device)
+    one_each = [1] * B
 
     def run():
         nonlocal pos
         for _ in range(steps):
-            cache.begin_step(pos)
+            cache.begin_step(pos, one_each)  # the count the decode loop hands over (counting it would sync)
             model(input_ids=tok, position_ids=pos, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1,
                   learnkv_cache=cache)  # fmt: skip
             cache.end_step()

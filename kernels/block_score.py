@@ -21,7 +21,7 @@ from kernels.nanmax import fmax
 CUDA_TILE, CUDA_WARPS = 2048, 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_full",))  # the number of whole blocks: grows with the cache
 def _block_scores_kernel(
     k_ptr, v_ptr, out_ptr,
     H, D, n_full, block_size,

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.nanmax import fmax, rmax
+from kernels.specialize import STEP_VARYING
 
 
 def cuda_warps(block_d: int) -> int:
@@ -76,7 +77,7 @@ def _load_group(q_ptr, b, h, G, D, sq_b, sq_h, sq_d, BLOCK_G: tl.constexpr, BLOC
     return q, offs_g, offs_d, mg, md
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _stats_kernel(
     q_ptr, k_ptr, kpos_ptr, qpos_ptr, m_ptr, l_ptr,
     H, T, G, D, split_t, scaling, window, softcap,
@@ -108,7 +109,7 @@ def _stats_kernel(
     tl.store(l_ptr + part, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _probs_pv_kernel(
     q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, m_ptr, l_ptr, probs_ptr, acc_ptr, sinks_ptr,
     H, T, G, D, split_t, scaling, window, softcap,
@@ -166,7 +167,7 @@ def _probs_pv_kernel(
     tl.store(acc_ptr + part + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_splits",))  # cdiv(T, split_t): 1 or more as the cache grows
 def _combine_kernel(acc_ptr, out_ptr, G, D, n_splits, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     offs_g = tl.arange(0, BLOCK_G)

@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.nanmax import fmax
+from kernels.specialize import STEP_VARYING
 from learnkv.features import FEATURES, NORMS, SINKS, STATE, WINDOW
 from learnkv.sliding_rows import first_row, in_rows
 
@@ -71,7 +72,8 @@ def _sq_norm(base, slot, m, s_t, s_d, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.cons
     return total
 
 
-@triton.jit
+# the window rows move with the step; the attention and output strides scale with T
+@triton.jit(do_not_specialize=STEP_VARYING + ("w_first", "w_old", "w_new", "sa_b", "sa_h", "sa_g", "so_b", "so_h"))
 def _decode_features_kernel(
     attn_ptr, key_ptr, val_ptr, pos_ptr,
     acc_ptr, sq_ptr, cnt_ptr, lh_ptr, nr_ptr, si_ptr, li_ptr, mi_ptr, win_ptr, kn_ptr, vn_ptr, out_ptr,

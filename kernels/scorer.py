@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# b2 is one float of a per-layer weight row: its address's alignment alternates with the layer (a compile each)
+@triton.jit(do_not_specialize=("N",), do_not_specialize_on_alignment=("b2_ptr",))
 def _scorer_mlp_kernel(
     x_ptr, mean_ptr, std_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr,
     N, F, HD, sx_n, sx_f,

@@ -33,13 +33,15 @@ import triton
 import triton.language as tl
 
 from kernels.reference import block_layout, per_row
+from kernels.specialize import STEP_VARYING
 
 RADIX_BITS = 4
 #: warps of the two kernels on CUDA (`_select_kernel` at 8 warps spills: ptxas caps it at 64 registers)
 CUDA_WARPS_PRIORITY, CUDA_WARPS_SELECT = 8, 4
 
 
-@triton.jit
+# N (slots to order) and the row strides of tensors over the cache change with T
+@triton.jit(do_not_specialize=STEP_VARYING + ("N", "ss_b", "ss_h", "sp_b", "sp_h"))
 def _priority_kernel(
     scores_ptr, pos_ptr, key_ptr, sink_ptr, recent_ptr, first_ptr, nfull_ptr,
     H, T, N, block_size,
@@ -86,7 +88,7 @@ def _priority_kernel(
         tl.store(key_ptr + row.to(tl.int64) * N + unit, key, mask=unit < N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING + ("N",))
 def _select_kernel(
     key_ptr, out_ptr, keep_ptr, first_ptr, nfull_ptr,
     T, N, out_len, block_size,

@@ -16,12 +16,14 @@ import triton
 import triton.language as tl
 
 from kernels.nanmax import fmax
+from kernels.specialize import STEP_VARYING
 
 #: ``s2 += a * a`` rounded op by op, as the reference (the interpreter never fuses; ``--fmad=false`` on the GPU)
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 
-@triton.jit
+# the row strides of tensors over the cache scale with T
+@triton.jit(do_not_specialize=STEP_VARYING + ("sm_b", "sm_h", "sx_b", "sx_h", "sp_b", "sp_h", "ss_b", "ss_h"))
 def _state_update_kernel(
     mean_ptr, max_ptr, pos_ptr, acc_ptr, s1_ptr, s2_ptr, count_ptr, ts_ptr, mri_ptr,
     H, T, n_new, step_f, alpha,

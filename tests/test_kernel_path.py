@@ -205,3 +205,77 @@ def test_benchmark_decode_step_table_times_the_learned_policy():
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [line.split("|") for line in res.stdout.splitlines() if "| learned |" in line]
     assert len(rows) == 1 and float(rows[0][8]) > 0, res.stdout
+
+
+def _specialization(fn, args: dict) -> tuple[tuple, dict]:
+    """(the launch's constexpr values and tensor dtypes, {integer or pointer argument: its class}) as Triton keys a
+    compile: an int as 1, a multiple of 16 or neither, unless the kernel lists it in ``do_not_specialize``; a
+    tensor by its address's 16-byte alignment, unless in ``do_not_specialize_on_alignment``."""
+    import inspect
+
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    no_value = set(fn.kwargs.get("do_not_specialize") or ())
+    no_align = set(fn.kwargs.get("do_not_specialize_on_alignment") or ())
+    fixed, classes = [], {}
+    for name, param in inspect.signature(fn.fn).parameters.items():
+        if name not in args:
+            continue
+        v = args[name]
+        if param.annotation in (triton.language.constexpr, "tl.constexpr"):
+            fixed.append((name, v))
+        elif isinstance(v, torch.Tensor):
+            fixed.append((name, v.dtype))
+            classes[name] = None if name in no_align else v.data_ptr() % 16 == 0
+        elif isinstance(v, int):
+            classes[name] = native_specialize_impl(BaseBackend, v, False, name not in no_value, True)
+    return tuple(fixed), classes
+
+
+@interpreter_only
+@pytest.mark.parametrize("policy, extra", [
+    pytest.param("learned", {"policy_params": {"n_sink": 1, "n_recent": 2}}, id="learned"),
+    pytest.param("h2o", {}, id="h2o"),
+    pytest.param("paged", {"policy_params": {"block_size": 4}}, id="paged"),
+])  # fmt: skip
+def test_a_decode_never_recompiles_a_kernel(tiny, monkeypatch, policy, extra):
+    """Triton compiles a kernel anew for each class of its integer arguments (`kernels.specialize`). Over a decode
+    whose cache length crosses a multiple of 16 (budget 30, slack 4) and whose learned window rows cycle, no
+    argument of a launch may change class while its constexprs stay put: each kernel compiles once per constexpr
+    variant, never mid-decode (the H200 lease profiled such compiles: bench/RESULTS.md)."""
+    import collections
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from learnkv import generate
+
+    seen = collections.defaultdict(lambda: collections.defaultdict(set))
+    real_run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        fixed, classes = _specialization(self, {**dict(zip(self.arg_names, args)), **kwargs})
+        for name, cls in classes.items():
+            seen[self.fn.__name__, fixed][name].add(cls)
+        return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    monkeypatch.setenv("LEARNKV_KERNELS", "triton")
+    params = {**params_for(policy, len(tiny.model.layers)), **extra.get("policy_params", {})}
+    generate(tiny, input_ids=random_ids(21, seed=3), policy=policy, budget=30, max_new_tokens=14, slack=4,
+             policy_params=params, stop_at_eos=False, **prefill_for(policy))  # fmt: skip
+    assert seen, "no kernel ran on the Triton path"
+    changing = {(kernel, name): sorted(map(str, classes)) for (kernel, _), args in seen.items()
+                for name, classes in args.items() if len(classes) > 1}  # fmt: skip
+    assert not changing, f"arguments that change class within a decode (a compile each): {changing}"
+
+
+def test_step_profiler_runs():
+    """`bench/profile_step.py` (what a GPU lease runs to find host time and syncs) prints each policy's step."""
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "bench/profile_step.py", "--policies", "h2o,learned", "--batch", "1",
+                          "--context", "64", "--steps", "2", "--layers", "1", "--top", "3"],
+                         cwd=root, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("ms per step; device-to-host syncs per step: 0.00") == 2, res.stdout

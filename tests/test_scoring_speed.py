@@ -261,6 +261,10 @@ def test_snapkv_scores_live_slots_as_in_the_compacted_cache(B, H, T, window, k, 
     pos[0, :, : T // 4] = -1  # left padding
     attn[0, :, :, : T // 4] = 0.0  # as the cache holds it: no attention to a padding slot
     assert same_bits(policy._score(attn, window, pos), snapkv_score_before(attn, window, k))
+    # the GPU's path (no dense shortcut, whose check would sync): the same scores for every live slot
+    dense, dest = snapkv.live_order(attn.mean(dim=2), pos, shortcut=False)
+    live0 = pos >= 0
+    assert same_bits(dense.gather(-1, dest.clamp(max=T - 1))[live0], attn.mean(dim=2).masked_fill(~live0, 0)[live0])
     # dead slots anywhere before each row's newest `window` (never among them: those are protected)
     if dead == "oldest":  # the oldest live slots die: the live ones still sit together at the right
         die = (pos >= 0) & (pos < 3)

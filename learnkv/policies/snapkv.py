@@ -102,7 +102,7 @@ class SnapKV(Policy):
         return scores if dest is None else scores.gather(-1, dest.clamp(max=T - 1))
 
 
-def live_order(s: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
+def live_order(s: Tensor, positions: Tensor, shortcut: bool | None = None) -> tuple[Tensor, Tensor | None]:
     """``s [B, H, T]`` laid out as a compacted cache would hold it: each row's live slots (position >= 0) in order
     at its right end, +0.0 before them (what a padding or filler slot holds), and ``dest``, each slot's index there
     (``T`` for a dead one), to map the scores back; ``(s, None)`` where every row already is so (a dense cache).
@@ -110,13 +110,18 @@ def live_order(s: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
     The pool then sees each live slot's live neighbours, never a dead slot between them: a live slot's pooled score
     is the one it gets in the compacted cache, bit for bit (the same values summed in the same order; extra zeros at
     the left are the pooling's own padding), so slots may be marked dead instead of compacted at every eviction. A
-    dead slot's score is meaningless (the cache never keeps a dead slot)."""
+    dead slot's score is meaningless (the cache never keeps a dead slot).
+
+    ``shortcut`` (default: on CPU only) returns ``(s, None)`` for a dense cache; without it a dense cache is scattered
+    onto itself (the same scores for its live slots)."""
     T = s.shape[-1]
     valid = positions >= 0
     s = s.masked_fill(~valid, 0.0)  # in a compacted cache already so; a slot marked dead keeps its old attention
     n = valid.sum(-1, keepdim=True)
     slot = torch.arange(T, device=s.device)
-    if bool((valid | (slot < T - n)).all()):
+    # the shortcut reads a flag back from the device: on a GPU a sync per layer and step (the H200 lease's profile,
+    # bench/profile_step.py) costs more than the scatter
+    if (s.device.type == "cpu" if shortcut is None else shortcut) and bool((valid | (slot < T - n)).all()):
         return s, None
     dest = torch.where(valid, valid.cumsum(-1) - 1 + (T - n), T)
     return s.new_zeros(*s.shape[:-1], T + 1).scatter_(-1, dest, s)[..., :T], dest
