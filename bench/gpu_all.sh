@@ -46,11 +46,11 @@ PY
 model_args=()
 [ -n "${MODEL:-}" ] && model_args=(--model "$MODEL" --random-weights)
 xdist=()
-$PY -c "import xdist" 2>/dev/null && xdist=(-n 4)
+$PY -c "import xdist" 2>/dev/null && xdist=(-n 8)  # the H200 machine has 16 cores
 if [ -n "${QUICK:-}" ]; then
     # each step capped, so a slow one leaves the next its time (a 15-minute lease, a 10-minute command); the
     # largest shapes first, so a step cut short has printed the rows the goals are about
-    run kernel-tests timeout 120 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" \
+    run kernel-tests timeout 100 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" \
         tests/test_kernels.py tests/test_kernels_features.py tests/test_kernels_state.py tests/test_kernel_path.py
     run bench-kernels timeout 70 "$PY" bench/kernels.py --quick --skip-steps
     # where the KV bytes dominate a step (2 layers of a 7B-like attention, batch 32 and 8, 32k and 8k tokens): every
@@ -60,6 +60,8 @@ if [ -n "${QUICK:-}" ]; then
             --skip-kernels --batches 32,8 --contexts 32768,8192 --budget $budget --slacks 0,64 \
             --policies learned,h2o,snapkv,tova,knorm,lazy,paged
     done
+    # host time, syncs and launches of a budgeted step (the 2026-11-28 lease found mid-decode compiles here)
+    run profile-step timeout 25 "$PY" bench/profile_step.py --policies learned,h2o --batch 8 --context 8192 --top 15
     # whole decodes of a bundled model's shape (host-bound on a GPU: the 2026-11-27 lease), the learned scorer's
     if [ -n "${SCORER:-}" ] && [ -n "${LEARNED_MODEL:-}" ]; then
         run bench-decode-learned timeout 120 "$PY" bench/decode.py --long --dtype bfloat16 --model "$LEARNED_MODEL" \
