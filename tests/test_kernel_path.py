@@ -195,16 +195,28 @@ def test_benchmark_triton_rows_match_their_references_in_the_interpreter():
     assert all(r[8].strip() in ("=", "~") for r in rows), res.stdout
 
 
-def test_benchmark_decode_step_table_times_the_learned_policy():
+def _bench_script(name: str):
+    """A `bench/` script loaded as a module under its own name (bench/kernels.py would shadow the package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_decode_step_table_times_the_learned_policy(monkeypatch, capsys):
     """The decode-step table's learned row runs the real path with an untrained scorer of the step model's shape
     (so a GPU session can time it without a trained artifact of that shape)."""
-    root = Path(__file__).resolve().parents[1]
-    res = subprocess.run([sys.executable, "bench/kernels.py", "--skip-kernels", "--batches", "1", "--contexts", "64",
-                          "--policies", "learned", "--slacks", "0", "--steps", "2", "--layers", "1"],
-                         cwd=root, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [line.split("|") for line in res.stdout.splitlines() if "| learned |" in line]
-    assert len(rows) == 1 and float(rows[0][8]) > 0, res.stdout
+    monkeypatch.setenv("LEARNKV_KERNELS", "torch")
+    monkeypatch.setattr(sys, "argv", ["kernels.py", "--skip-kernels", "--batches", "1", "--contexts", "64",
+                                      "--policies", "learned", "--slacks", "0", "--steps", "2", "--layers", "1"])
+    with torch.random.fork_rng():  # the script seeds the global generator
+        _bench_script("kernels").main()
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if "| learned |" in line]
+    assert len(rows) == 1 and float(rows[0][8]) > 0, out
 
 
 def _specialization(fn, args: dict) -> tuple[tuple, dict]:
@@ -272,11 +284,13 @@ def test_a_decode_never_recompiles_a_kernel(tiny, monkeypatch, policy, extra):
     assert not changing, f"arguments that change class within a decode (a compile each): {changing}"
 
 
-def test_step_profiler_runs():
-    """`bench/profile_step.py` (what a GPU lease runs to find host time and syncs) prints each policy's step."""
-    root = Path(__file__).resolve().parents[1]
-    res = subprocess.run([sys.executable, "bench/profile_step.py", "--policies", "h2o,learned", "--batch", "1",
-                          "--context", "64", "--steps", "2", "--layers", "1", "--top", "3"],
-                         cwd=root, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("ms per step; device-to-host syncs per step: 0.00") == 2, res.stdout
+def test_step_profiler_runs(monkeypatch, capsys):
+    """`bench/profile_step.py` (what a GPU lease runs to find host time and syncs) prints each policy's step and
+    its launches."""
+    monkeypatch.setenv("LEARNKV_KERNELS", "torch")
+    with torch.random.fork_rng():  # the script seeds the global generator
+        _bench_script("profile_step").main(["--policies", "h2o,learned", "--batch", "1", "--context", "64", "--steps",
+                                            "2", "--layers", "1", "--top", "3"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.count("ms per step; device-to-host syncs per step: 0.00") == 2, out
+    assert out.count("launches per step:") == 2, out
