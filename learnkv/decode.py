@@ -430,12 +430,13 @@ def decode_loop(model, state: DecodeState, max_new_tokens: int, on_step: Callabl
         if i:
             if (i - 1) % TRIM_EVERY == 0:
                 release_free_heap()  # a long decode's memory stays at what is live (learnkv.memory)
-            active = B - int(state.finished.sum())
             decode_step(model, state)
         if on_step is not None:
             on_step(active)
-        if bool(state.finished.all()):
-            break
+        if len(state.eos):  # without an EOS no row ends: nothing to read back (on a GPU, a synchronisation)
+            active = B - int(state.finished.sum())  # once per step: the rows going on, for the next step and the stop
+            if not active:
+                break
 
 
 @torch.no_grad()

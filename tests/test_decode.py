@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import eos_token, params_for, prefill_for, random_ids
 from learnkv import POLICIES, generate
@@ -250,3 +251,30 @@ def test_installed_attention_is_put_back():
     assert model.config._attn_implementation == "eager"
     generate(model, input_ids=random_ids(8), policy="h2o", budget=6, max_new_tokens=3)
     assert model.config._attn_implementation == "eager"  # generate puts the caller's attention back
+
+
+class _ReadBacks(TorchDispatchMode):
+    """Counts device-to-host reads (``.item()``, ``int()``, ``bool()`` of a tensor): on a GPU each is a sync."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket.__name__ == "_local_scalar_dense"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("eos", [False, True])
+def test_the_full_cache_decode_reads_back_once_a_step_at_most(tiny, eos):
+    """The decode loop reads back whether rows are still going once a step, and not at all where no EOS can end a
+    row (a GPU then never waits on the device between steps)."""
+    import contextlib
+
+    def reads(n_new: int) -> int:
+        counter = _ReadBacks()
+        with eos_token(tiny, 255) if eos else contextlib.nullcontext(), counter:
+            generate(tiny, input_ids=random_ids(12, batch=2), policy="full", max_new_tokens=n_new, stop_at_eos=eos)
+        return counter.n
+
+    assert reads(20) - reads(10) == (10 if eos else 0)
