@@ -527,12 +527,20 @@ def generate(model, tokenizer=None, prompts: str | Sequence[str] | None = None, 
                             allocation=eviction.allocation)
         state = DecodeState(cache, sampler(**sampling, forced=forced_tokens), *stop_tokens(model, tokenizer, stop_at_eos),
                             observer)
-        t0 = time.perf_counter()
+        t0 = _settled_clock(input_ids.device)
         prefill(model, state, input_ids, attention_mask)
-        t1 = time.perf_counter()
+        t1 = _settled_clock(input_ids.device)
         decode_loop(model, state, max_new_tokens, on_step, f"decode [{policy_obj.name}]" if progress else None)
-        t2 = time.perf_counter()
+        t2 = _settled_clock(input_ids.device)
     return _result(state, tokenizer, policy_obj, budgets, rows, prefill_rows, prompt_lengths, (t0, t1, t2))
+
+
+def _settled_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device has run what was queued: a GPU runs kernels after the host launched
+    them, and the decode loop no longer waits on it between steps, so the prefill's and decode's times are read here."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 #: generate's keywords for `Eviction`'s fields (the two earlier names kept, so callers read as before)
