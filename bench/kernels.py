@@ -287,22 +287,23 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     slacks = [int(s) for s in args.slacks.split(",")]
     policies = args.policies.split(",")
-    scorer_dir = tempfile.TemporaryDirectory(prefix="bench-scorer-")
-    scorer = untrained_scorer(model, Path(scorer_dir.name) / "scorer") if "learned" in policies else None
-    for B in batches:
-        for T in contexts:
-            budget = max(1, int(args.budget * T))
-            full, _ = decode_step_ms(model, "full", B, T, None, args.steps, time_ms)
-            floor, _ = decode_step_ms(model, "full", B, budget, None, args.steps, time_ms)
-            for policy in policies:
-                for slack in slacks:
-                    ms, applied = decode_step_ms(model, policy, B, budget, budget, args.steps, time_ms, slack, scorer)
-                    if applied != slack and slack != slacks[0]:
-                        continue  # the policy always compacts: its row is already printed
-                    print(f"| {B} | {T} | {budget} | {full:.2f} | {floor:.2f} | {policy} | {applied} | {ms:.2f} | "
-                          f"{100 * (1 - floor / ms):.1f}% | {full / ms:.2f}x |")  # fmt: skip
-            if device == "cuda":
-                torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory(prefix="bench-scorer-") as tmp:  # the learned row's untrained artifact
+        scorer = untrained_scorer(model, Path(tmp) / "scorer") if "learned" in policies else None
+        for B in batches:
+            for T in contexts:
+                budget = max(1, int(args.budget * T))
+                full, _ = decode_step_ms(model, "full", B, T, None, args.steps, time_ms)
+                floor, _ = decode_step_ms(model, "full", B, budget, None, args.steps, time_ms)
+                for policy in policies:
+                    for slack in slacks:
+                        ms, applied = decode_step_ms(model, policy, B, budget, budget, args.steps, time_ms, slack,
+                                                     scorer)
+                        if applied != slack and slack != slacks[0]:
+                            continue  # the policy always compacts: its row is already printed
+                        print(f"| {B} | {T} | {budget} | {full:.2f} | {floor:.2f} | {policy} | {applied} | {ms:.2f} | "
+                              f"{100 * (1 - floor / ms):.1f}% | {full / ms:.2f}x |")  # fmt: skip
+                if device == "cuda":
+                    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

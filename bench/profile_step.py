@@ -6,9 +6,10 @@ On a GPU a decode step of a small model is host-bound (bench/RESULTS.md, "On an 
 kernel launches and device-to-host syncs, not bytes. Printed per policy: ms per step, the device-to-host syncs
 per step (CUDA only, counted with `torch.cuda.set_sync_debug_mode`, each with the line that made it), and the
 functions with the most own time (cProfile ``tottime``) over the timed steps; then, over one more run of the same
-steps, the launches per step: the torch operators (views excluded, counted with a `TorchDispatchMode`) and the Triton launches, the most frequent named. On a GPU each is a launch and a few
-microseconds of host time, so their count is the host cost a CPU can measure too (run it with
-``LEARNKV_KERNELS=triton TRITON_INTERPRET=1`` for the GPU's kernel path).
+steps, the launches per step: the torch operators (views excluded, counted with a `TorchDispatchMode`) and the
+Triton launches, the most frequent named. On a GPU each is a launch and a few microseconds of host time, so their
+count is the host cost a CPU can measure too (run it with ``LEARNKV_KERNELS=triton TRITON_INTERPRET=1`` for the
+GPU's kernel path).
 """
 
 from __future__ import annotations
@@ -138,9 +139,9 @@ def main(argv=None) -> None:
                                          scorer)  # fmt: skip
             torch_ops = sum(n for op, n in counter.ops.items() if not op.startswith("triton:"))
             triton_ops = sum(counter.ops.values()) - torch_ops
+            frequent = ", ".join(f"{op} {n / args.steps:.1f}" for op, n in counter.ops.most_common(12))
             print(f"   launches per step: {torch_ops / args.steps:.1f} torch operators + {triton_ops / args.steps:.1f} "
-                  f"Triton kernels; most frequent: " + ", ".join(f"{op} {n / args.steps:.1f}"
-                                                                  for op, n in counter.ops.most_common(12)))  # fmt: skip
+                  f"Triton kernels; most frequent: {frequent}")
 
 
 if __name__ == "__main__":
