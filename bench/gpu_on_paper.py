@@ -12,16 +12,15 @@ batch 1 more than bandwidth does), no compute, no overlap. So the times are lowe
 bandwidth alone predicts. Per (layer, batch row, KV head) and slot, with D the head dim (bf16 K/V: 2D bytes each),
 G query heads per KV head and S slots held (budget + slack / 2 on average: dead slots wait for a compaction):
 
-- attention, `kernels.decode_attention` (every policy with a group mean or max, the full cache included, on CUDA):
-  K read twice (statistics, then probabilities and P @ V), V once, positions twice (int64), probabilities written
-  (fp32): 3 * 2D + 16 + 4. A FlashDecoding-style full cache would read K and V once: 2 * 2D.
-- attention, torch eager (the learned policy: it wants every query head's row, ``group_reduce="none"``): K and V
-  once, fp32 scores written, masked (read, write), softmax (read, write), cast to bf16 (read 4, write 2), read by
-  P @ V: 2 * 2D + 28 G, plus the mask from the positions: 9.
+- attention, `kernels.decode_attention` (every policy, the full cache included, on CUDA): K read twice (statistics,
+  then probabilities and P @ V), V once, positions twice (int64), the group-reduced probabilities written (fp32):
+  3 * 2D + 16 + 4, and 4 more for the learned policy, which is handed the group mean and the max
+  (``group_reduce="mean+max"``; before, it took torch eager attention for every query head's row: 2 * 2D + 28 G + 9).
+  A FlashDecoding-style full cache would read K and V once: 2 * 2D.
 - H2O's state update (`kernels.update_token_state`): the group mean read, ``acc`` read and written, then cloned as
   the score: 12 + 8.
 - StreamingLLM's score: positions read, fp32 score written: 12.
-- the learned policy's features (`kernels.decode_features`): attention G * 4, positions twice 16, 8 state tensors
+- the learned policy's features (`kernels.decode_features`): the group mean and max 8, positions twice 16, 8 state tensors
   read and written 64, the 16-row window kept among 8 spare rows (`learnkv.sliding_rows`: its 15 surviving rows
   read, the new one written, and every 9th step the 15 moved back to the top: 60 + 4 + 60 / 9 = 70.7; shifted in
   place before, 15 read and 16 written, 124), the key and value norms cached per slot read 8 (K and V are read for
@@ -36,10 +35,10 @@ G query heads per KV head and S slots held (budget + slack / 2 on average: dead 
 
 The new token's K/V writes and the small per-row buffers are left out (one slot per step, not per held slot).
 
-``--fixed`` counts three changes that are not made (docs/gpu-on-paper.md): a one-pass decode attention (K read once;
-the split's unnormalised probabilities written, then rescaled in place: 2 * 2D + 8 + 4 + 8), a radix select on
-8-bit digits (half the passes), and the learned policy's per-head attention from the one-pass kernel instead of
-torch eager (2 * 2D + 20 + 4 G). (A fourth, the learned policy's key and value norms kept per slot, is made.)
+``--fixed`` counts two changes that are not made (docs/gpu-on-paper.md): a one-pass decode attention (K read once;
+the split's unnormalised probabilities written, then rescaled in place: 2 * 2D + 8 + 4 + 8) and a radix select on
+8-bit digits (half the passes). (Two more are made: the learned policy's key and value norms kept per slot, and its
+group mean and max from the fused attention instead of torch eager.)
 """
 
 from __future__ import annotations
@@ -88,10 +87,9 @@ def select_bytes(slots: int, digit_bits: int = 4) -> float:
 
 
 def per_slot_bytes(policy: str, m: Model, slots: int, slack: int, fixed: bool = False) -> dict[str, float]:
-    """Bytes per held slot, per (layer, batch row, KV head), of one decode step, by part (``fixed``: with the three
+    """Bytes per held slot, per (layer, batch row, KV head), of one decode step, by part (``fixed``: with the two
     changes of the module docstring)."""
     D, kv = m.head_dim, m.kv_slot_bytes()
-    G = m.q_heads // m.kv_heads
     # kernels.decode_attention: K twice, V once, positions twice, probs out (fixed: one pass, then a rescale)
     fused = kv + 8 + 4 + 8 if fixed else 3 * D * m.bytes + 16 + 4
     if policy == "full (FlashDecoding)":
@@ -107,9 +105,9 @@ def per_slot_bytes(policy: str, m: Model, slots: int, slack: int, fixed: bool = 
         norms = 8  # two fp32 norms cached per slot, read instead of K and V (`learnkv.features.NORMS`)
         rows = WINDOW + SPARE_ROWS  # the tracker's window among its spare rows
         window = 4 * (WINDOW - 1) + 4 + 4 * (WINDOW - 1) / (SPARE_ROWS + 1)
-        features = 4 * G + 16 + 64 + window + norms + 76
+        features = 8 + 16 + 64 + window + norms + 76  # the group mean and max read: 8
         channels = 8 + rows + 2  # the tracker's state: 8 [B, H, T] tensors, the window's rows, the 2 norms
-        attention = fused + 4 * G if fixed else kv + 28 * G + 9
+        attention = fused + 4  # the fused kernel writes the group max besides the mean
         return {"attention": attention, "score": features + 80, **evict,
                 "compaction": 2 * (kv + 8 + 4 * channels) / slack}  # fmt: skip
     raise ValueError(policy)
@@ -142,7 +140,7 @@ def main(argv=None) -> None:
     p.add_argument("--slack", type=int, default=16)
     p.add_argument("--bandwidth", type=float, default=HBM_H100, help="HBM bytes/s (H100 SXM: 3.35e12)")
     p.add_argument("--memory", type=float, default=80e9, help="HBM bytes, to flag a full cache that does not fit")
-    p.add_argument("--fixed", action="store_true", help="count the three changes of the docstring (not made)")
+    p.add_argument("--fixed", action="store_true", help="count the two changes of the docstring (not made)")
     args = p.parse_args(argv)
     m = Model()
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -150,7 +148,7 @@ def main(argv=None) -> None:
     batches = [int(x) for x in args.batches.split(",")]
     print(f"model: {m}\nweights read per step: {fmt_gb(m.weight_bytes())} GB; K+V per token: "
           f"{m.layers * m.kv_heads * m.kv_slot_bytes() / 1e3:.0f} kB; bandwidth {args.bandwidth / 1e12:.2f} TB/s; "
-          f"slack {args.slack}{'; with the three changes (--fixed), not made' if args.fixed else ''}\n")  # fmt: skip
+          f"slack {args.slack}{'; with the two changes (--fixed), not made' if args.fixed else ''}\n")  # fmt: skip
     print("| context | batch | policy | budget | weights GB | attention GB | eviction GB | total GB | step ms (bound) "
           "| speedup vs full | vs FlashDecoding full |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -140,10 +140,11 @@ def cases(B: int, T: int, Hq: int, H: int, D: int, dtype, device: str, use_trito
            (lambda: scorer_mlp(feats, *w)) if triton_ok else None, nbytes(feats) + B * H * T * 4, False)  # fmt: skip
 
     # the learned policy's decode step: tracker state in place + the features the scorer reads, one launch per layer
-    from learnkv.features import STATE, WINDOW
+    from learnkv.features import STATE, WINDOW, group_mean_max
 
     step = 40  # past the window: every statistic is live
-    tracker_attn = torch.softmax(torch.randn(B, H, Hq // H, 1, T, generator=g, device=device), dim=-1)
+    # the group mean and max of the step's attention, as the fused decode attention hands them to the learned policy
+    tracker_attn = group_mean_max(torch.softmax(torch.randn(B, H, Hq // H, 1, T, generator=g, device=device), dim=-1))
     tracker_state = {n: (torch.rand(B, H, T, generator=g, device=device) * step).floor() for n in STATE}
     tracker_state["f.acc"] = tracker_state["f.acc"] / T
     tracker_state["f.acc_sq"] = tracker_state["f.acc_sq"] / T**2

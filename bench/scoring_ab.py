@@ -79,7 +79,7 @@ import learnkv.features as features  # noqa: E402
 from kernels.cpu import one_drop_victims, select_keep_one_drop  # noqa: E402
 from learnkv.cache import mark_victims  # noqa: E402
 from learnkv.eval.stats import bootstrap_ci  # noqa: E402
-from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker  # noqa: E402
+from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker, group_mean_max  # noqa: E402
 from learnkv.features import SPARE_ROWS as FEATURE_SPARE_ROWS  # noqa: E402
 from learnkv.scorer.model import Scorer  # noqa: E402
 from learnkv.policies.snapkv import SPARE_ROWS, SnapKV  # noqa: E402
@@ -112,7 +112,7 @@ def step_cases(g) -> list:
         mark_victims(p, *one_drop_victims(scores, p, keep, 4, 8, live))
 
     state = {n: torch.zeros(L * B, H, *((WINDOW,) if n == "f.win" else ()), T + 17)[..., :T] for n in STATE}
-    attn = torch.rand(L * B, H, 3, 1, T, generator=g) / T
+    attn = group_mean_max(torch.rand(L * B, H, 3, 1, T, generator=g) / T)  # the tracker's input
     tracker = FeatureTracker(L)
     spare_state = dict(state, **{"f.win": torch.zeros(L * B, H, WINDOW + FEATURE_SPARE_ROWS, T + 17)[..., :T]})
     tracker_step = [5]
@@ -287,7 +287,7 @@ def refresh_inputs(g) -> tuple:
     B, H, T, D = LONG
     state = {n: torch.rand(B, H, T, generator=g) for n in STATE}
     state["f.win"] = torch.rand(B, H, WINDOW, T, generator=g) / T
-    attn = torch.rand(B, H, 3, 1, T, generator=g) / T
+    attn = group_mean_max(torch.rand(B, H, 3, 1, T, generator=g) / T)
     keys, values = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
     pos = torch.arange(T).expand(B, H, T).clone()
     pos[:, :, 5:20] = -1  # dead slots (slack)
@@ -339,10 +339,10 @@ def stacked_refresh_cases(g) -> list:
     pos = torch.arange(T).expand(L * B, H, T).clone()
     pos[::5, :, :17] = -1
     state = {}
-    tracker.update(torch.rand(L * B, H, 3, 8, T, generator=g).softmax(-1), pos, 8, 0, state)
+    tracker.update(group_mean_max(torch.rand(L * B, H, 3, 8, T, generator=g).softmax(-1)), pos, 8, 0, state)
     for step in range(1, 12):
         attn = torch.rand(L * B, H, 3, 1, T, generator=g) ** 4
-        attn = attn / attn.sum(-1, keepdim=True)
+        attn = group_mean_max(attn / attn.sum(-1, keepdim=True))
         tracker.update(attn, pos, 1, step, state)
     keys, values = torch.randn(L * B, H, T, D, generator=g), torch.randn(L * B, H, T, D, generator=g)
     tracker.fill_norms(keys, values, state)

@@ -6,8 +6,9 @@ Split-T design (FlashDecoding), so short batches still fill the GPU; ``[B, Hq, T
    for `tl.dot`) over one T split, loads each K block once for the whole group, and writes the split's running
    max and sum of exponentials per query head.
 2. `_probs_pv_kernel`, same grid: combines the splits' statistics into the softmax's global max and normaliser,
-   recomputes the scores block by block, writes the probabilities reduced over the group (``[B, H, T]``) and the
-   split's partial ``P @ V``.
+   recomputes the scores block by block, writes the probabilities reduced over the group (``[B, H, T]``, or the
+   mean and the max both, ``[B, H, 2, T]``: the learned policy's feature tracker reads the two) and the split's
+   partial ``P @ V``.
 3. `_combine_kernel`, grid ``(B*H,)``: sums the partial outputs over the splits in a fixed order (deterministic).
 
 K is read twice and V once. Softmax statistics, probabilities and the output accumulate in fp32. With bf16 (or
@@ -30,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.nanmax import fmax, rmax
+from kernels.reference import REDUCE
 from kernels.specialize import STEP_VARYING
 
 
@@ -114,7 +116,7 @@ def _probs_pv_kernel(
     q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, m_ptr, l_ptr, probs_ptr, acc_ptr, sinks_ptr,
     H, T, G, D, split_t, scaling, window, softcap,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_h, sp_t, sqp,
-    REDUCE_MAX: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    REDUCE_MEAN: tl.constexpr, REDUCE_MAX: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, F32: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
 ):  # fmt: skip
@@ -146,17 +148,23 @@ def _probs_pv_kernel(
         l_all += tl.exp(sink - m_all)
 
     keep_row = (qpos >= 0).to(tl.float32)  # a padding query hands no attention to the cache
+    # where the head's reductions go: its row of [B, H, T], or its two rows of [B, H, 2, T] (mean, then max)
+    mean_row = bh.to(tl.int64) * T
+    if REDUCE_MEAN and REDUCE_MAX:
+        mean_row = mean_row * 2
+    max_row = mean_row
+    if REDUCE_MEAN and REDUCE_MAX:
+        max_row = mean_row + T
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for start in range(t_begin, t_end, BLOCK_T):
         s, offs_t, mt = _scores(q, k_base, kpos_base, qpos, start, t_end, offs_d, md, sk_t, sk_d, sp_t, scaling,
                                 window, softcap, BLOCK_T, PRECISION, F32, WINDOWED, SOFTCAP)  # fmt: skip
         p = tl.exp(s - m_all[:, None]) / l_all[:, None]
         p_group = tl.where(mg[:, None], p, 0.0)
+        if REDUCE_MEAN:
+            tl.store(probs_ptr + mean_row + offs_t, tl.sum(p_group, axis=0) / G * keep_row, mask=mt)
         if REDUCE_MAX:
-            r = rmax(p_group, 0)
-        else:
-            r = tl.sum(p_group, axis=0) / G
-        tl.store(probs_ptr + bh.to(tl.int64) * T + offs_t, r * keep_row, mask=mt)
+            tl.store(probs_ptr + max_row + offs_t, rmax(p_group, 0) * keep_row, mask=mt)
         v_off = offs_t[:, None] * sv_t + offs_d[None, :] * sv_d
         v = tl.load(v_base + v_off, mask=mt[:, None] & md[None, :], other=0.0)
         if F32:
@@ -201,7 +209,7 @@ def decode_attention(
     scaling : float, optional
         Score scale, ``D ** -0.5`` by default.
     reduce : str
-        "mean" or "max" over each KV head's G query heads.
+        "mean", "max" or "mean+max" (both) over each KV head's G query heads.
     window, softcap, sinks : optional
         A sliding window (keys at ``key_pos <= query_pos - window`` hidden), logit softcapping, and ``[Hq]`` sink
         logits, as in the reference.
@@ -212,10 +220,11 @@ def decode_attention(
     Returns
     -------
     tuple of Tensor
-        Output ``[B, 1, Hq, D]`` in the query's dtype, and group-reduced probabilities ``[B, H, T]`` fp32.
+        Output ``[B, 1, Hq, D]`` in the query's dtype, and group-reduced probabilities ``[B, H, T]`` fp32
+        (``[B, H, 2, T]``, mean then max, for "mean+max").
     """
-    if reduce not in ("mean", "max"):
-        raise ValueError(f"reduce must be 'mean' or 'max', got {reduce!r}")
+    if reduce not in REDUCE:
+        raise ValueError(f"reduce must be one of {REDUCE}, got {reduce!r}")
     B, Hq, q, D = query.shape
     _, H, T, _ = key.shape
     if q != 1 or Hq % H or value.shape != key.shape or key_positions.shape != (B, H, T) or T == 0:
@@ -249,7 +258,7 @@ def decode_attention(
     m_part = torch.empty(B * H, n_splits, block_g, dtype=torch.float32, device=device)
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(B * H, n_splits, block_g, block_d, dtype=torch.float32, device=device)
-    probs = torch.empty(B, H, T, dtype=torch.float32, device=device)
+    probs = torch.empty(B, H, *((2,) if reduce == "mean+max" else ()), T, dtype=torch.float32, device=device)
     out = torch.empty(B, 1, Hq, D, dtype=query.dtype, device=device)
     sq = (query.stride(0), query.stride(1), query.stride(3))
     grid = (B * H, n_splits)
@@ -269,7 +278,7 @@ def decode_attention(
         query, key, value, key_positions, query_positions, m_part, l_part, probs, acc_part, sinks,
         H, T, G, D, split_t, scaling, window, softcap,
         *sq, *key.stride(), *value.stride(), *key_positions.stride(), query_positions.stride(0),
-        REDUCE_MAX=reduce == "max", BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=precision,
+        REDUCE_MEAN=reduce != "max", REDUCE_MAX=reduce != "mean", BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=precision,
         F32=f32, WINDOWED=windowed, SOFTCAP=capped, SINKS=has_sinks, num_warps=warps,
     )  # fmt: skip
     _combine_kernel[(B * H,)](acc_part, out, G, D, n_splits, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=warps)

@@ -11,14 +11,14 @@ mid-run), and writes the slots' ``[F]`` features.
 
 The key and value norms: where the state holds them (`learnkv.features.NORMS`, a tracker with ``cache_norms``, as
 the learned policy's), the kernel reads each slot's cached norm (4 bytes) instead of its key and value (``2 D``
-elements: 512 bytes at D = 64 in fp32, ~5x the rest of what a slot costs the kernel: its ~25 state floats and G
+elements: 512 bytes at D = 64 in fp32, ~5x the rest of what a slot costs the kernel: its ~25 state floats and its two
 attention weights), and computes from the key and value only the new slot's (the last) and any still unknown (-1),
 writing them into the state; the loads of the other slots' keys and values are masked off. Without them in the
 state it computes every slot's norm, as before.
 
-The arithmetic follows the tracker op by op in fp32: the group mean is a sequential sum then one division, divisions
-and square roots are correctly rounded (``div_rn``, ``sqrt_rn``), the window std is Welford's (as torch's), so
-integer-valued state (counts, steps, intervals) is exact and the rest agrees to a few ulps. ``log1p`` is libdevice's
+The kernel reads the step's attention reduced over each group (mean and max, as the attention hands it to a policy
+with ``group_reduce="mean+max"``). The arithmetic follows the tracker op by op in fp32: divisions and square roots
+are correctly rounded (``div_rn``, ``sqrt_rn``), the window std is Welford's (as torch's), so integer-valued state (counts, steps, intervals) is exact and the rest agrees to a few ulps. ``log1p`` is libdevice's
 on GPU; the interpreter has no libdevice, so there it is Goldberg's ``log(u) * x / (u - 1)``, ``u = 1 + x``
 (accurate to a few ulps for the non-negative arguments used here). Float maxima and clamps propagate NaN as the
 tracker's torch ops do (`kernels.nanmax`).
@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.nanmax import fmax
-from kernels.specialize import STEP_VARYING
+from kernels.specialize import STEP_VARYING, fp32
 from learnkv.features import FEATURES, NORMS, SINKS, STATE, WINDOW
 from learnkv.sliding_rows import first_row, in_rows
 
@@ -77,7 +77,7 @@ def _sq_norm(base, slot, m, s_t, s_d, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.cons
 def _decode_features_kernel(
     attn_ptr, key_ptr, val_ptr, pos_ptr,
     acc_ptr, sq_ptr, cnt_ptr, lh_ptr, nr_ptr, si_ptr, li_ptr, mi_ptr, win_ptr, kn_ptr, vn_ptr, out_ptr,
-    H, T, G, DK, DV, w_first, w_old, w_new, g_f, n_win_f, step_f, layer_f,
+    H, T, DK, DV, w_first, w_old, w_new, n_win_f, step_f, layer_f,
     sa_b, sa_h, sa_g, sa_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_h, sp_t,
     ss_b, ss_h, ss_t, sw_b, sw_h, sw_w, sw_t, so_b, so_h, so_t, so_f,
     WIN: tl.constexpr, N_SINK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
@@ -104,15 +104,10 @@ def _decode_features_kernel(
     m = slot < T
     pos = tl.load(p_base + slot * sp_t, mask=m, other=-1)
 
-    # the query heads of the group: sequential sum (torch's order for a reduction over a short outer axis), max
+    # the group's mean and max, as the attention reduced them
     a_base = attn_ptr + b * sa_b + h * sa_h + slot * sa_t
-    a_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
-    a_max = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
-    for g in range(0, G):
-        a = tl.load(a_base + g * sa_g, mask=m, other=0.0).to(tl.float32)
-        a_sum += a
-        a_max = fmax(a_max, a)
-    a_mean = tl.math.div_rn(a_sum, g_f)
+    a_mean = tl.load(a_base, mask=m, other=0.0)
+    a_max = tl.load(a_base + sa_g, mask=m, other=0.0)
 
     # -- update: running sums, observation count
     st = b * ss_b + h * ss_h + slot * ss_t
@@ -238,7 +233,8 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
     Parameters
     ----------
     attn : Tensor
-        ``[B, H, G, 1, T]`` fp32 attention of the step's one query row, per query head of each KV head.
+        ``[B, H, 2, 1, T]`` fp32: the group mean and max of the step's one query row's attention
+        (`learnkv.features.group_mean_max`; what the fused decode attention hands a ``"mean+max"`` policy).
     keys, values : Tensor
         ``[B, H, T, D]`` any float dtype, any strides (read for their norms, in fp32).
     positions : Tensor
@@ -268,9 +264,9 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
     if positions.ndim != 3:
         raise ValueError(f"positions must be [B, H, T], got {tuple(positions.shape)}")
     B, H, T = positions.shape
-    if attn.ndim != 5 or attn.shape[:2] != (B, H) or attn.shape[3:] != (1, T):
-        raise ValueError(f"attn must be [B, H, G, 1, T] with [B, H, T] = {(B, H, T)}, got {tuple(attn.shape)}")
-    if attn.dtype != torch.float32:  # the tracker would reduce a bf16 group in bf16; the attention hands fp32
+    if attn.ndim != 5 or attn.shape[:2] != (B, H) or attn.shape[2:] != (2, 1, T):
+        raise ValueError(f"attn must be [B, H, 2, 1, T] with [B, H, T] = {(B, H, T)}, got {tuple(attn.shape)}")
+    if attn.dtype != torch.float32:  # the attention hands fp32
         raise ValueError(f"attn must be fp32, got {attn.dtype}")
     for name, x in (("keys", keys), ("values", values)):
         if x.ndim != 4 or x.shape[:3] != (B, H, T):
@@ -304,7 +300,7 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
         default_t, block_d, warps = triton.next_power_of_2(T), triton.next_power_of_2(D), 1
     block_t = block_t or default_t
     positions = positions.long()
-    layer_f = float(torch.tensor(layer / max(n_layers - 1, 1), dtype=torch.float32))  # torch.full's fp32 value
+    layer_f = fp32(layer / max(n_layers - 1, 1))  # torch.full's fp32 value
     s = {n: state[n] for n in names}
     n_win = min(WINDOW, step + 1)  # the window rows filled so far, as the tracker counts them
     w_old, w_new = first_row(step - 1, spare), first_row(step, spare)  # both 0 without spare rows
@@ -313,8 +309,8 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
         attn, keys, values, positions,
         s["f.acc"], s["f.acc_sq"], s["f.count"], s["f.last_high"], s["f.n_returns"], s["f.sum_interval"],
         s["f.last_interval"], s["f.max_interval"], s["f.win"], s.get(NORMS[0], first), s.get(NORMS[1], first), out,
-        H, T, attn.shape[2], keys.shape[-1], values.shape[-1],
-        WINDOW - n_win, w_old, w_new, float(attn.shape[2]), float(n_win), float(step), layer_f,
+        H, T, keys.shape[-1], values.shape[-1],
+        WINDOW - n_win, w_old, w_new, float(n_win), float(step), layer_f,
         attn.stride(0), attn.stride(1), attn.stride(2), attn.stride(4), *keys.stride(), *values.stride(),
         *positions.stride(), *first.stride(), *s["f.win"].stride(), *out.stride(),
         WIN=WINDOW, N_SINK=SINKS, BLOCK_T=block_t, BLOCK_D=block_d, LIBDEVICE=positions.is_cuda, CACHED_NORMS=cached,

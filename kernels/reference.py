@@ -10,7 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learnkv.features import NORMS, FeatureTracker
+from learnkv.features import NORMS, FeatureTracker, group_mean_max
+
+#: `decode_attention_reference`'s group reductions: the mean, the max, or both (``[B, H, 2, T]``, the feature
+#: tracker's input)
+REDUCE = ("mean", "max", "mean+max")
 
 
 def per_row(value, B: int, device=None) -> Tensor:
@@ -222,7 +226,7 @@ def decode_attention_reference(
     scaling : float, optional
         Score scale, ``D ** -0.5`` by default.
     reduce : str
-        "mean" or "max" over the G query heads of each KV head.
+        "mean", "max" or "mean+max" (both) over the G query heads of each KV head.
     window : int, optional
         Sliding window: a key is visible only if also ``key_pos > query_pos - window``.
     softcap : float, optional
@@ -235,10 +239,11 @@ def decode_attention_reference(
     -------
     tuple of Tensor
         The output ``[B, 1, Hq, D]`` in the query's dtype, and the group-reduced attention probabilities
-        ``[B, H, T]`` fp32, zero for a padding query row (what the cache is handed).
+        ``[B, H, T]`` fp32 (``[B, H, 2, T]``, mean then max, for ``reduce="mean+max"``), zero for a padding query
+        row (what the cache is handed).
     """
-    if reduce not in ("mean", "max"):
-        raise ValueError(f"reduce must be 'mean' or 'max', got {reduce!r}")
+    if reduce not in REDUCE:
+        raise ValueError(f"reduce must be one of {REDUCE}, got {reduce!r}")
     B, Hq, q, D = query.shape
     H, T = key.shape[1], key.shape[2]
     if q != 1 or Hq % H:
@@ -259,8 +264,11 @@ def decode_attention_reference(
         sink = sinks.float().view(1, H, G, 1).expand(B, H, G, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :T]
     out = torch.matmul(probs, value.float()).reshape(B, 1, Hq, -1).to(query.dtype)
+    keep_row = (query_positions >= 0).float()
+    if reduce == "mean+max":
+        return out, group_mean_max(probs) * keep_row[:, None, None, None]
     reduced = probs.amax(dim=2) if reduce == "max" else probs.mean(dim=2)
-    return out, reduced * (query_positions >= 0)[:, None, None]
+    return out, reduced * keep_row[:, None, None]
 
 
 def block_scores_reference(keys: Tensor, values: Tensor, block_size: int) -> Tensor:
@@ -394,7 +402,8 @@ def decode_features_reference(
     Parameters
     ----------
     attn : Tensor
-        ``[B, H, G, 1, T]`` fp32 attention of the step's one query row, per query head of each KV head.
+        ``[B, H, 2, 1, T]`` fp32: the group mean and max of the step's one query row's attention (what a policy
+        with ``group_reduce="mean+max"`` is handed, `learnkv.features.group_mean_max`).
     keys, values : Tensor
         ``[B, H, T, D]`` as cached.
     positions : Tensor
@@ -416,8 +425,8 @@ def decode_features_reference(
     Tensor
         ``[B, H, T, F]`` fp32 features in `learnkv.features.FEATURES` order, zero on padding slots.
     """
-    if attn.ndim != 5 or attn.shape[3] != 1 or step < 1:
-        raise ValueError(f"a decode step: attn [B, H, G, 1, T] and step >= 1, got {tuple(attn.shape)}, step {step}")
+    if attn.ndim != 5 or attn.shape[2:4] != (2, 1) or step < 1:
+        raise ValueError(f"a decode step: attn [B, H, 2, 1, T] and step >= 1, got {tuple(attn.shape)}, step {step}")
     tracker = FeatureTracker(n_layers, cache_norms=NORMS[0] in state, spare_rows=spare)
     tracker.update(attn, positions, 1, step, state)
     return tracker.features(attn, keys, values, positions, layer, step, state)

@@ -10,5 +10,13 @@ arguments in ``do_not_specialize`` (the names below plus its own), so a decode c
 constexpr variant; `tests/test_kernel_path.py` checks that no other integer argument changes class over a decode.
 """
 
+import struct
+
 #: arguments named alike in every kernel that has them: the cache length
 STEP_VARYING = ("T",)
+
+
+def fp32(x: float) -> float:
+    """``x`` rounded to fp32 (what ``float(torch.tensor(x, dtype=torch.float32))`` gives, in ~0.6 µs of host time
+    instead of ~14: launchers pass such scalars at every layer of every step). Finite ``x`` within fp32's range."""
+    return struct.unpack("f", struct.pack("f", x))[0]

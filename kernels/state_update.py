@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.nanmax import fmax
-from kernels.specialize import STEP_VARYING
+from kernels.specialize import STEP_VARYING, fp32
 
 #: ``s2 += a * a`` rounded op by op, as the reference (the interpreter never fuses; ``--fmad=false`` on the GPU)
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
@@ -121,7 +121,7 @@ def update_token_state(
         default_t, warps = triton.next_power_of_2(T), 1
     block_t = block_t or default_t
     positions = positions.long()
-    alpha = float(torch.tensor(alpha, dtype=torch.float32))  # compared in fp32, as torch compares fp32 with a float
+    alpha = fp32(alpha)  # compared in fp32, as torch compares fp32 with a float
     dummy = first  # stands in for the inputs and states not given (never read: their flags are off)
     mean_t = attn_mean if attn_mean is not None else dummy
     max_t = attn_max if attn_max is not None else dummy

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 import kernels
+from learnkv.features import group_mean_max
 
 NAME = "learnkv"
 
@@ -135,9 +136,13 @@ def unsupported_terms(kwargs: dict) -> list[str]:
                   if v is not None and k not in NEUTRAL_TERMS and not (k == "is_causal" and v is True))
 
 
+#: the group reductions the fused decode kernel computes itself (`kernels.decode_attention`'s ``reduce``)
+FUSED_REDUCE = ("mean", "max", "mean+max")
+
+
 def _fused_decode_ok(policy) -> bool:
-    """The fused kernel reduces over the group itself (mean or max) and returns the current query's row only."""
-    return not (policy.evicts or policy.needs_attention) or policy.group_reduce in ("mean", "max")
+    """The fused kernel reduces over the group itself and returns the current query's row only."""
+    return not (policy.evicts or policy.needs_attention) or policy.group_reduce in FUSED_REDUCE
 
 
 def _fused_decode(module, query: Tensor, key: Tensor, value: Tensor, scaling: float, cache, window: int | None,
@@ -146,11 +151,11 @@ def _fused_decode(module, query: Tensor, key: Tensor, value: Tensor, scaling: fl
     policy = cache.policy
     key_pos = cache.layer_positions(module.layer_idx)
     query_pos = cache.step_positions[:, 0].to(key.device)
-    reduce = policy.group_reduce if policy.group_reduce in ("mean", "max") else "mean"
+    reduce = policy.group_reduce if policy.group_reduce in FUSED_REDUCE else "mean"
     out, attn = kernels.decode_attention(query, key, value, key_pos, query_pos, scaling, reduce, window=window,
-                                         softcap=softcap, sinks=sinks)  # [B, 1, Hq, D], [B, H, T]
+                                         softcap=softcap, sinks=sinks)  # [B, 1, Hq, D], [B, H, T] or [B, H, 2, T]
     if policy.needs_attention:
-        cache.observe(module.layer_idx, attn=attn[:, :, None, :], attn_sum=attn,
+        cache.observe(module.layer_idx, attn=attn.unsqueeze(-2), attn_sum=attn,
                       attn_sq_sum=attn * attn if policy.needs_sq_sum else None)
     else:
         cache.observe(module.layer_idx)
@@ -161,7 +166,9 @@ def _hand_statistics(cache, layer_idx: int, probs: Tensor, query_pos: Tensor) ->
     """Reduce ``probs [B, H, G, q, T]`` per KV head as the policy asked, and give them to the cache.
 
     ``group_reduce="none"`` hands the unreduced group axis (``attn [B, H, G, W, T]``, ``attn_sum [B, H, G, T]``),
-    for observers that reduce several ways (the trace recorder runs every teacher on the same attention).
+    for observers that reduce several ways (the trace recorder runs every teacher on the same attention);
+    ``"mean+max"`` both reductions on that axis (``[B, H, 2, W, T]``, `learnkv.features.group_mean_max`: the
+    feature tracker's input).
     """
     policy = cache.policy
     if not policy.needs_attention:
@@ -177,8 +184,9 @@ def _hand_statistics(cache, layer_idx: int, probs: Tensor, query_pos: Tensor) ->
     valid_rows = None if valid is not None and all(v == q for v in valid) else (query_pos >= 0).to(probs.dtype)
     # a sum over one query row is that row (probabilities are >= 0, so not even the sign of a zero changes)
     row_sum = (lambda r, dim: r.select(dim, 0)) if q == 1 else (lambda r, dim: r.sum(dim=dim))  # noqa: E731
-    if policy.group_reduce == "none":
-        r = probs if valid_rows is None else probs * valid_rows[:, None, None, :, None]  # [B, H, G, q, T]
+    if policy.group_reduce in ("none", "mean+max"):
+        r = probs if policy.group_reduce == "none" else group_mean_max(probs)
+        r = r if valid_rows is None else r * valid_rows[:, None, None, :, None]  # [B, H, G or 2, q, T]
         w = min(policy.obs_window, q)
         cache.observe(layer_idx, attn=r[..., -w:, :], attn_sum=row_sum(r, 3))
         return

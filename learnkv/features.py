@@ -55,14 +55,26 @@ STATE = ("f.acc", "f.acc_sq", "f.count", "f.win", "f.last_high", "f.n_returns", 
 #: -1 marks a slot whose norm is not known yet (the update marks its new slots so; it is not shown the keys: the
 #: cache's stacked decode step has no one layer's keys)
 NORMS = ("f.key_norm", "f.value_norm")
+#: the attention the tracker reads: per KV head, the group mean and the group max over its query heads, on axis 2
+#: of ``[B, H, 2, q, T]`` in this order (a policy's ``group_reduce = "mean+max"``; `group_mean_max` of the
+#: unreduced attention)
+MEAN, MAX = 0, 1
+
+
+def group_mean_max(attn: Tensor, dim: int = 2) -> Tensor:
+    """The unreduced attention ``[..., G, ...]`` (the query heads of each KV head on axis ``dim``) -> its group mean
+    and group max on that axis (size 2, `MEAN` then `MAX`): all the tracker reads of it. The same ops the tracker
+    ran on the unreduced rows, so the features are bit for bit what they were."""
+    return torch.stack((attn.mean(dim=dim), attn.amax(dim=dim)), dim=dim)
 
 
 @dataclass
 class FeatureTracker:
     """Online per-token statistics for `FEATURES`.
 
-    ``update`` takes the step's unreduced attention (``attn [B, H, G, W, T]``, all of the step's query rows, from a
-    policy with ``group_reduce = "none"``) and a state dict; ``features`` reads them out. Prefill seeds the
+    ``update`` takes the step's group-reduced attention (``attn [B, H, 2, q, T]``, the group mean and max of all
+    the step's query rows: `MEAN`, `MAX`, from a policy with ``group_reduce = "mean+max"`` or `group_mean_max` of
+    the unreduced rows) and a state dict; ``features`` reads them out. Prefill seeds the
     accumulated statistics; recurrence statistics start at the first decode step (as LazyEviction's do).
 
     With ``cache_norms`` the key and value norms are per-token state too (`NORMS`): ``update`` marks the new
@@ -82,17 +94,18 @@ class FeatureTracker:
     spare_rows: int = 0
 
     def update(self, attn: Tensor, positions: Tensor, n_new: int, step: int, state: dict[str, Tensor]) -> None:
-        """Fold the step's attention ``attn [B, H, G, q, T]`` into ``state`` (with ``cache_norms``, the new slots'
+        """Fold the step's group mean and max ``attn [B, H, 2, q, T]`` into ``state`` (with ``cache_norms``, the new slots'
         norms marked unknown: `NORMS`).
 
         A decode step (one new token, state already seeded) updates the state tensors in place, so a cache that
         preallocates them (`learnkv.cache.BudgetLayer`) never copies them; other steps rebind the entries."""
+        _check_mean_max(attn)
         if self.cache_norms:
             self._mark_new_norms(positions, n_new, state)
         if "f.acc" in state and n_new == 1:
             self._update_decode(attn, positions, step, state, self.spare_rows)
             return
-        mean_rows = attn.mean(dim=2)  # [B, H, q, T]
+        mean_rows = attn[:, :, MEAN]  # [B, H, q, T]
         if "f.acc" not in state:
             zeros = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
             for name in STATE:
@@ -108,7 +121,7 @@ class FeatureTracker:
             return
         # recurrence: "high" = above-uniform attention over the visible tokens, from any head of the group
         n_visible = (positions >= 0).sum(-1, keepdim=True).clamp(min=1)
-        high = attn[:, :, :, -1, :].amax(dim=2) * n_visible >= 1.0
+        high = attn[:, :, MAX, -1, :] * n_visible >= 1.0
         last = state["f.last_high"].clone()
         last[..., -n_new:] = step - 1  # a new token counts as seen the step before it arrived
         gap = step - last
@@ -150,7 +163,7 @@ class FeatureTracker:
         """`update` for one decode step, in place, in as few tensor ops as the arithmetic allows (on CPU every op
         costs a dispatch): the same values as the general path (``spare``: `spare_rows`)."""
         valid = positions >= 0
-        m = attn[:, :, :, -1, :].mean(dim=2)  # [B, H, T]
+        m = attn[:, :, MEAN, -1, :]  # [B, H, T]
         state["f.acc"].add_(m)
         state["f.acc_sq"].addcmul_(m, m)
         state["f.count"].add_(valid & valid[..., -1:])  # the query is the newest slot: it sees every live one
@@ -159,7 +172,7 @@ class FeatureTracker:
         if step == 0:
             return
         n_visible = valid.sum(-1, keepdim=True).clamp(min=1)
-        high = attn[:, :, :, -1, :].amax(dim=2) * n_visible >= 1.0
+        high = attn[:, :, MAX, -1, :] * n_visible >= 1.0
         last = state["f.last_high"]
         last[..., -1] = step - 1  # a new token counts as seen the step before it arrived
         gap = step - last
@@ -172,10 +185,11 @@ class FeatureTracker:
 
     def features(self, attn: Tensor, keys: Tensor, values: Tensor, positions: Tensor, layer: int, step: int,
                  state: dict[str, Tensor]) -> Tensor:
-        """``[B, H, T, F]`` float32 features of every cached token, in `FEATURES` order."""
+        """``[B, H, T, F]`` float32 features of every cached token, in `FEATURES` order (``attn [B, H, 2, q, T]``:
+        the group mean and max, as `update`'s)."""
+        _check_mean_max(attn)
         n = (positions >= 0).sum(-1, keepdim=True).clamp(min=1).float()  # visible tokens per (b, h)
         current = positions.max(dim=-1, keepdim=True).values.clamp(min=1).float()
-        last_row = attn[:, :, :, -1, :]  # [B, H, G, T]
         count = state["f.count"].clamp(min=1)
         mean = state["f.acc"] / count
         std = (state["f.acc_sq"] / count - mean * mean).clamp(min=0).sqrt()
@@ -188,8 +202,8 @@ class FeatureTracker:
             key_norm, value_norm = token_norms(keys), token_norms(values)
         rel = lambda x: torch.log1p(x * n)  # noqa: E731 - relative to uniform, compressed
         cols = {
-            "attn": rel(last_row.mean(dim=2)),
-            "attn_gmax": rel(last_row.amax(dim=2)),
+            "attn": rel(attn[:, :, MEAN, -1, :]),
+            "attn_gmax": rel(attn[:, :, MAX, -1, :]),
             "acc_sum": torch.log1p(state["f.acc"]),
             "acc_mean": rel(mean),
             "acc_std": rel(std),
@@ -210,6 +224,12 @@ class FeatureTracker:
         }
         out = torch.stack([cols[name].float() for name in FEATURES], dim=-1)
         return out.masked_fill_(~(positions >= 0)[..., None], 0.0)
+
+
+def _check_mean_max(attn: Tensor) -> None:
+    if attn.ndim != 5 or attn.shape[2] != 2:
+        raise ValueError(f"the feature tracker reads the group mean and max, attn [B, H, 2, q, T] (`group_mean_max`), "
+                         f"got {tuple(attn.shape)}")
 
 
 def token_norms(x: Tensor) -> Tensor:

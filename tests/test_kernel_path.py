@@ -44,15 +44,16 @@ POLICY_CASES = [  # policy, extra generate arguments, launchers that must run
     pytest.param("tova", {}, EVICTION, id="tova"),
     pytest.param("rkv", {}, EVICTION, id="rkv"),
     pytest.param("paged", {"policy_params": {"block_size": 4}}, EVICTION + ("block_scores",), id="paged"),
-    # small protected windows: with the defaults (4 + 8) a budget of 12 is all protected and the scores never count
+    # small protected windows: with the defaults (4 + 8) a budget of 12 is all protected and the scores never count;
+    # its attention fused too (the group mean and max, `group_reduce="mean+max"`)
     pytest.param("learned", {"policy_params": {"n_sink": 1, "n_recent": 2}},
-                 ("select_keep", "gather_tokens", "scorer_mlp", "decode_features"), id="learned"),
+                 EVICTION + ("scorer_mlp", "decode_features"), id="learned"),
     pytest.param("h2o", {"granularity": "block", "block_size": 4}, EVICTION + ("update_token_state",),
                  id="h2o-shared-blocks"),
     # dead slots (position -1) stay in the cache between compactions: every kernel must mask them as padding
     pytest.param("h2o", {"slack": 3}, EVICTION + ("update_token_state",), id="h2o-slack"),
     pytest.param("learned", {"policy_params": {"n_sink": 1, "n_recent": 2}, "slack": 3},
-                 ("select_keep", "gather_tokens", "scorer_mlp", "decode_features"), id="learned-slack"),
+                 EVICTION + ("scorer_mlp", "decode_features"), id="learned-slack"),
 ]
 
 

@@ -246,6 +246,9 @@ ATTENTION_CASES = [  # B, H, G, T, D, dtype, reduce, block_t, split_t
     # fp16: the 16-bit dots (q @ K^T and P @ V as stored) also in the interpreter, which cannot multiply bf16
     pytest.param(2, 2, 4, 100, 128, torch.float16, "max", 32, 64, id="B2-H2-G4-T100-D128-fp16-max-split64"),
     pytest.param(1, 1, 8, 33, 64, torch.float16, "mean", None, None, id="B1-H1-G8-T33-D64-fp16-mean"),
+    # both reductions, [B, H, 2, T] (the learned policy's feature tracker reads the two)
+    pytest.param(2, 2, 4, 63, 64, torch.float32, "mean+max", 16, 32, id="B2-H2-G4-T63-D64-fp32-meanmax-split32"),
+    pytest.param(1, 2, 8, 100, 128, torch.float16, "mean+max", 32, 64, id="B1-H2-G8-T100-D128-fp16-meanmax-split64"),
 ]
 
 
@@ -272,7 +275,7 @@ def test_decode_attention(request, B, H, G, T, D, dtype, reduce, block_t, split_
             *(t.to(DEVICE) for t in (q, k, v, kp, qp)), None, reduce, block_t=block_t, split_t=split_t
         )
     assert out.dtype == dtype and out.shape == (B, 1, G * H, D)
-    assert probs.dtype == torch.float32
+    assert probs.dtype == torch.float32 and probs.shape == (B, H, *((2,) if reduce == "mean+max" else ()), T)
     assert_close("output", out_ref, out, *TOL[dtype])
     assert_close("probs", probs_ref, probs, 1e-5, 1e-4)
 
@@ -290,7 +293,7 @@ def test_decode_attention_padding_rows():
 
 
 @pytest.mark.parametrize("where", ["query-head", "key"])
-@pytest.mark.parametrize("reduce", ["mean", "max"])
+@pytest.mark.parametrize("reduce", ["mean", "max", "mean+max"])
 def test_decode_attention_nan_parity(reduce, where):
     """A NaN in one query head (the group's other heads and its 16-row padding stay finite) or in one visible key
     reaches the output and the reduced probabilities where it does in torch: ``reduce="max"`` must not drop it."""
@@ -307,7 +310,7 @@ def test_decode_attention_nan_parity(reduce, where):
     assert_nan_parity("probs", probs_ref, probs, 1e-5, 1e-4)
 
 
-@pytest.mark.parametrize("reduce", ["mean", "max"])
+@pytest.mark.parametrize("reduce", ["mean", "max", "mean+max"])
 def test_reference_matches_learnkv_attention(reduce):
     """The reference is `learnkv_attention` at q = 1: same output, same statistic handed to the cache."""
     from learnkv.attention import learnkv_attention
@@ -473,8 +476,9 @@ for dt, bt in (("*bf16", 64), ("*fp16", 64), ("*fp32", 32)):
                   SOFTCAP=terms)
     warps = decode_attn.cuda_warps(128)
     build(decode_attn._stats_kernel, consts, warps, nan=True, **ptrs)
-    for reduce_max in (False, True):
-        build(decode_attn._probs_pv_kernel, dict(consts, REDUCE_MAX=reduce_max, SINKS=terms), warps, nan=True, **ptrs)
+    for reduce_mean, reduce_max in ((True, False), (False, True), (True, True)):
+        build(decode_attn._probs_pv_kernel, dict(consts, REDUCE_MEAN=reduce_mean, REDUCE_MAX=reduce_max, SINKS=terms),
+              warps, nan=True, **ptrs)
     build(decode_attn._combine_kernel, dict(BLOCK_G=16, BLOCK_D=128), warps, acc_ptr="*fp32", out_ptr=dt)
 print("compiled")
 """

@@ -15,7 +15,7 @@ import torch
 
 from kernel_checks import assert_close, assert_compiles_for_h100, assert_nan_parity, gen, poisoned
 from kernels import reference as ref
-from learnkv.features import FEATURES, NORMS, SPARE_ROWS, STATE, WINDOW, FeatureTracker
+from learnkv.features import FEATURES, NORMS, SPARE_ROWS, STATE, WINDOW, FeatureTracker, group_mean_max
 from learnkv.sliding_rows import laid_out, window_view
 
 pytest.importorskip("triton")
@@ -40,10 +40,10 @@ CASES = [  # B, H, G, T, D, step, keys/values dtype, layout, slots per program
 ]
 
 
-def decode_inputs(g, B, H, G, T, D, step, dtype, layout):
+def decode_inputs(g, B, H, G, T, D, step, dtype, layout, unreduced=False):
     """A decode step as the cache hands it: gapped left-padded positions with the step's token last, attention that
-    sums to one over the visible slots (some of it exactly at and next to the uniform level, where "high" flips),
-    and tracker state with integer counts and steps, zeros in the new slot and in window rows not filled yet."""
+    sums to one over the visible slots (some of it exactly at and next to the uniform level, where "high" flips;
+    G query heads per KV head, handed as their group mean and max unless ``unreduced``), and tracker state with integer counts and steps, zeros in the new slot and in window rows not filled yet."""
     pos = torch.randint(1, 3, (B, 1 if layout == "shared-pos" else H, T), generator=g).cumsum(-1) - 1
     pos[0, :, : min(3, T - 1)] = -1  # left padding, never the new slot
     if layout == "pad-query":
@@ -77,7 +77,7 @@ def decode_inputs(g, B, H, G, T, D, step, dtype, layout):
     state["f.win"][:, :, : max(WINDOW - step, 0)] = 0  # rows before the prefill's last query row
     for t in state.values():
         t[..., -1] = 0  # the cache appends zeros for the step's new slot
-    return attn, keys, values, pos, state
+    return attn if unreduced else group_mean_max(attn), keys, values, pos, state
 
 
 def nan_views(state):
@@ -201,8 +201,9 @@ def test_decode_features_nan_parity():
     features where it does in the tracker (group max, window max and std, the clamps): the GPU's plain ``max.f32``
     would drop it."""
     g = gen("features-nan")
-    attn, keys, values, pos, state = decode_inputs(g, 2, 2, 4, 13, 8, 20, torch.float32, "contiguous")
+    attn, keys, values, pos, state = decode_inputs(g, 2, 2, 4, 13, 8, 20, torch.float32, "contiguous", unreduced=True)
     attn[1, 0, 2, 0, 7] = float("nan")
+    attn = group_mean_max(attn)
     state["f.win"][0, 1, 5, 9] = float("nan")
     state["f.max_interval"][0, 0, 10] = float("nan")
     state["f.count"][1, 1, 5] = float("nan")
@@ -235,7 +236,7 @@ def test_paths_take_turns_over_a_decode(cached, prefill_spare, spare):
     B, H, G, T0, D = 2, 2, 4, 6, 4
     pos = torch.arange(T0).expand(B, H, T0).clone()
     pos[1, :, :2] = -1
-    attn = torch.rand(B, H, G, T0, T0, generator=g).softmax(-1)
+    attn = group_mean_max(torch.rand(B, H, G, T0, T0, generator=g).softmax(-1))
     mine, theirs = {}, {}
     tracker = FeatureTracker(N_LAYERS)
     g_kv = gen("turns-prefill-kv")  # not from g: the attention drawn below stays the case it was
@@ -250,7 +251,7 @@ def test_paths_take_turns_over_a_decode(cached, prefill_spare, spare):
             for n, t in st.items():
                 st[n] = torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], dim=-1)
         attn = torch.rand(B, H, G, 1, T, generator=g) ** 4  # peaked: some tokens go high, come back
-        attn = attn / attn.sum(-1, keepdim=True)
+        attn = group_mean_max(attn / attn.sum(-1, keepdim=True))
         new_keys, new_values = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
         if cached:  # the cached tokens' keys and values stay; the new one's is appended
             keys, values = torch.cat([keys, new_keys[..., -1:, :]], -2), torch.cat([values, new_values[..., -1:, :]], -2)
@@ -276,8 +277,12 @@ def test_decode_features_rejects_bad_arguments():
         decode_features(attn.bfloat16(), keys, values, pos, 0, N_LAYERS, 3, dict(state))
     with pytest.raises(ValueError, match="step >= 1"):
         decode_features(attn, keys, values, pos, 0, N_LAYERS, 0, dict(state))
-    with pytest.raises(ValueError, match=r"\[B, H, G, 1, T\]"):
+    with pytest.raises(ValueError, match=r"\[B, H, 2, 1, T\]"):
         decode_features(attn.expand(-1, -1, -1, 2, -1), keys, values, pos, 0, N_LAYERS, 3, dict(state))
+    unreduced = decode_inputs(g, 2, 2, 4, 9, 4, 3, torch.float32, "contiguous", unreduced=True)[0]
+    for fn in (decode_features, ref.decode_features_reference):  # the group axis, not its mean and max
+        with pytest.raises(ValueError, match=r"\[B, H, 2, 1, T\]"):
+            fn(unreduced, keys, values, pos, 0, N_LAYERS, 3, dict(state))
     with pytest.raises(ValueError, match="lacks"):
         decode_features(attn, keys, values, pos, 0, N_LAYERS, 3, {n: t for n, t in state.items() if n != "f.win"})
     other = dict(state, **{"f.count": state["f.count"].transpose(0, 1).contiguous().transpose(0, 1)})
@@ -294,7 +299,7 @@ COMPILE = """
 from kernels import features
 
 fn = features._decode_features_kernel
-floats = ("g_f", "n_win_f", "step_f", "layer_f")
+floats = ("n_win_f", "step_f", "layer_f")
 for kv, cached, rewrite in (("*fp32", False, True), ("*bf16", False, True), ("*fp32", True, True),
                             ("*bf16", True, True), ("*fp32", True, False), ("*bf16", True, False)):
     consts = dict(WIN=16, N_SINK=4, BLOCK_T=features.CUDA_BLOCK_T, BLOCK_D=features.CUDA_BLOCK_D, LIBDEVICE=True,

@@ -136,6 +136,14 @@ def test_update_token_state_nan_parity():
     assert torch.equal(actual["count"].cpu(), expected["count"])
 
 
+@pytest.mark.parametrize("x", [0.0, 1e-4, 0.1, 1 / 3, 2 / 29, 0.999, 1.0, 3.4e38, -0.7])
+def test_launchers_round_scalars_to_fp32_as_torch_does(x):
+    """The launchers' fp32 rounding of a float scalar (``alpha``, the ``layer`` feature) without a torch tensor."""
+    from kernels.specialize import fp32
+
+    assert fp32(x) == float(torch.tensor(x, dtype=torch.float32))
+
+
 def test_update_token_state_rejects_bad_arguments():
     B, H, T = 2, 3, 5
     pos = torch.arange(T).expand(B, H, T).to(DEVICE)

@@ -17,7 +17,7 @@ import torch
 
 from conftest import params_for, random_ids
 from learnkv import generate
-from learnkv.features import NORMS, SPARE_ROWS, STATE, WINDOW, FeatureTracker, token_norms
+from learnkv.features import NORMS, SPARE_ROWS, STATE, WINDOW, FeatureTracker, group_mean_max, token_norms
 from learnkv.policies import learned
 from learnkv.scorer.model import Scorer
 
@@ -150,7 +150,7 @@ def test_cached_norms_through_sliding_window_drops(monkeypatch, family, slack, r
 def tracker_case(g, B, H, G, T, D, pad, dtype):
     pos = torch.arange(T).expand(B, H, T).clone()
     pos[0, :, :pad] = -1
-    attn = torch.rand(B, H, G, T, T, generator=g).softmax(-1) * (pos >= 0)[:, :, None, None]
+    attn = group_mean_max(torch.rand(B, H, G, T, T, generator=g).softmax(-1) * (pos >= 0)[:, :, None, None])
     keys = torch.randn(B, H, T, D, generator=g).to(dtype)
     values = torch.randn(B, H, T, D, generator=g).to(dtype)
     return pos, attn, keys, values

@@ -119,7 +119,7 @@ def test_pyramid_layer_statistics_count_only_the_tokens_it_holds(tmp_path):
     """Under pyramid the runtime keeps the union of the layers' tokens; a layer's features must still be those of a
     layer that holds only its own tokens. Reference: one `FeatureTracker` per layer over that layer's tokens alone,
     compacted by the runtime's own per-layer decisions, as the decode loop's cache holds a layer."""
-    from learnkv.features import FeatureTracker  # only this test builds a reference tracker
+    from learnkv.features import FeatureTracker, group_mean_max  # only this test builds a reference tracker
 
     L, H, D, bs, n = 2, 2, 4, 4, 30
     rt = ServingRuntime(scorer(tmp_path, "pyramid"), 24, block_size=bs, allocation="pyramid")  # 9 and 3 blocks
@@ -142,8 +142,9 @@ def test_pyramid_layer_statistics_count_only_the_tokens_it_holds(tmp_path):
         k, v = torch.rand(H, n, D, generator=gen), torch.rand(H, n, D, generator=gen)
         rt.observe("r", layer, attn, k, v)
         pos, state = torch.arange(n)[None, None].expand(1, H, n), {}
-        tracker.update(attn[None], pos, n, 0, state)
-        ref.append([pos, state, k.norm(dim=-1)[None], v.norm(dim=-1)[None], attn[None, :, :, -1:]])
+        pair = group_mean_max(attn[None])  # [1, H, 2, n, n]: what the tracker reads
+        tracker.update(pair, pos, n, 0, state)
+        ref.append([pos, state, k.norm(dim=-1)[None], v.norm(dim=-1)[None], pair[:, :, :, -1:]])
     drop(rt.decide(["r"])[0])
     compared = 0
     for step in range(1, 30):
@@ -156,9 +157,10 @@ def test_pyramid_layer_statistics_count_only_the_tokens_it_holds(tmp_path):
             rt.observe("r", layer, attn, k, v)
             state = {name: torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], -1) for name, t in state.items()}
             pos = torch.cat([pos, torch.full((1, H, 1), n + step - 1)], -1)
-            tracker.update(attn[None], pos, 1, step, state)
+            pair = group_mean_max(attn[None])
+            tracker.update(pair, pos, 1, step, state)
             kn, vn = torch.cat([kn, k.norm(dim=-1)[None]], -1), torch.cat([vn, v.norm(dim=-1)[None]], -1)
-            ref[layer] = [pos, state, kn, vn, attn[None]]
+            ref[layer] = [pos, state, kn, vn, pair]
         rt.batch.fold()  # what `decide` does first: compare what it scores, before it compacts
         positions, state, last, own_step = rt.batch.extract("r")
         kn, vn = state.pop("norm.k"), state.pop("norm.v")

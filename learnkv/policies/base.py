@@ -186,8 +186,9 @@ class Policy:
     name: ClassVar[str] = ""
     #: whether the attention function must hand this policy attention statistics
     needs_attention: ClassVar[bool] = True
-    #: how the attention of the query heads that share a KV head is reduced: "mean", "max", or "none" (the
-    #: view then keeps the group axis: attn [B, H, G, W, T], attn_sum [B, H, G, T], no attn_sq_sum)
+    #: how the attention of the query heads that share a KV head is reduced: "mean", "max", "none" (the view then
+    #: keeps the group axis: attn [B, H, G, W, T], attn_sum [B, H, G, T], no attn_sq_sum) or "mean+max" (both on
+    #: that axis, mean then max: attn [B, H, 2, W, T], attn_sum [B, H, 2, T]; the feature tracker's input)
     group_reduce: ClassVar[str] = "mean"
     #: whether the policy needs the sum of squared attention (RoCo's std)
     needs_sq_sum: ClassVar[bool] = False

@@ -82,7 +82,7 @@ class Learned(Policy):
     """
 
     name = "learned"
-    group_reduce = "none"
+    group_reduce = "mean+max"  # what the feature tracker reads; the fused decode attention hands it too
     rowwise = True  # the tracker's state and the features are per row, the scorer per token
     reads_layer = True  # each layer's scorer; the features' key and value columns
     pooling = POOLING  # the rule its exported artifact records: logits compare within a row only, so ranks

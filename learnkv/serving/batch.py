@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learnkv.features import FeatureTracker
+from learnkv.features import FeatureTracker, group_mean_max
 
 # what a token carries from its creation on, as state entries: key and value norms (features), and the content
 # gate's term of a scorer that reads value vectors (`learnkv.scorer.model.Scorer.content_term`)
@@ -49,7 +49,7 @@ class DecodeBatch:
         self.positions: Tensor | None = None  # [R, C] int64, -1 = padding
         self.next_pos: Tensor | None = None  # [R] int64, the position the row's next token gets
         self.state: dict[str, Tensor] = {}
-        self.last_attn: Tensor | None = None  # [L, R, H, G, C] the latest step's attention, right-aligned
+        self.last_attn: Tensor | None = None  # [L, R, H, 2, C] the latest step's group mean and max, right-aligned
         # [L, R, C] True where a layer dropped the column's block while another layer holds it (the runtime's
         # pyramid allocation): the column is padding to that layer. None until a row has one
         self.dead: Tensor | None = None
@@ -167,6 +167,7 @@ class DecodeBatch:
         if not ids:
             return
         attn, consts, ids, lens = self._assemble(ids)
+        attn = group_mean_max(attn, dim=3)  # [L, S, H, 2, Tb]: the group mean and max, all the tracker reads
         rows = [self.index[rid] for rid in ids]
         new_lens = [self.lens[i] + 1 for i in rows]
         if lens is not None and lens.tolist() != new_lens:
@@ -281,7 +282,7 @@ class DecodeBatch:
 
         Returns ``positions [L, H, T]`` (-1 where the layer dropped the token, `set_dead`), the state
         (``[L, H, T]``, ``f.win`` ``[L, H, W, T]``, norms included, ``f.last_high`` in the request's own steps), the
-        latest attention ``[L, H, G, 1, T]`` and the request's step. Contiguous copies, so reductions over them run
+        latest attention's group mean and max ``[L, H, 2, 1, T]`` and the request's step. Contiguous copies, so reductions over them run
         exactly as over the decode loop's tensors.
         """
         i = self.index[req_id]

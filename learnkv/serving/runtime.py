@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from learnkv.allocation import pyramid_budgets
-from learnkv.features import FEATURES, FeatureTracker
+from learnkv.features import FEATURES, FeatureTracker, group_mean_max
 from learnkv.pooling import shared_keep_slots
 from learnkv.policies.learned import Learned
 from learnkv.scorer.artifact import load_scorer, read_artifact_manifest
@@ -69,7 +69,7 @@ class _Request:
     own_positions: Tensor | None = None  # [1, H, T] int64, ascending (prompt phase)
     batch: DecodeBatch | None = None  # set once the request decodes in the batch
     state: list[dict[str, Tensor]] = field(default_factory=list)  # per layer: tracker state + key/value norms
-    last_row: list[Tensor | None] = field(default_factory=list)  # per layer: this step's attention [1, H, G, 1, T]
+    last_row: list[Tensor | None] = field(default_factory=list)  # per layer: the step's group mean, max [1, H, 2, 1, T]
     evicted: list[int] = field(default_factory=list)  # logical blocks freed so far
     full_context_tokens: int | None = None  # tokens written before the first eviction (prefix-cache rule)
     layer_budgets: list[int] | None = None  # pyramid: each layer's budget in tokens (whole blocks); None: uniform
@@ -252,7 +252,7 @@ class ServingRuntime:
         if self.reads_values:
             c = self._content(values[None], layer)  # [1, H, q]
             state["norm.c"] = c if "norm.c" not in state else torch.cat([state["norm.c"], c], dim=-1)
-        a = attn.float()[None]  # [1, H, G, q, T]
+        a = group_mean_max(attn.float()[None])  # [1, H, 2, q, T]: the group mean and max, all the tracker reads
         tracker_state = {k: v for k, v in state.items() if not k.startswith("norm.")}
         self.tracker.update(a, req.positions, q, req.step, tracker_state)
         state.update(tracker_state)

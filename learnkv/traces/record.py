@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from learnkv.features import FeatureTracker
+from learnkv.features import FeatureTracker, group_mean_max
 from learnkv.policies import make_policy
 from learnkv.policies.base import LayerView, Policy
 
@@ -47,9 +47,10 @@ def teacher_view(view: LayerView, teacher: Policy, state: dict[str, Tensor], kee
     (``attn [B, H, G, W, T]``)."""
     attn = attn_sum = attn_sq = None
     if teacher.needs_attention:
-        if teacher.group_reduce == "none":
-            attn = view.attn[:, :, :, -min(teacher.obs_window, view.attn.shape[3]):, :]
-            attn_sum = view.attn.sum(dim=3)
+        if teacher.group_reduce in ("none", "mean+max"):  # the group axis kept, or its mean and max on it
+            rows = view.attn if teacher.group_reduce == "none" else group_mean_max(view.attn)  # [B, H, G or 2, q, T]
+            attn = rows[:, :, :, -min(teacher.obs_window, rows.shape[3]):, :]
+            attn_sum = rows.sum(dim=3)
         else:
             rows = view.attn.amax(dim=2) if teacher.group_reduce == "max" else view.attn.mean(dim=2)  # [B, H, q, T]
             attn = rows[:, :, -min(teacher.obs_window, rows.shape[2]):, :]
@@ -132,11 +133,13 @@ class Riders:
         self.teachers = {name: make_policy(name).resolve(TEACHER_BUDGET) for name in teachers}
         self.label_budget = label_budget
         self._views: dict[str, LayerView] = {}
+        self._mean_max: Tensor | None = None  # the latest update's group mean and max, for `snapshot`
 
     def update(self, view: LayerView) -> None:
         """Fold the step's attention (``view.attn [B, H, G, W, T]``, every query row) into every rider's state."""
         st = view.state
-        self.tracker.update(view.attn, view.positions, view.n_new, view.step, st)
+        self._mean_max = group_mean_max(view.attn)
+        self.tracker.update(self._mean_max, view.positions, view.n_new, view.step, st)
         keep = label_keep(view.live_tokens(), self.label_budget)
         for name, teacher in self.teachers.items():
             prefix = f"t.{name}."
@@ -150,7 +153,7 @@ class Riders:
     def snapshot(self, view: LayerView, rows: list[int]) -> "Snapshot":
         """Right after `update` of the same view: the `Snapshot` of batch rows ``rows`` (their positions, features
         and each teacher's scores; the recorder adds what else it keeps)."""
-        feats = self.tracker.features(view.attn, view.keys, view.values, view.positions, view.layer, view.step,
+        feats = self.tracker.features(self._mean_max, view.keys, view.values, view.positions, view.layer, view.step,
                                       view.state)
         T = view.positions.shape[-1]
         # a teacher whose observation window covers every slot protects them all: no preference (zeros), instead

@@ -47,7 +47,7 @@ class RecurrenceObserver(Policy):
     name = "recurrence-observer"
     evicts = False
     needs_attention = True
-    group_reduce = "none"
+    group_reduce = "mean+max"  # the feature tracker's input
     n_layers: int = 1
     states: dict = field(default_factory=dict, repr=False)
     positions: dict = field(default_factory=dict, repr=False)
