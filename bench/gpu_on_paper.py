@@ -20,12 +20,15 @@ G query heads per KV head and S slots held (budget + slack / 2 on average: dead 
 - H2O's state update (`kernels.update_token_state`): the group mean read, ``acc`` read and written, then cloned as
   the score: 12 + 8.
 - StreamingLLM's score: positions read, fp32 score written: 12.
-- the learned policy's features (`kernels.decode_features`): the group mean and max 8, positions twice 16, 8 state tensors
-  read and written 64, the 16-row window kept among 8 spare rows (`learnkv.sliding_rows`: its 15 surviving rows
-  read, the new one written, and every 9th step the 15 moved back to the top: 60 + 4 + 60 / 9 = 70.7; shifted in
-  place before, 15 read and 16 written, 124), the key and value norms cached per slot read 8 (K and V are read for
-  the new slot only; before issue 43's refresh pass, in full: 2 * 2D), 19 fp32 features written 76; then the
-  scorer (`kernels.scorer_mlp`) reads the features and writes a score: 80.
+- the learned policy's tracker update (`kernels.decode_features`, every step): the group mean and max 8, positions
+  twice 16, 8 state tensors read and written 64, the 16-row window kept among 8 spare rows (`learnkv.sliding_rows`:
+  its 15 surviving rows read, the new one written, and every 9th step the 15 moved back to the top: 60 + 4 + 60 / 9
+  = 70.7; shifted in place before, 15 read and 16 written, 124); at a refresh (every ``REFRESH`` steps, the policy's
+  default) the same launch also reads the key and value norms cached per slot, 8 (K and V only for the new slot;
+  before issue 43's refresh pass, in full: 2 * 2D), and writes the 19 fp32 features, 76, which the scorer
+  (`kernels.scorer_mlp`) reads to write a score, 80: (8 + 76 + 80) / REFRESH per step (before 2026-11-28 the
+  features were written at every step: 8 + 76 + 80 / REFRESH); the latest refresh's scores cloned at every
+  eviction, 8.
 - selection (`kernels.select_keep`, every step once over the budget): priorities from scores and positions (read
   twice) written as int64 keys, 4 + 16 + 8; a radix select reading the keys once per 4-bit digit of
   (32 + index bits) and once more to write the kept indices: 8 * (passes + 1) + 8.
@@ -37,8 +40,8 @@ The new token's K/V writes and the small per-row buffers are left out (one slot 
 
 ``--fixed`` counts two changes that are not made (docs/gpu-on-paper.md): a one-pass decode attention (K read once;
 the split's unnormalised probabilities written, then rescaled in place: 2 * 2D + 8 + 4 + 8) and a radix select on
-8-bit digits (half the passes). (Two more are made: the learned policy's key and value norms kept per slot, and its
-group mean and max from the fused attention instead of torch eager.)
+8-bit digits (half the passes). (Three more are made: the learned policy's key and value norms kept per slot, its
+group mean and max from the fused attention instead of torch eager, and its features written at a refresh only.)
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ HBM_H100 = 3.35e12  # bytes/s, H100 SXM
 #: the learned policy's feature window and its spare rows (`learnkv.features.WINDOW`, `SPARE_ROWS`; this script
 #: imports no torch: tests/test_bench.py checks they agree)
 WINDOW, SPARE_ROWS = 16, 8
+#: the learned policy's default refresh (`learnkv.policies.learned.Learned.refresh`; checked there too)
+REFRESH = 8
 
 
 @dataclass(frozen=True)
@@ -105,10 +110,11 @@ def per_slot_bytes(policy: str, m: Model, slots: int, slack: int, fixed: bool = 
         norms = 8  # two fp32 norms cached per slot, read instead of K and V (`learnkv.features.NORMS`)
         rows = WINDOW + SPARE_ROWS  # the tracker's window among its spare rows
         window = 4 * (WINDOW - 1) + 4 + 4 * (WINDOW - 1) / (SPARE_ROWS + 1)
-        features = 8 + 16 + 64 + window + norms + 76  # the group mean and max read: 8
-        channels = 8 + rows + 2  # the tracker's state: 8 [B, H, T] tensors, the window's rows, the 2 norms
+        update = 8 + 16 + 64 + window  # the group mean and max read: 8
+        read_out = (norms + 76 + 80) / REFRESH  # features written and scored at a refresh only
+        channels = 8 + rows + 2 + 1  # 8 [B, H, T] tracker tensors, the window's rows, the 2 norms, the refresh's scores
         attention = fused + 4  # the fused kernel writes the group max besides the mean
-        return {"attention": attention, "score": features + 80, **evict,
+        return {"attention": attention, "score": update + read_out + 8, **evict,
                 "compaction": 2 * (kv + 8 + 4 * channels) / slack}  # fmt: skip
     raise ValueError(policy)
 

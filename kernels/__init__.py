@@ -181,11 +181,11 @@ def scorer_mlp(features, mean, std, w1, b1, w2, b2):
     return impl(features, mean, std, w1, b1, w2, b2)
 
 
-def decode_features(attn, keys, values, positions, layer, n_layers, step, state, spare=0):
-    """One decode step of the learned policy's feature tracker (state in place, ``[B, H, T, F]`` features out; its
-    window among ``spare`` spare rows); see `kernels.reference`."""
+def decode_features(attn, keys, values, positions, layer, n_layers, step, state, spare=0, read_out=True):
+    """One decode step of the learned policy's feature tracker (state in place, ``[B, H, T, F]`` features out, or
+    None without ``read_out``; its window among ``spare`` spare rows); see `kernels.reference`."""
     if _use_triton(attn, keys, values, positions, *state.values()):
         from kernels.features import decode_features as impl
     else:
         from kernels.reference import decode_features_reference as impl
-    return impl(attn, keys, values, positions, layer, n_layers, step, state, spare)
+    return impl(attn, keys, values, positions, layer, n_layers, step, state, spare, read_out=read_out)

@@ -7,21 +7,23 @@ one row: it scans the row's positions once for the visible-token count and the c
 ``f.*`` state tensor of its slots in place (the window shifted row by row in ``f.win [B, H, WINDOW, T]``, or, kept
 among spare rows as the learned policy's tracker keeps it, ``[B, H, WINDOW + spare, T]``, only the new row written
 but when the window moves back to the top: either way the layout the torch tracker keeps, so it can take over
-mid-run), and writes the slots' ``[F]`` features.
+mid-run), and writes the slots' ``[F]`` features; with ``read_out=False`` (the learned policy's steps that score
+nothing: 7 of 8 at its default refresh) it stops after the update.
 
 The key and value norms: where the state holds them (`learnkv.features.NORMS`, a tracker with ``cache_norms``, as
 the learned policy's), the kernel reads each slot's cached norm (4 bytes) instead of its key and value (``2 D``
-elements: 512 bytes at D = 64 in fp32, ~5x the rest of what a slot costs the kernel: its ~25 state floats and its two
-attention weights), and computes from the key and value only the new slot's (the last) and any still unknown (-1),
+elements: 512 bytes at D = 64 in fp32, ~5x the rest of what a slot costs the kernel: its ~25 state floats and its
+two attention weights), and computes from the key and value only the new slot's (the last) and any still unknown (-1),
 writing them into the state; the loads of the other slots' keys and values are masked off. Without them in the
 state it computes every slot's norm, as before.
 
 The kernel reads the step's attention reduced over each group (mean and max, as the attention hands it to a policy
 with ``group_reduce="mean+max"``). The arithmetic follows the tracker op by op in fp32: divisions and square roots
-are correctly rounded (``div_rn``, ``sqrt_rn``), the window std is Welford's (as torch's), so integer-valued state (counts, steps, intervals) is exact and the rest agrees to a few ulps. ``log1p`` is libdevice's
-on GPU; the interpreter has no libdevice, so there it is Goldberg's ``log(u) * x / (u - 1)``, ``u = 1 + x``
-(accurate to a few ulps for the non-negative arguments used here). Float maxima and clamps propagate NaN as the
-tracker's torch ops do (`kernels.nanmax`).
+are correctly rounded (``div_rn``, ``sqrt_rn``), the window std is Welford's (as torch's), so integer-valued state
+(counts, steps, intervals) is exact and the rest agrees to a few ulps. ``log1p`` is libdevice's on GPU; the
+interpreter has no libdevice, so there it is Goldberg's ``log(u) * x / (u - 1)``, ``u = 1 + x`` (accurate to a few
+ulps for the non-negative arguments used here). Float maxima and clamps propagate NaN as the tracker's torch ops do
+(`kernels.nanmax`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,17 @@ def _sq_norm(base, slot, m, s_t, s_d, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.cons
     return total
 
 
+@triton.jit
+def _cached_norm(norm_at, base, slot, m, T, s_t, s_d, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The slots' cached norms (``norm_at``: their state), the new slot's (the last) and any unknown (-1) computed
+    from the key or value at ``base`` and written back."""
+    norm = tl.load(norm_at, mask=m, other=0.0)
+    new = m & ((slot == T - 1) | (norm < 0.0))
+    norm = tl.where(new, tl.sqrt_rn(_sq_norm(base, slot, new, s_t, s_d, D, BLOCK_T, BLOCK_D)), norm)
+    tl.store(norm_at, norm, mask=new)
+    return norm
+
+
 # the window rows move with the step; the attention and output strides scale with T
 @triton.jit(do_not_specialize=STEP_VARYING + ("w_first", "w_old", "w_new", "sa_b", "sa_h", "sa_g", "so_b", "so_h"))
 def _decode_features_kernel(
@@ -81,7 +94,7 @@ def _decode_features_kernel(
     sa_b, sa_h, sa_g, sa_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_h, sp_t,
     ss_b, ss_h, ss_t, sw_b, sw_h, sw_w, sw_t, so_b, so_h, so_t, so_f,
     WIN: tl.constexpr, N_SINK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
-    CACHED_NORMS: tl.constexpr, REWRITE: tl.constexpr,
+    CACHED_NORMS: tl.constexpr, REWRITE: tl.constexpr, READ_OUT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     b = (row // H).to(tl.int64)
@@ -162,72 +175,70 @@ def _decode_features_kernel(
     tl.store(mi_ptr + st, m_int, mask=m)
     last = tl.where(high, step_f, last)
     tl.store(lh_ptr + st, last, mask=m)
-
-    # -- features, in FEATURES order; padding slots get zeros
-    cnt1 = fmax(count, 1.0)
-    mean = tl.math.div_rn(acc, cnt1)
-    std = tl.sqrt_rn(fmax(tl.math.div_rn(acc_sq, cnt1) - mean * mean, 0.0))
-    pos_f = pos.to(tl.float32)
-    if CACHED_NORMS:  # the cached norms; the new slot's (the last) and unknown ones (-1) from the key and value
-        k_norm = tl.load(kn_ptr + st, mask=m, other=0.0)
-        k_new = m & ((slot == T - 1) | (k_norm < 0.0))
-        k_calc = tl.sqrt_rn(_sq_norm(key_ptr + b * sk_b + h * sk_h, slot, k_new, sk_t, sk_d, DK, BLOCK_T, BLOCK_D))
-        k_norm = tl.where(k_new, k_calc, k_norm)
-        tl.store(kn_ptr + st, k_norm, mask=k_new)
-        v_norm = tl.load(vn_ptr + st, mask=m, other=0.0)
-        v_new = m & ((slot == T - 1) | (v_norm < 0.0))
-        v_calc = tl.sqrt_rn(_sq_norm(val_ptr + b * sv_b + h * sv_h, slot, v_new, sv_t, sv_d, DV, BLOCK_T, BLOCK_D))
-        v_norm = tl.where(v_new, v_calc, v_norm)
-        tl.store(vn_ptr + st, v_norm, mask=v_new)
-    else:
-        k_norm = tl.sqrt_rn(_sq_norm(key_ptr + b * sk_b + h * sk_h, slot, m, sk_t, sk_d, DK, BLOCK_T, BLOCK_D))
-        v_norm = tl.sqrt_rn(_sq_norm(val_ptr + b * sv_b + h * sv_h, slot, m, sv_t, sv_d, DV, BLOCK_T, BLOCK_D))
-    valid = pos >= 0
-    o_base = out_ptr + b * so_b + h * so_h + slot * so_t
-    for f in tl.static_range(19):
-        if f == 0:
-            v = _log1p(a_mean * n_f, LIBDEVICE)
-        elif f == 1:
-            v = _log1p(a_max * n_f, LIBDEVICE)
-        elif f == 2:
-            v = _log1p(acc, LIBDEVICE)
-        elif f == 3:
-            v = _log1p(mean * n_f, LIBDEVICE)
-        elif f == 4:
-            v = _log1p(std * n_f, LIBDEVICE)
-        elif f == 5:
-            v = _log1p(tl.math.div_rn(w_sum, n_win_f) * n_f, LIBDEVICE)
-        elif f == 6:
-            v = _log1p(w_max * n_f, LIBDEVICE)
-        elif f == 7:
-            v = _log1p(tl.sqrt_rn(tl.math.div_rn(w_m2, n_win_f)) * n_f, LIBDEVICE)
-        elif f == 8:
-            v = _log1p(fmax(step_f - last, 0.0), LIBDEVICE)
-        elif f == 9:
-            v = _log1p(n_ret, LIBDEVICE)
-        elif f == 10:
-            v = _log1p(tl.math.div_rn(s_int, fmax(n_ret, 1.0)), LIBDEVICE)
-        elif f == 11:
-            v = _log1p(l_int, LIBDEVICE)
-        elif f == 12:
-            v = _log1p(m_int, LIBDEVICE)
-        elif f == 13:
-            v = k_norm
-        elif f == 14:
-            v = v_norm
-        elif f == 15:
-            v = _log1p(fmax(current - pos_f, 0.0), LIBDEVICE)
-        elif f == 16:
-            v = tl.math.div_rn(pos_f, current)
-        elif f == 17:
-            v = (valid & (pos < N_SINK)).to(tl.float32)
+    if READ_OUT:
+        # -- features, in FEATURES order; padding slots get zeros
+        cnt1 = fmax(count, 1.0)
+        mean = tl.math.div_rn(acc, cnt1)
+        std = tl.sqrt_rn(fmax(tl.math.div_rn(acc_sq, cnt1) - mean * mean, 0.0))
+        pos_f = pos.to(tl.float32)
+        if CACHED_NORMS:  # the cached norms; the new slot's (the last) and unknown ones (-1) from its key and value
+            k_norm = _cached_norm(kn_ptr + st, key_ptr + b * sk_b + h * sk_h, slot, m, T, sk_t, sk_d, DK, BLOCK_T,
+                                  BLOCK_D)  # fmt: skip
+            v_norm = _cached_norm(vn_ptr + st, val_ptr + b * sv_b + h * sv_h, slot, m, T, sv_t, sv_d, DV, BLOCK_T,
+                                  BLOCK_D)  # fmt: skip
         else:
-            v = tl.zeros([BLOCK_T], dtype=tl.float32) + layer_f
-        tl.store(o_base + f * so_f, tl.where(valid, v, 0.0), mask=m)
+            k_norm = tl.sqrt_rn(_sq_norm(key_ptr + b * sk_b + h * sk_h, slot, m, sk_t, sk_d, DK, BLOCK_T, BLOCK_D))
+            v_norm = tl.sqrt_rn(_sq_norm(val_ptr + b * sv_b + h * sv_h, slot, m, sv_t, sv_d, DV, BLOCK_T, BLOCK_D))
+        valid = pos >= 0
+        o_base = out_ptr + b * so_b + h * so_h + slot * so_t
+        for f in tl.static_range(19):
+            if f == 0:
+                v = _log1p(a_mean * n_f, LIBDEVICE)
+            elif f == 1:
+                v = _log1p(a_max * n_f, LIBDEVICE)
+            elif f == 2:
+                v = _log1p(acc, LIBDEVICE)
+            elif f == 3:
+                v = _log1p(mean * n_f, LIBDEVICE)
+            elif f == 4:
+                v = _log1p(std * n_f, LIBDEVICE)
+            elif f == 5:
+                v = _log1p(tl.math.div_rn(w_sum, n_win_f) * n_f, LIBDEVICE)
+            elif f == 6:
+                v = _log1p(w_max * n_f, LIBDEVICE)
+            elif f == 7:
+                v = _log1p(tl.sqrt_rn(tl.math.div_rn(w_m2, n_win_f)) * n_f, LIBDEVICE)
+            elif f == 8:
+                v = _log1p(fmax(step_f - last, 0.0), LIBDEVICE)
+            elif f == 9:
+                v = _log1p(n_ret, LIBDEVICE)
+            elif f == 10:
+                v = _log1p(tl.math.div_rn(s_int, fmax(n_ret, 1.0)), LIBDEVICE)
+            elif f == 11:
+                v = _log1p(l_int, LIBDEVICE)
+            elif f == 12:
+                v = _log1p(m_int, LIBDEVICE)
+            elif f == 13:
+                v = k_norm
+            elif f == 14:
+                v = v_norm
+            elif f == 15:
+                v = _log1p(fmax(current - pos_f, 0.0), LIBDEVICE)
+            elif f == 16:
+                v = tl.math.div_rn(pos_f, current)
+            elif f == 17:
+                v = (valid & (pos < N_SINK)).to(tl.float32)
+            else:
+                v = tl.zeros([BLOCK_T], dtype=tl.float32) + layer_f
+            tl.store(o_base + f * so_f, tl.where(valid, v, 0.0), mask=m)
+    elif CACHED_NORMS:  # the update only: the new slot's norms stay unknown (-1) until a read-out computes them
+        new = m & (slot == T - 1)
+        tl.store(kn_ptr + st, tl.full([BLOCK_T], -1.0, dtype=tl.float32), mask=new)
+        tl.store(vn_ptr + st, tl.full([BLOCK_T], -1.0, dtype=tl.float32), mask=new)
 
 
 def decode_features(attn, keys, values, positions, layer: int, n_layers: int, step: int, state, spare: int = 0, *,
-                    block_t=None):
+                    read_out: bool = True, block_t=None):
     """Triton launcher of `kernels.reference.decode_features_reference` (same arguments, same effect).
 
     Parameters
@@ -251,13 +262,17 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
     spare : int
         The tracker's `learnkv.features.FeatureTracker.spare_rows`; a window held in order is laid out once
         (`learnkv.sliding_rows.in_rows`), as the tracker does.
+    read_out : bool
+        Whether to write the features after the update (False: the state update only, the features' reads and
+        writes skipped; the new slot's cached norms left unknown, -1, as the tracker's update leaves them).
     block_t : int, optional
         Tuning (and tests): slots per program, a power of two.
 
     Returns
     -------
-    Tensor
-        ``[B, H, T, F]`` fp32 features in `learnkv.features.FEATURES` order, zero on padding slots.
+    Tensor or None
+        ``[B, H, T, F]`` fp32 features in `learnkv.features.FEATURES` order, zero on padding slots; None without
+        ``read_out``.
     """
     if FEATURES != _ORDER:
         raise RuntimeError("learnkv.features.FEATURES changed: update the kernel's columns and _ORDER")
@@ -289,9 +304,9 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
         if tuple(t.shape) != shape or t.dtype != torch.float32 or not same:
             raise ValueError(f"state {name!r} must be fp32 {shape} (the [B, H, T] ones with one layout), "
                              f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")  # fmt: skip
-    out = torch.empty(B, H, T, len(FEATURES), dtype=torch.float32, device=positions.device)
+    out = torch.empty(B, H, T, len(FEATURES) if read_out else 0, dtype=torch.float32, device=positions.device)
     if B * H * T == 0:
-        return out
+        return out if read_out else None
 
     D = max(keys.shape[-1], values.shape[-1], 1)
     if positions.is_cuda:
@@ -314,7 +329,7 @@ def decode_features(attn, keys, values, positions, layer: int, n_layers: int, st
         attn.stride(0), attn.stride(1), attn.stride(2), attn.stride(4), *keys.stride(), *values.stride(),
         *positions.stride(), *first.stride(), *s["f.win"].stride(), *out.stride(),
         WIN=WINDOW, N_SINK=SINKS, BLOCK_T=block_t, BLOCK_D=block_d, LIBDEVICE=positions.is_cuda, CACHED_NORMS=cached,
-        REWRITE=w_new == 0, num_warps=warps,
+        REWRITE=w_new == 0, READ_OUT=read_out, num_warps=warps,
         **LAUNCH_OPTIONS,
     )  # fmt: skip
-    return out
+    return out if read_out else None

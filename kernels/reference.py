@@ -396,8 +396,11 @@ def decode_features_reference(
     step: int,
     state: dict[str, Tensor],
     spare: int = 0,
-) -> Tensor:
-    """One decode step of the learned policy's feature tracker: `FeatureTracker.update` then `.features`.
+    *,
+    read_out: bool = True,
+) -> Tensor | None:
+    """One decode step of the learned policy's feature tracker: `FeatureTracker.update` then `.features` (the
+    update only, without ``read_out``).
 
     Parameters
     ----------
@@ -419,14 +422,17 @@ def decode_features_reference(
         the unknown ones from their keys and values and reads the others.
     spare : int
         The tracker's `FeatureTracker.spare_rows` (`learnkv.sliding_rows`); a window held in order is laid out once.
+    read_out : bool
+        Whether to compute the features after the update (the learned policy needs them where it scores next).
 
     Returns
     -------
-    Tensor
-        ``[B, H, T, F]`` fp32 features in `learnkv.features.FEATURES` order, zero on padding slots.
+    Tensor or None
+        ``[B, H, T, F]`` fp32 features in `learnkv.features.FEATURES` order, zero on padding slots; None without
+        ``read_out`` (the new slot's cached norms, if the state holds them, are then left unknown: -1).
     """
     if attn.ndim != 5 or attn.shape[2:4] != (2, 1) or step < 1:
         raise ValueError(f"a decode step: attn [B, H, 2, 1, T] and step >= 1, got {tuple(attn.shape)}, step {step}")
     tracker = FeatureTracker(n_layers, cache_norms=NORMS[0] in state, spare_rows=spare)
     tracker.update(attn, positions, 1, step, state)
-    return tracker.features(attn, keys, values, positions, layer, step, state)
+    return tracker.features(attn, keys, values, positions, layer, step, state) if read_out else None

@@ -412,11 +412,13 @@ class BudgetCache(Cache):
         policy, first = self.policy, layers[0]
         keep, due = self._row_decision(first)
         view = self._view(order, stats, linked, keep)
+        refreshing = policy.refresh > 1 and (_REFRESHED not in view.state or self.step % policy.refresh == 0)
+        view.scored = refreshing if policy.refresh > 1 else due  # `score` follows the update (else a refresh's scores)
         t0 = time.perf_counter()
         policy.update(view)
         if linked is not None:
             self._store_state(layers, view.state, linked[1])
-        if policy.refresh > 1 and (_REFRESHED not in view.state or self.step % policy.refresh == 0):
+        if refreshing:
             scores = [policy.score(v) for v in self._layer_views(order, stats, view, keep)]  # every row
             view.state[_REFRESHED] = scores[0] if len(scores) == 1 else torch.cat(scores)
             self._refreshed_at.update(dict.fromkeys(order, self.step))

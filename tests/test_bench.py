@@ -96,3 +96,6 @@ def test_gpu_on_paper_counts():
     from learnkv import features
 
     assert (paper.WINDOW, paper.SPARE_ROWS) == (features.WINDOW, features.SPARE_ROWS)  # the learned window's rows
+    from learnkv.policies import make_policy
+
+    assert paper.REFRESH == make_policy("learned").refresh  # the learned policy's default refresh

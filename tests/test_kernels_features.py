@@ -104,6 +104,14 @@ def window_rows(win, step):
 def check(expected_state, state, expected_feats, feats, where="", step=None):
     """The state and features against the reference's; with ``step``, the windows compared row by row in order
     (one of the two may keep its rows among spare rows)."""
+    check_state(expected_state, state, where, step)
+    assert feats.dtype == torch.float32 and feats.shape == expected_feats.shape
+    for i, name in enumerate(FEATURES):
+        assert_close(f"{where}feature {name}", expected_feats[..., i], feats[..., i], *FEATURE_TOL)
+
+
+def check_state(expected_state, state, where="", step=None):
+    """`check`'s state half."""
     for name in STATE:
         if name == "f.win" and step is not None:
             assert_close(f"{where}{name}", window_rows(expected_state[name], step), window_rows(state[name], step),
@@ -112,9 +120,6 @@ def check(expected_state, state, expected_feats, feats, where="", step=None):
             assert torch.equal(state[name].cpu(), expected_state[name]), f"{where}{name} differs"
         else:
             assert_close(f"{where}{name}", expected_state[name], state[name], *STATE_TOL)
-    assert feats.dtype == torch.float32 and feats.shape == expected_feats.shape
-    for i, name in enumerate(FEATURES):
-        assert_close(f"{where}feature {name}", expected_feats[..., i], feats[..., i], *FEATURE_TOL)
 
 
 @pytest.mark.parametrize("B, H, G, T, D, step, dtype, layout, block_t", CASES)
@@ -196,6 +201,36 @@ def test_decode_features_reads_the_cached_norms(request, B, H, G, T, D, step, dt
     assert torch.equal(feats[..., FEATURES.index("key_norm")].cpu()[read], state[NORMS[0]][read])
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["norms-computed", "norms-cached"])
+@pytest.mark.parametrize("B, H, G, T, D, step, dtype, layout, block_t", CASES)
+def test_decode_features_update_only(request, B, H, G, T, D, step, dtype, layout, block_t, cached):
+    """``read_out=False`` (the learned policy's steps that score nothing): the state updated as the reference's
+    update, no features, the new slot's cached norms left unknown (-1) as the tracker's update leaves them, the other
+    norms untouched, nothing written outside the state."""
+    g = gen(request.node.callspec.id)
+    attn, keys, values, pos, state = decode_inputs(g, B, H, G, T, D, step, dtype, layout)
+    if cached:
+        state = with_norms(g, keys, values, state, unknown=True)
+    expected_state = {n: t.clone() for n, t in state.items()}
+    args = (1, N_LAYERS, step)
+    assert ref.decode_features_reference(attn, keys, values, pos, *args, expected_state, read_out=False) is None
+    if layout == "strided":
+        actual_state, buffers = nan_views(state)
+    else:
+        actual_state, buffers = {n: t.to(DEVICE) for n, t in state.items()}, {}
+    with poisoned():
+        out = decode_features(*(t.to(DEVICE) for t in (attn, keys, values, pos)), *args, actual_state, block_t=block_t,
+                              read_out=False)  # fmt: skip
+    assert out is None
+    check_state(expected_state, actual_state)
+    for name in NORMS if cached else ():
+        assert (expected_state[name][..., -1] == -1).all()
+        assert torch.equal(actual_state[name].cpu(), expected_state[name]), name
+    for name, buf in buffers.items():
+        edges = buf[:, :, 0] if name == "f.win" else buf[..., [0, -1]]
+        assert edges.isnan().all(), f"{name}: a write outside the state tensor"
+
+
 def test_decode_features_nan_parity():
     """A NaN in one query head's attention, in a window row and in the interval state reaches the state and the
     features where it does in the tracker (group max, window max and std, the clamps): the GPU's plain ``max.f32``
@@ -259,13 +294,20 @@ def test_paths_take_turns_over_a_decode(cached, prefill_spare, spare):
             keys, values = new_keys, new_values
         tracker.update(attn, pos, 1, step, theirs)
         expected = tracker.features(attn, keys, values, pos, 2, step, theirs)
+        read_out = step % 3 != 1  # every third step the update only (the learned policy's steps between scores)
         if step % 2:
             on = {n: t.to(DEVICE) for n, t in mine.items()}
-            feats = decode_features(*(t.to(DEVICE) for t in (attn, keys, values, pos)), 2, N_LAYERS, step, on, spare)
+            feats = decode_features(*(t.to(DEVICE) for t in (attn, keys, values, pos)), 2, N_LAYERS, step, on, spare,
+                                    read_out=read_out)  # fmt: skip
             mine = {n: t.cpu() for n, t in on.items()}
         else:
-            feats = ref.decode_features_reference(attn, keys, values, pos, 2, N_LAYERS, step, mine, spare)
-        check(theirs, mine, expected, feats, where=f"step {step}: ", step=step)
+            feats = ref.decode_features_reference(attn, keys, values, pos, 2, N_LAYERS, step, mine, spare,
+                                                  read_out=read_out)  # fmt: skip
+        if read_out:
+            check(theirs, mine, expected, feats, where=f"step {step}: ", step=step)
+        else:
+            assert feats is None
+            check_state(theirs, mine, where=f"step {step}: ", step=step)
     assert theirs["f.n_returns"].sum() > 0, "no token ever came back: the recurrence went untested"
     assert (NORMS[0] in mine) == cached and mine["f.win"].shape[2] == WINDOW + spare
 
@@ -300,10 +342,12 @@ from kernels import features
 
 fn = features._decode_features_kernel
 floats = ("n_win_f", "step_f", "layer_f")
-for kv, cached, rewrite in (("*fp32", False, True), ("*bf16", False, True), ("*fp32", True, True),
-                            ("*bf16", True, True), ("*fp32", True, False), ("*bf16", True, False)):
+for kv, cached, rewrite, read_out in (("*fp32", False, True, True), ("*bf16", False, True, True),
+                                      ("*fp32", True, True, True), ("*bf16", True, True, True),
+                                      ("*fp32", True, False, True), ("*bf16", True, False, True),
+                                      ("*bf16", True, False, False), ("*bf16", False, True, False)):
     consts = dict(WIN=16, N_SINK=4, BLOCK_T=features.CUDA_BLOCK_T, BLOCK_D=features.CUDA_BLOCK_D, LIBDEVICE=True,
-                  CACHED_NORMS=cached, REWRITE=rewrite)
+                  CACHED_NORMS=cached, REWRITE=rewrite, READ_OUT=read_out)
     types = {n: "fp32" if n in floats else "*fp32" for n in fn.arg_names if n in floats or n.endswith("_ptr")}
     types.update(key_ptr=kv, val_ptr=kv, pos_ptr="*i64")
     build(fn, consts, features.CUDA_WARPS, nan=True, options=features.LAUNCH_OPTIONS, **types)

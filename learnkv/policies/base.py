@@ -55,6 +55,10 @@ class LayerView:
     live : list[int] or None
         Live tokens per row (not padding, not an evicted slot awaiting compaction: both have position -1), the
         same in every KV head of a row. None: count them from ``positions`` (`live_tokens`).
+    scored : bool
+        Whether the cache reads this view's scores after `Policy.update` (an eviction or a refresh in this step).
+        Where False, ``update`` may skip what only ``score`` reads (the learned policy's feature read-out on the
+        kernel path); ``score`` must still work if called (True unless the cache knows better).
 
     The cache may hand a `Policy.rowwise` policy the rows of several layers in one view, layer-major along the batch
     axis (`BudgetCache`, "Batching"): ``layer`` is then the first, and keys and values are None; `score` of a
@@ -73,6 +77,7 @@ class LayerView:
     keep: int | list[int] = 0
     state: dict[str, Tensor] = field(default_factory=dict)
     live: list[int] | None = None
+    scored: bool = True
 
     @property
     def valid(self) -> Tensor:
@@ -115,7 +120,7 @@ class LayerView:
                          attn_sum=pick(self.attn_sum), attn_sq_sum=pick(self.attn_sq_sum),
                          keep=self.keep if isinstance(self.keep, int) else list_rows(self.keep),
                          state={name: pick(t) for name, t in self.state.items()},
-                         live=None if self.live is None else list_rows(self.live), **fields)
+                         live=None if self.live is None else list_rows(self.live), scored=self.scored, **fields)
 
 
 def exact_map(fn: Callable[..., Tensor], *keys: Tensor) -> Tensor:

@@ -146,12 +146,14 @@ class Learned(Policy):
         run = self._loaded(view)
         run.fused = None
         if _fused_step(view):
-            # one launch updates the state and computes the features; `score`, which the cache calls right after
-            # this update when it evicts or refreshes, takes them from here (only the latest layer's are kept)
+            # one launch updates the state and, where the cache scores this view next (it evicts or refreshes),
+            # computes the features; `score`, called right after, takes them from here (only the latest layer's are
+            # kept). At the other steps (7 of 8 at refresh 8) the launch updates the state only.
             feats = kernels.decode_features(view.attn, view.keys, view.values, view.positions, view.layer,
-                                            run.tracker.n_layers, view.step, view.state,
-                                            run.tracker.spare_rows)  # fmt: skip
-            run.fused = (view.layer, view.step, view.positions, feats)
+                                            run.tracker.n_layers, view.step, view.state, run.tracker.spare_rows,
+                                            read_out=view.scored)  # fmt: skip
+            if feats is not None:
+                run.fused = (view.layer, view.step, view.positions, feats)
         else:
             run.tracker.update(view.attn, view.positions, view.n_new, view.step, view.state)
 
