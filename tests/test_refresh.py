@@ -156,6 +156,32 @@ def tracker_case(g, B, H, G, T, D, pad, dtype):
     return pos, attn, keys, values
 
 
+@pytest.mark.parametrize("refresh, interval", [(1, 1), (3, 1), (1, 2)], ids=["refresh1", "refresh3", "lagged"])
+def test_the_cache_tells_the_policy_whether_it_scores_next(tiny, monkeypatch, refresh, interval):
+    """`LayerView.scored`, which lets the learned policy's kernel path skip its feature read-out: True at exactly the
+    steps where its `score` follows the update (refresh 1: the steps that evict, once the cache outgrows its budget;
+    refresh 3: the prefill and every third step; lagged: the due steps, layer by layer), False at the others."""
+    updates, scored_at = {}, set()
+    real_update, real_score = learned.Learned.update, learned.Learned.score
+
+    def update(self, view):
+        updates.setdefault(view.step, set()).add(view.scored)
+        return real_update(self, view)
+
+    def score(self, view):
+        scored_at.add(view.step)
+        return real_score(self, view)
+
+    monkeypatch.setattr(learned.Learned, "update", update)
+    monkeypatch.setattr(learned.Learned, "score", score)
+    ids = random_ids(16, seed=5)  # within the budget: the first steps do not evict
+    generate(tiny, input_ids=ids, attention_mask=torch.ones_like(ids), policy="learned", budget=20, max_new_tokens=12,
+             stop_at_eos=False, policy_params={**params_for("learned", 2), "refresh": refresh, "interval": interval})
+    assert all(len(kinds) == 1 for kinds in updates.values()), updates  # every layer of a step alike
+    assert {step for step, kinds in updates.items() if True in kinds} == scored_at
+    assert any(False in kinds for kinds in updates.values()), "no step went without scoring: nothing was tested"
+
+
 @pytest.mark.parametrize("B, H, G, T, D", [(1, 1, 1, 2, 4), (2, 3, 3, 17, 8), (3, 2, 2, 40, 64), (8, 3, 3, 130, 64)])
 @pytest.mark.parametrize("pad", [0, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
