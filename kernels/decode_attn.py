@@ -116,8 +116,8 @@ def _probs_pv_kernel(
     q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, m_ptr, l_ptr, probs_ptr, acc_ptr, sinks_ptr,
     H, T, G, D, split_t, scaling, window, softcap,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_h, sp_t, sqp,
-    REDUCE_MEAN: tl.constexpr, REDUCE_MAX: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, F32: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+    REDUCE_MEAN: tl.constexpr, REDUCE_MAX: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, F32: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
@@ -150,10 +150,9 @@ def _probs_pv_kernel(
     keep_row = (qpos >= 0).to(tl.float32)  # a padding query hands no attention to the cache
     # where the head's reductions go: its row of [B, H, T], or its two rows of [B, H, 2, T] (mean, then max)
     mean_row = bh.to(tl.int64) * T
-    if REDUCE_MEAN and REDUCE_MAX:
-        mean_row = mean_row * 2
     max_row = mean_row
     if REDUCE_MEAN and REDUCE_MAX:
+        mean_row = mean_row * 2
         max_row = mean_row + T
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for start in range(t_begin, t_end, BLOCK_T):
@@ -278,8 +277,8 @@ def decode_attention(
         query, key, value, key_positions, query_positions, m_part, l_part, probs, acc_part, sinks,
         H, T, G, D, split_t, scaling, window, softcap,
         *sq, *key.stride(), *value.stride(), *key_positions.stride(), query_positions.stride(0),
-        REDUCE_MEAN=reduce != "max", REDUCE_MAX=reduce != "mean", BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=precision,
-        F32=f32, WINDOWED=windowed, SOFTCAP=capped, SINKS=has_sinks, num_warps=warps,
+        REDUCE_MEAN=reduce != "max", REDUCE_MAX=reduce != "mean", BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d,
+        PRECISION=precision, F32=f32, WINDOWED=windowed, SOFTCAP=capped, SINKS=has_sinks, num_warps=warps,
     )  # fmt: skip
     _combine_kernel[(B * H,)](acc_part, out, G, D, n_splits, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=warps)
     return out, probs

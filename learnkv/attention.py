@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 import kernels
+from kernels.reference import REDUCE as FUSED_REDUCE  # the group reductions the fused decode kernel computes itself
 from learnkv.features import group_mean_max
 
 NAME = "learnkv"
@@ -134,10 +135,6 @@ def unsupported_terms(kwargs: dict) -> list[str]:
     """The keywords of an attention call that learnkv would otherwise ignore though they change the result."""
     return sorted(k for k, v in kwargs.items()
                   if v is not None and k not in NEUTRAL_TERMS and not (k == "is_causal" and v is True))
-
-
-#: the group reductions the fused decode kernel computes itself (`kernels.decode_attention`'s ``reduce``)
-FUSED_REDUCE = ("mean", "max", "mean+max")
 
 
 def _fused_decode_ok(policy) -> bool:

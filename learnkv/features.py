@@ -94,8 +94,8 @@ class FeatureTracker:
     spare_rows: int = 0
 
     def update(self, attn: Tensor, positions: Tensor, n_new: int, step: int, state: dict[str, Tensor]) -> None:
-        """Fold the step's group mean and max ``attn [B, H, 2, q, T]`` into ``state`` (with ``cache_norms``, the new slots'
-        norms marked unknown: `NORMS`).
+        """Fold the step's group mean and max ``attn [B, H, 2, q, T]`` into ``state`` (with ``cache_norms``, the new
+        slots' norms marked unknown: `NORMS`).
 
         A decode step (one new token, state already seeded) updates the state tensors in place, so a cache that
         preallocates them (`learnkv.cache.BudgetLayer`) never copies them; other steps rebind the entries."""

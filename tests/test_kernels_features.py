@@ -43,7 +43,8 @@ CASES = [  # B, H, G, T, D, step, keys/values dtype, layout, slots per program
 def decode_inputs(g, B, H, G, T, D, step, dtype, layout, unreduced=False):
     """A decode step as the cache hands it: gapped left-padded positions with the step's token last, attention that
     sums to one over the visible slots (some of it exactly at and next to the uniform level, where "high" flips;
-    G query heads per KV head, handed as their group mean and max unless ``unreduced``), and tracker state with integer counts and steps, zeros in the new slot and in window rows not filled yet."""
+    G query heads per KV head, handed as their group mean and max unless ``unreduced``), and tracker state with
+    integer counts and steps, zeros in the new slot and in window rows not filled yet."""
     pos = torch.randint(1, 3, (B, 1 if layout == "shared-pos" else H, T), generator=g).cumsum(-1) - 1
     pos[0, :, : min(3, T - 1)] = -1  # left padding, never the new slot
     if layout == "pad-query":

@@ -282,8 +282,8 @@ class DecodeBatch:
 
         Returns ``positions [L, H, T]`` (-1 where the layer dropped the token, `set_dead`), the state
         (``[L, H, T]``, ``f.win`` ``[L, H, W, T]``, norms included, ``f.last_high`` in the request's own steps), the
-        latest attention's group mean and max ``[L, H, 2, 1, T]`` and the request's step. Contiguous copies, so reductions over them run
-        exactly as over the decode loop's tensors.
+        latest attention's group mean and max ``[L, H, 2, 1, T]`` and the request's step. Contiguous copies, so
+        reductions over them run exactly as over the decode loop's tensors.
         """
         i = self.index[req_id]
         T, C = self.lens[i], self.width
