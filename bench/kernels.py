@@ -9,8 +9,9 @@ references run (the Triton interpreter is a test tool, not a backend), timed wit
 
 GB/s counts the bytes a kernel must move at least once (inputs read plus outputs written), so it is comparable
 with the plain copy bandwidth measured for each shape on its K tensor (``torch.empty_like(k).copy_(k)``, read +
-write, the "copy K" row); "% copy" is the ratio. The decode attention kernel reads K twice by design, so it
-cannot exceed about 2/3 of copy bandwidth.
+write, the "copy K" row); "% copy" is the ratio. The decode attention kernel reads K and V once where its one-pass
+schedule moves fewer bytes (`kernels.decode_attn.one_pass`), and writes and reads back each query head's raw scores
+when probabilities are asked for; its two-pass schedule reads K twice and cannot exceed about 2/3 of copy bandwidth.
 
 The second table times whole decode steps of a random-weight Llama with the benchmark's head shapes (hidden
 ``Hq * D``, MLP 3.5x hidden, ``--layers`` layers, a 1024-token vocabulary so the LM head is negligible: a per-layer

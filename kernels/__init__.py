@@ -142,8 +142,9 @@ def gather_tokens(x, index, dim, out=None):
 
 def decode_attention(query, key, value, key_positions, query_positions, scaling=None, reduce="mean", *,
                      window=None, softcap=None, sinks=None):
-    """One decode step: output ``[B, 1, Hq, D]`` and group-reduced attention ``[B, H, T]`` (``window``, ``softcap``
-    and ``sinks``: a sliding window, logit softcapping, per-head sink logits); see `kernels.reference`."""
+    """One decode step: output ``[B, 1, Hq, D]`` and group-reduced attention ``[B, H, T]`` (None for ``reduce=None``;
+    ``window``, ``softcap`` and ``sinks``: a sliding window, logit softcapping, per-head sink logits); see
+    `kernels.reference`."""
     if _use_triton(query, key, value, key_positions, query_positions):
         from kernels.decode_attn import decode_attention as impl
     else:

@@ -203,7 +203,7 @@ def decode_attention_reference(
     key_positions: Tensor,
     query_positions: Tensor,
     scaling: float | None = None,
-    reduce: str = "mean",
+    reduce: str | None = "mean",
     *,
     window: int | None = None,
     softcap: float | None = None,
@@ -225,8 +225,8 @@ def decode_attention_reference(
         ``[B]`` int64 position of the step's token (-1 for a padding row).
     scaling : float, optional
         Score scale, ``D ** -0.5`` by default.
-    reduce : str
-        "mean", "max" or "mean+max" (both) over the G query heads of each KV head.
+    reduce : str or None
+        "mean", "max" or "mean+max" (both) over the G query heads of each KV head; None: the output alone.
     window : int, optional
         Sliding window: a key is visible only if also ``key_pos > query_pos - window``.
     softcap : float, optional
@@ -240,10 +240,10 @@ def decode_attention_reference(
     tuple of Tensor
         The output ``[B, 1, Hq, D]`` in the query's dtype, and the group-reduced attention probabilities
         ``[B, H, T]`` fp32 (``[B, H, 2, T]``, mean then max, for ``reduce="mean+max"``), zero for a padding query
-        row (what the cache is handed).
+        row (what the cache is handed); None for ``reduce=None``.
     """
-    if reduce not in REDUCE:
-        raise ValueError(f"reduce must be one of {REDUCE}, got {reduce!r}")
+    if reduce is not None and reduce not in REDUCE:
+        raise ValueError(f"reduce must be one of {REDUCE} or None, got {reduce!r}")
     B, Hq, q, D = query.shape
     H, T = key.shape[1], key.shape[2]
     if q != 1 or Hq % H:
@@ -264,6 +264,8 @@ def decode_attention_reference(
         sink = sinks.float().view(1, H, G, 1).expand(B, H, G, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :T]
     out = torch.matmul(probs, value.float()).reshape(B, 1, Hq, -1).to(query.dtype)
+    if reduce is None:
+        return out, None
     keep_row = (query_positions >= 0).float()
     if reduce == "mean+max":
         return out, group_mean_max(probs) * keep_row[:, None, None, None]

@@ -148,7 +148,10 @@ def _fused_decode(module, query: Tensor, key: Tensor, value: Tensor, scaling: fl
     policy = cache.policy
     key_pos = cache.layer_positions(module.layer_idx)
     query_pos = cache.step_positions[:, 0].to(key.device)
-    reduce = policy.group_reduce if policy.group_reduce in FUSED_REDUCE else "mean"
+    # a policy that reads no attention gets the output alone (K and V read once, no probabilities written)
+    reduce = None
+    if policy.needs_attention:
+        reduce = policy.group_reduce if policy.group_reduce in FUSED_REDUCE else "mean"
     out, attn = kernels.decode_attention(query, key, value, key_pos, query_pos, scaling, reduce, window=window,
                                          softcap=softcap, sinks=sinks)  # [B, 1, Hq, D], [B, H, T] or [B, H, 2, T]
     if policy.needs_attention:

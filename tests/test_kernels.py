@@ -235,20 +235,26 @@ def test_gather_tokens_refuses_a_bad_out():
 
 # -- decode_attention -----------------------------------------------------------------------------------------
 
-ATTENTION_CASES = [  # B, H, G, T, D, dtype, reduce, block_t, split_t
-    pytest.param(1, 1, 1, 1, 64, torch.float32, "mean", None, None, id="B1-H1-G1-T1-D64-fp32-mean"),
-    pytest.param(2, 2, 1, 17, 64, torch.float32, "max", None, None, id="B2-H2-G1-T17-D64-fp32-max"),
-    pytest.param(2, 1, 4, 63, 128, torch.float32, "mean", 16, 32, id="B2-H1-G4-T63-D128-fp32-mean-split32"),
-    pytest.param(1, 2, 4, 100, 64, torch.bfloat16, "max", 32, 64, id="B1-H2-G4-T100-D64-bf16-max-split64"),
-    pytest.param(2, 1, 8, 100, 128, torch.bfloat16, "mean", 64, 64, id="B2-H1-G8-T100-D128-bf16-mean-split64"),
-    pytest.param(1, 1, 8, 17, 128, torch.float32, "max", 16, 16, id="B1-H1-G8-T17-D128-fp32-max-split16"),
-    pytest.param(2, 2, 1, 63, 128, torch.bfloat16, "mean", None, None, id="B2-H2-G1-T63-D128-bf16-mean"),
+ATTENTION_CASES = [  # B, H, G, T, D, dtype, reduce, block_t, split_t, passes (None: the launcher's choice, 1 here)
+    pytest.param(1, 1, 1, 1, 64, torch.float32, "mean", None, None, None, id="B1-H1-G1-T1-D64-fp32-mean"),
+    pytest.param(2, 2, 1, 17, 64, torch.float32, "max", None, None, None, id="B2-H2-G1-T17-D64-fp32-max"),
+    pytest.param(2, 1, 4, 63, 128, torch.float32, "mean", 16, 32, None, id="B2-H1-G4-T63-D128-fp32-mean-split32"),
+    pytest.param(2, 1, 4, 63, 128, torch.float32, "mean", 16, 32, 2, id="B2-H1-G4-T63-D128-fp32-mean-split32-2pass"),
+    pytest.param(1, 2, 4, 100, 64, torch.bfloat16, "max", 32, 64, 2, id="B1-H2-G4-T100-D64-bf16-max-split64-2pass"),
+    pytest.param(2, 1, 8, 100, 128, torch.bfloat16, "mean", 64, 64, None, id="B2-H1-G8-T100-D128-bf16-mean-split64"),
+    pytest.param(1, 1, 8, 17, 128, torch.float32, "max", 16, 16, None, id="B1-H1-G8-T17-D128-fp32-max-split16"),
+    pytest.param(2, 2, 1, 63, 128, torch.bfloat16, "mean", None, None, None, id="B2-H2-G1-T63-D128-bf16-mean"),
     # fp16: the 16-bit dots (q @ K^T and P @ V as stored) also in the interpreter, which cannot multiply bf16
-    pytest.param(2, 2, 4, 100, 128, torch.float16, "max", 32, 64, id="B2-H2-G4-T100-D128-fp16-max-split64"),
-    pytest.param(1, 1, 8, 33, 64, torch.float16, "mean", None, None, id="B1-H1-G8-T33-D64-fp16-mean"),
+    pytest.param(2, 2, 4, 100, 128, torch.float16, "max", 32, 64, 2, id="B2-H2-G4-T100-D128-fp16-max-split64-2pass"),
+    pytest.param(2, 2, 4, 100, 128, torch.float16, "max", 32, 32, None, id="B2-H2-G4-T100-D128-fp16-max-split32"),
+    pytest.param(1, 1, 8, 33, 64, torch.float16, "mean", None, None, None, id="B1-H1-G8-T33-D64-fp16-mean"),
     # both reductions, [B, H, 2, T] (the learned policy's feature tracker reads the two)
-    pytest.param(2, 2, 4, 63, 64, torch.float32, "mean+max", 16, 32, id="B2-H2-G4-T63-D64-fp32-meanmax-split32"),
-    pytest.param(1, 2, 8, 100, 128, torch.float16, "mean+max", 32, 64, id="B1-H2-G8-T100-D128-fp16-meanmax-split64"),
+    pytest.param(2, 2, 4, 63, 64, torch.float32, "mean+max", 16, 32, None, id="B2-H2-G4-T63-D64-fp32-meanmax-split32"),
+    pytest.param(1, 2, 8, 100, 128, torch.float16, "mean+max", 32, 64, 2,
+                 id="B1-H2-G8-T100-D128-fp16-meanmax-split64-2pass"),
+    # no probabilities: the output alone (a policy that reads no attention, the full cache)
+    pytest.param(2, 2, 4, 63, 64, torch.float32, None, 16, 32, None, id="B2-H2-G4-T63-D64-fp32-none-split32"),
+    pytest.param(2, 1, 8, 100, 128, torch.float16, None, 32, 64, None, id="B2-H1-G8-T100-D128-fp16-none-split64"),
 ]
 
 
@@ -265,19 +271,49 @@ def attention_inputs(g, B, H, G, T, D, dtype):
     return query, key, value, key_pos, query_pos
 
 
-@pytest.mark.parametrize("B, H, G, T, D, dtype, reduce, block_t, split_t", ATTENTION_CASES)
-def test_decode_attention(request, B, H, G, T, D, dtype, reduce, block_t, split_t):
+@pytest.mark.parametrize("B, H, G, T, D, dtype, reduce, block_t, split_t, passes", ATTENTION_CASES)
+def test_decode_attention(request, B, H, G, T, D, dtype, reduce, block_t, split_t, passes):
     g = gen(request.node.callspec.id)
     q, k, v, kp, qp = attention_inputs(g, B, H, G, T, D, dtype)
     out_ref, probs_ref = ref.decode_attention_reference(q.float(), k.float(), v.float(), kp, qp, None, reduce)
     with poisoned():
         out, probs = decode_attention(
-            *(t.to(DEVICE) for t in (q, k, v, kp, qp)), None, reduce, block_t=block_t, split_t=split_t
+            *(t.to(DEVICE) for t in (q, k, v, kp, qp)), None, reduce, block_t=block_t, split_t=split_t, passes=passes
         )
     assert out.dtype == dtype and out.shape == (B, 1, G * H, D)
-    assert probs.dtype == torch.float32 and probs.shape == (B, H, *((2,) if reduce == "mean+max" else ()), T)
     assert_close("output", out_ref, out, *TOL[dtype])
+    if reduce is None:
+        assert probs is None and probs_ref is None
+        return
+    assert probs.dtype == torch.float32 and probs.shape == (B, H, *((2,) if reduce == "mean+max" else ()), T)
     assert_close("probs", probs_ref, probs, 1e-5, 1e-4)
+
+
+def test_decode_attention_schedule_by_bytes():
+    """The launcher reads K once unless the one pass's scores (8 G bytes a slot) outweigh a second read of K."""
+    from kernels.decode_attn import one_pass
+
+    assert one_pass(7, 128, 2, "mean") and one_pass(4, 64, 2, "mean+max")  # Qwen2.5-7B; SmolLM2 in bf16
+    assert not one_pass(71, 64, 2, "mean") and one_pass(71, 64, 2, None)  # Falcon-7B's multi-query attention
+    q, k, v, kp, qp = attention_inputs(gen("schedule"), 1, 1, 4, 20, 64, torch.float32)
+    with pytest.raises(ValueError, match="passes must be 1 or 2"):
+        decode_attention(q, k, v, kp, qp, None, None, passes=2)
+
+
+@pytest.mark.parametrize("reduce", ["mean", "mean+max"])
+def test_one_and_two_passes_hand_the_same_probabilities(reduce):
+    """Both schedules normalise the same scores with the same statistics in the same order: the same probabilities
+    bit for bit (with a window, softcapping, sinks, several splits and a padding query); the outputs differ only in
+    rounding (the one pass rescales its partial sums)."""
+    g = gen(f"passes-{reduce}")
+    q, k, v, kp, qp = attention_inputs(g, 3, 2, 4, 70, 64, torch.float32)
+    qp[2] = -1
+    terms = dict(window=20, softcap=3.0, sinks=torch.randn(8, generator=g))
+    runs = [decode_attention(*(t.to(DEVICE) for t in (q, k, v, kp, qp)), None, reduce, block_t=16, split_t=32,
+                             passes=passes, **{n: t.to(DEVICE) if torch.is_tensor(t) else t for n, t in terms.items()})
+            for passes in (1, 2)]  # fmt: skip
+    assert torch.equal(runs[0][1], runs[1][1])
+    assert_close("output", runs[1][0], runs[0][0], *TOL[torch.float32])
 
 
 def test_decode_attention_padding_rows():
@@ -292,9 +328,10 @@ def test_decode_attention_padding_rows():
     assert torch.allclose(out_ref[0, 0], v[0].mean(dim=1).repeat_interleave(4, dim=0), atol=1e-5)
 
 
+@pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("where", ["query-head", "key"])
 @pytest.mark.parametrize("reduce", ["mean", "max", "mean+max"])
-def test_decode_attention_nan_parity(reduce, where):
+def test_decode_attention_nan_parity(reduce, where, passes):
     """A NaN in one query head (the group's other heads and its 16-row padding stay finite) or in one visible key
     reaches the output and the reduced probabilities where it does in torch: ``reduce="max"`` must not drop it."""
     g = gen(f"nan-{reduce}-{where}")
@@ -305,7 +342,8 @@ def test_decode_attention_nan_parity(reduce, where):
         k[1, 0, 10, 7] = float("nan")  # a key row 1 sees (it sees about half of its keys)
     out_ref, probs_ref = ref.decode_attention_reference(q, k, v, kp, qp, None, reduce)
     with poisoned():
-        out, probs = decode_attention(*(t.to(DEVICE) for t in (q, k, v, kp, qp)), None, reduce, block_t=16, split_t=32)
+        out, probs = decode_attention(*(t.to(DEVICE) for t in (q, k, v, kp, qp)), None, reduce, block_t=16, split_t=32,
+                                      passes=passes)  # fmt: skip
     assert_nan_parity("output", out_ref, out, *TOL[torch.float32])
     assert_nan_parity("probs", probs_ref, probs, 1e-5, 1e-4)
 
@@ -339,11 +377,12 @@ MODEL_TERMS = [  # window, softcap, sinks: what a model's attention module may h
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, passes", [pytest.param(torch.float32, 1, id="dtype0"),  # the ids seed the inputs
+                                           pytest.param(torch.bfloat16, 2, id="dtype1")])  # fmt: skip
 @pytest.mark.parametrize("window, softcap, sinks", MODEL_TERMS)
-def test_decode_attention_model_terms(request, window, softcap, sinks, dtype):
+def test_decode_attention_model_terms(request, window, softcap, sinks, dtype, passes):
     """The launcher honours a sliding window, softcapping and sink logits as the reference does (two T splits, so
-    the sinks join the normaliser combined over splits)."""
+    the sinks join the normaliser combined over splits), in either schedule."""
     g = gen(request.node.callspec.id)
     q, k, v, kp, qp = attention_inputs(g, 2, 2, 4, 40, 64, dtype)
     k = k * 4  # peaked scores: softcapping changes them
@@ -353,8 +392,8 @@ def test_decode_attention_model_terms(request, window, softcap, sinks, dtype):
     assert (out_ref - plain_ref).abs().max() > 1e-2  # the terms matter on these inputs
     with poisoned():
         out, probs = decode_attention(*(t.to(DEVICE) for t in (q, k, v, kp, qp)), None, "mean", block_t=16,
-                                      split_t=32, **{n: t.to(DEVICE) if torch.is_tensor(t) else t
-                                                     for n, t in terms.items()})
+                                      split_t=32, passes=passes, **{n: t.to(DEVICE) if torch.is_tensor(t) else t
+                                                                    for n, t in terms.items()})
     assert_close("output", out_ref, out, *TOL[dtype])
     assert_close("probs", probs_ref, probs, 1e-5, 1e-4)
 
@@ -476,10 +515,16 @@ for dt, bt in (("*bf16", 64), ("*fp16", 64), ("*fp32", 32)):
                   SOFTCAP=terms)
     warps = decode_attn.cuda_warps(128)
     build(decode_attn._stats_kernel, consts, warps, nan=True, **ptrs)
+    for logits in (True, False):
+        build(decode_attn._onepass_kernel, dict(consts, LOGITS=logits), warps, nan=True, logits_ptr="*fp32", **ptrs)
     for reduce_mean, reduce_max in ((True, False), (False, True), (True, True)):
         build(decode_attn._probs_pv_kernel, dict(consts, REDUCE_MEAN=reduce_mean, REDUCE_MAX=reduce_max, SINKS=terms),
               warps, nan=True, **ptrs)
-    build(decode_attn._combine_kernel, dict(BLOCK_G=16, BLOCK_D=128), warps, acc_ptr="*fp32", out_ptr=dt)
+        build(decode_attn._probs_kernel, dict(REDUCE_MEAN=reduce_mean, REDUCE_MAX=reduce_max, BLOCK_G=16,
+              BLOCK_T=bt, SINKS=terms), warps, nan=True, logits_ptr="*fp32", **ptrs)
+    for rescale in (True, False):
+        build(decode_attn._combine_kernel, dict(BLOCK_G=16, BLOCK_D=128, RESCALE=rescale, SINKS=terms and rescale),
+              warps, nan=True, **ptrs, out_ptr=dt)
 print("compiled")
 """
 
