@@ -106,6 +106,13 @@ def cases(B: int, T: int, Hq: int, H: int, D: int, dtype, device: str, use_trito
     yield ("decode_attention", lambda: ref.decode_attention_reference(q, k, v, kpos, qpos),
            (lambda: decode_attention(q, k, v, kpos, qpos)) if triton_ok else None,
            nbytes(q, k, v, kpos, q) + probs_bytes, False)  # fmt: skip
+    # the schedule the launcher does not pick for these shapes (K read twice), and the output alone (the full cache)
+    yield ("decode_attention 2 passes", lambda: ref.decode_attention_reference(q, k, v, kpos, qpos),
+           (lambda: decode_attention(q, k, v, kpos, qpos, passes=2)) if triton_ok else None,
+           nbytes(q, k, v, kpos, q) + probs_bytes, False)  # fmt: skip
+    yield ("decode_attention no probs", lambda: ref.decode_attention_reference(q, k, v, kpos, qpos, None, None)[0],
+           (lambda: decode_attention(q, k, v, kpos, qpos, None, None)[0]) if triton_ok else None,
+           nbytes(q, k, v, kpos, q), False)  # fmt: skip
     for bs in (1, 16):
         yield (f"select_keep bs={bs}", lambda bs=bs: ref.select_keep_reference(scores, kpos, keep, 4, 64, bs),
                (lambda bs=bs: select_keep(scores, kpos, keep, 4, 64, bs)) if triton_ok else None,
