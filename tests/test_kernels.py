@@ -382,7 +382,8 @@ MODEL_TERMS = [  # window, softcap, sinks: what a model's attention module may h
 @pytest.mark.parametrize("window, softcap, sinks", MODEL_TERMS)
 def test_decode_attention_model_terms(request, window, softcap, sinks, dtype, passes):
     """The launcher honours a sliding window, softcapping and sink logits as the reference does (two T splits, so
-    the sinks join the normaliser combined over splits), in either schedule."""
+    the sinks join the normaliser combined over splits), in either schedule, and without probabilities (the output
+    alone, what the full cache of such a model asks for)."""
     g = gen(request.node.callspec.id)
     q, k, v, kp, qp = attention_inputs(g, 2, 2, 4, 40, 64, dtype)
     k = k * 4  # peaked scores: softcapping changes them
@@ -390,12 +391,15 @@ def test_decode_attention_model_terms(request, window, softcap, sinks, dtype, pa
     out_ref, probs_ref = ref.decode_attention_reference(q.float(), k.float(), v.float(), kp, qp, None, "mean", **terms)
     plain_ref, _ = ref.decode_attention_reference(q.float(), k.float(), v.float(), kp, qp)
     assert (out_ref - plain_ref).abs().max() > 1e-2  # the terms matter on these inputs
+    inputs = [t.to(DEVICE) for t in (q, k, v, kp, qp)]
+    terms = {n: t.to(DEVICE) if torch.is_tensor(t) else t for n, t in terms.items()}
     with poisoned():
-        out, probs = decode_attention(*(t.to(DEVICE) for t in (q, k, v, kp, qp)), None, "mean", block_t=16,
-                                      split_t=32, passes=passes, **{n: t.to(DEVICE) if torch.is_tensor(t) else t
-                                                                    for n, t in terms.items()})
+        out, probs = decode_attention(*inputs, None, "mean", block_t=16, split_t=32, passes=passes, **terms)
+        alone, none = decode_attention(*inputs, None, None, block_t=16, split_t=32, **terms)
     assert_close("output", out_ref, out, *TOL[dtype])
     assert_close("probs", probs_ref, probs, 1e-5, 1e-4)
+    assert none is None
+    assert_close("output alone", out_ref, alone, *TOL[dtype])
 
 
 @pytest.mark.parametrize("window, softcap, sinks", MODEL_TERMS)
