@@ -4,15 +4,16 @@ Split-T design (FlashDecoding), so short batches still fill the GPU; ``[B, Hq, T
 Each program takes one KV head's G query heads (padded to 16 rows for `tl.dot`) over one T split and loads each K and
 V block once for the whole group. Two schedules, the launcher picking the one that moves fewer bytes:
 
-- **One pass** (`_onepass_kernel`, then `_combine_kernel` rescaling, then `_probs_kernel`): K and V are read once,
-  with an online softmax (FlashAttention's running max and rescaled ``P @ V``); where probabilities are asked for,
-  the split also writes its raw scores (``G`` fp32 rows per KV head, ``[B*H, G, T]``), which `_probs_kernel`
-  normalises with the global statistics and reduces over the group. Its extra traffic is ``8 * G`` bytes per slot
-  (the scores written and read), none without probabilities (``reduce=None``: the full cache's FlashDecoding).
-- **Two passes** (`_stats_kernel`, `_probs_pv_kernel`, `_combine_kernel` summing): the statistics first, then the
-  scores recomputed, normalised and reduced, and ``P @ V`` on normalised probabilities: K is read twice, which
-  costs ``D * element size`` bytes per slot, less than the one pass's ``8 * G`` only for a large group (multi-query
-  attention: Falcon's 71 query heads on one KV head).
+- **One pass** (`_split_kernel` with ``PV``, then `_combine_kernel` rescaling, then `_probs_kernel`): K and V are
+  read once, with an online softmax (FlashAttention's running max and rescaled ``P @ V``); where probabilities are
+  asked for, the split also writes its raw scores (``G`` fp32 rows per KV head, ``[B*H, G, T]``), which
+  `_probs_kernel` normalises with the global statistics and reduces over the group. Its extra traffic is ``8 * G``
+  bytes per slot (the scores written and read), none without probabilities (``reduce=None``: the full cache's
+  FlashDecoding).
+- **Two passes** (`_split_kernel` without ``PV``: the statistics alone; `_probs_pv_kernel`; `_combine_kernel`
+  summing): the scores recomputed, normalised and reduced, and ``P @ V`` on normalised probabilities: K is read
+  twice, which costs ``D * element size`` bytes per slot, less than the one pass's ``8 * G`` only for a large group
+  (multi-query attention: Falcon's 71 query heads on one KV head).
 
 Both compute the probabilities by the same formulas in the same order (the same scores, statistics and
 normalisation: equal bit for bit in the interpreter); their outputs differ in rounding (the one pass rescales partial
@@ -42,8 +43,8 @@ from kernels.specialize import STEP_VARYING
 
 def cuda_warps(block_d: int) -> int:
     """Warps per program on CUDA: 8 from 128-wide head tiles, where triton 3.6 spills at 4 (`_probs_pv_kernel` in
-    bf16 at BLOCK_T 64: 254 registers and 8-16 bytes of local memory; `_stats_kernel` in fp32: 3,040 bytes; with 8:
-    246 and 80 registers, no spill; triton 3.7 spills at neither)."""
+    bf16 at BLOCK_T 64: 254 registers and 8-16 bytes of local memory; the statistics kernel in fp32: 3,040 bytes;
+    with 8: 246 and 80 registers, no spill; triton 3.7 spills at neither)."""
     return 8 if block_d >= 128 else 4
 
 
@@ -153,31 +154,6 @@ def _store_reduced(p, mg, offs_t, mt, probs_ptr, bh, T, G, keep_row, REDUCE_MEAN
 
 
 @triton.jit(do_not_specialize=STEP_VARYING)
-def _stats_kernel(
-    q_ptr, k_ptr, kpos_ptr, qpos_ptr, m_ptr, l_ptr,
-    H, T, G, D, split_t, scaling, window, softcap,
-    sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sp_b, sp_h, sp_t, sqp,
-    BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    F32: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
-):  # fmt: skip
-    bh, split, b, h, q, offs_g, offs_d, mg, md, qpos, k_base, kpos_base, t_begin, t_end = _program(
-        q_ptr, k_ptr, kpos_ptr, qpos_ptr, H, T, G, D, split_t, sq_b, sq_h, sq_d, sk_b, sk_h, sp_b, sp_h, sqp,
-        BLOCK_G, BLOCK_D, F32)  # fmt: skip
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for start in range(t_begin, t_end, BLOCK_T):
-        s, _, _ = _scores(q, k_base, kpos_base, qpos, start, t_end, offs_d, md, sk_t, sk_d, sp_t, scaling, window,
-                          softcap, BLOCK_T, PRECISION, F32, WINDOWED, SOFTCAP)  # fmt: skip
-        m_new = fmax(m_i, rmax(s, 1))
-        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
-        m_i = m_new
-    part = (bh * tl.num_programs(1) + split).to(tl.int64) * BLOCK_G + offs_g
-    tl.store(m_ptr + part, m_i)
-    tl.store(l_ptr + part, l_i)
-
-
-@triton.jit(do_not_specialize=STEP_VARYING)
 def _probs_pv_kernel(
     q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, m_ptr, l_ptr, probs_ptr, acc_ptr, sinks_ptr,
     H, T, G, D, split_t, scaling, window, softcap,
@@ -206,19 +182,20 @@ def _probs_pv_kernel(
 
 
 @triton.jit(do_not_specialize=STEP_VARYING)
-def _onepass_kernel(
+def _split_kernel(
     q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, m_ptr, l_ptr, logits_ptr, acc_ptr,
     H, T, G, D, split_t, scaling, window, softcap,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_h, sp_t, sqp,
-    LOGITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    PV: tl.constexpr, LOGITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, F32: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """One split's running max, sum of exponentials (as `_stats_kernel`, bit for bit) and ``P @ V`` rescaled as
-    the max moves, from one read of K and V; with LOGITS its raw scores too (``[B*H, G, T]``)."""
+    """One split's running max and sum of exponentials per query head: the two passes' first pass, and with PV the
+    one pass (``P @ V`` rescaled as the max moves, from one read of K and V); with LOGITS its raw scores too
+    (``[B*H, G, T]``)."""
     bh, split, b, h, q, offs_g, offs_d, mg, md, qpos, k_base, kpos_base, t_begin, t_end = _program(
         q_ptr, k_ptr, kpos_ptr, qpos_ptr, H, T, G, D, split_t, sq_b, sq_h, sq_d, sk_b, sk_h, sp_b, sp_h, sqp,
         BLOCK_G, BLOCK_D, F32)  # fmt: skip
-    v_base = v_ptr + b * sv_b + h * sv_h
+    v_base = v_ptr + b * sv_b + h * sv_h  # read only with PV
     logit_rows = (bh.to(tl.int64) * G + offs_g) * T
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -233,13 +210,14 @@ def _onepass_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _pv(p, v_base, offs_t, mt, offs_d, md, sv_t, sv_d, PRECISION, F32)
+        if PV:
+            acc = acc * alpha[:, None] + _pv(p, v_base, offs_t, mt, offs_d, md, sv_t, sv_d, PRECISION, F32)
         m_i = m_new
     part = (bh * tl.num_programs(1) + split).to(tl.int64) * BLOCK_G + offs_g
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
-    tile = part[:, None] * BLOCK_D + offs_d[None, :]
-    tl.store(acc_ptr + tile, acc)
+    if PV:
+        tl.store(acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc)
 
 
 @triton.jit(do_not_specialize=STEP_VARYING)
@@ -391,21 +369,22 @@ def decode_attention(
     reductions = dict(REDUCE_MEAN=reduce != "max", REDUCE_MAX=reduce != "mean")
     if passes == 1:
         logits = torch.empty(B * H, G, T, dtype=torch.float32, device=device) if probs is not None else m_part
-        _onepass_kernel[grid](
+        _split_kernel[grid](
             query, key, value, key_positions, query_positions, m_part, l_part, logits, acc_part,
             H, T, G, D, split_t, scaling, window, softcap,
             *sq, *key.stride(), *value.stride(), *key_positions.stride(), query_positions.stride(0),
-            LOGITS=probs is not None, **terms,
+            PV=True, LOGITS=probs is not None, **terms,
         )  # fmt: skip
         if probs is not None:
             _probs_kernel[grid](logits, query_positions, m_part, l_part, probs, sinks, H, T, G, split_t,
                                 query_positions.stride(0), **reductions, BLOCK_G=block_g, BLOCK_T=block_t,
                                 SINKS=has_sinks, num_warps=warps)  # fmt: skip
     else:
-        _stats_kernel[grid](
-            query, key, key_positions, query_positions, m_part, l_part,
+        _split_kernel[grid](  # the statistics alone: V, the scores' buffer and the partial outputs are not touched
+            query, key, value, key_positions, query_positions, m_part, l_part, m_part, acc_part,
             H, T, G, D, split_t, scaling, window, softcap,
-            *sq, *key.stride(), *key_positions.stride(), query_positions.stride(0), **terms,
+            *sq, *key.stride(), *value.stride(), *key_positions.stride(), query_positions.stride(0),
+            PV=False, LOGITS=False, **terms,
         )  # fmt: skip
         _probs_pv_kernel[grid](
             query, key, value, key_positions, query_positions, m_part, l_part, probs, acc_part, sinks,

@@ -518,9 +518,9 @@ for dt, bt in (("*bf16", 64), ("*fp16", 64), ("*fp32", 32)):
     consts = dict(BLOCK_G=16, BLOCK_T=bt, BLOCK_D=128, PRECISION="ieee", F32=dt == "*fp32", WINDOWED=terms,
                   SOFTCAP=terms)
     warps = decode_attn.cuda_warps(128)
-    build(decode_attn._stats_kernel, consts, warps, nan=True, **ptrs)
-    for logits in (True, False):
-        build(decode_attn._onepass_kernel, dict(consts, LOGITS=logits), warps, nan=True, logits_ptr="*fp32", **ptrs)
+    for pv, logits in ((False, False), (True, True), (True, False)):  # the two passes' first; the one pass
+        build(decode_attn._split_kernel, dict(consts, PV=pv, LOGITS=logits), warps, nan=True, logits_ptr="*fp32",
+              **ptrs)
     for reduce_mean, reduce_max in ((True, False), (False, True), (True, True)):
         build(decode_attn._probs_pv_kernel, dict(consts, REDUCE_MEAN=reduce_mean, REDUCE_MAX=reduce_max, SINKS=terms),
               warps, nan=True, **ptrs)
