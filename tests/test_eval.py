@@ -640,6 +640,19 @@ def test_shards_decode_one_grid_together_and_the_main_run_reads_them_back(tiny, 
         evaluate(tiny, None, spec(), samples=items, shard=(1, 2))
 
 
+def test_a_grid_with_its_policies_reordered_resumes_and_says_so(tmp_path):
+    """The same policies in another order are the same grid's runs (each keyed by its label): they resume, and the
+    note says why the identity line was rewritten instead of naming an empty list of added policies."""
+    from learnkv.eval import checkpoint
+    from learnkv.eval.checkpoint import PARTIAL
+
+    spec = lambda policies: build_spec(policies, "0.5", "fidelity", max_new_tokens=8, limit=2)  # noqa: E731
+    checkpoint.open_partial(tmp_path, checkpoint.grid_identity(spec("full,h2o"), None))
+    finished, note = checkpoint.open_partial(tmp_path, checkpoint.grid_identity(spec("h2o,full"), None))
+    assert finished == {} and note.endswith("(the same policies, in another order)")
+    assert checkpoint._read(tmp_path / PARTIAL)[0] == checkpoint.grid_identity(spec("h2o,full"), None)
+
+
 @pytest.mark.parametrize("text", ["2/2", "3/2", "2", "a/b", "0/0", "-1/2", "1/2/3"])
 def test_a_bad_shard_is_one_line(text, capsys, tmp_path):
     from evaluate import main

@@ -130,8 +130,38 @@ def test_qwen_chain_fidelity_config_is_the_accuracy_tables_subset_teacher_forced
     assert fid.scorer == "docs/results/train-qwen/round-1/scorer"
 
 
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """A nested config as {"train.label": value, ...}."""
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+def test_qwen_ablation_changes_one_setting_per_scorer():
+    """configs/ablation-qwen.yaml, issue 39 item 1: each variant scorer was trained on the baseline's traces with
+    exactly the one change its name says (its kept config.yaml against the baseline's, `out_dir` aside), and they
+    are compared with the baseline on validation prompts, paired."""
+    args = parse_args(["--config", str(ROOT / "configs" / "ablation-qwen.yaml")])
+    spec = spec_of(args)
+    task = spec.tasks[0]
+    assert task.name == "fidelity" and task.split == "validation" and spec.compare == "learned"
+    kept = ROOT / "docs" / "results" / "ablation-qwen-scorers"
+    assert args.model == "qwen2.5-coder-0.5b-instruct" and ROOT / args.scorer == kept / "baseline" / "scorer"
+    base = _flat(yaml.safe_load((kept / "baseline" / "config.yaml").read_text()))
+    assert base["train.content"] and base["train.label"] == "future_out" and base["rounds"] == 1
+    change = {"nocontent": {"train.content": False}, "attnv": {"train.label": "future_attnv"},
+              "m25": {"train.membership_budget": [0.25]}}
+    variants = [r.params["scorer"] for r in spec.runs if r.name == "learned" and r.label != "learned"]
+    assert sorted(Path(v).parent.name for v in variants) == sorted(change)
+    for v in variants:
+        cfg = _flat(yaml.safe_load((ROOT / v).parent.joinpath("config.yaml").read_text()))
+        differ = {k: cfg.get(k) for k in set(cfg) | set(base) if cfg.get(k) != base.get(k)}
+        assert {k: x for k, x in differ.items() if k != "out_dir"} == change[Path(v).parent.name]
+
+
 @pytest.mark.parametrize("name", ["long-chain-smollm2.yaml", "chain-accuracy-qwen.yaml", "gsm8k-accuracy-qwen.yaml",
-                                  "chain-fidelity-qwen.yaml"])
+                                  "chain-fidelity-qwen.yaml", "ablation-qwen.yaml"])
 def test_a_long_table_keeps_its_records_in_git_and_they_are_a_run_of_its_config(name):
     """The long tables outlive a machine (runs/ is not kept between sessions): their configs write into docs/results/,
     whose records git keeps and whose batch references (~1 GB a prompt) it ignores. Committed records must be a run of

@@ -151,7 +151,7 @@ def open_partial(out_dir: str | Path, identity: dict) -> tuple[dict, str | None]
         more = [f"{', '.join(added)}: decoded on every batch"] if added else []
         if head.get("limit") != identity.get("limit"):
             more.append(f"prompts, --limit {head.get('limit')} -> {identity.get('limit') or 'all'}")
-        gained = f" (the grid gained {'; '.join(more)})"
+        gained = f" (the grid gained {'; '.join(more)})" if more else " (the same policies, in another order)"
         complete, torn = [json.dumps({"identity": identity}), *complete[1:]], True  # rewritten under the new grid
     elif why := _mismatch(head, identity):
         keep = keep_aside(out_dir, [path])
