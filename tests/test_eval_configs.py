@@ -134,14 +134,14 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     """A nested config as {"train.label": value, ...}."""
     out = {}
     for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})  # {}: no leaf
     return out
 
 
 def test_qwen_ablation_changes_one_setting_per_scorer():
     """configs/ablation-qwen.yaml, issue 39 item 1: each variant scorer was trained on the baseline's traces with
-    exactly the one change its name says (its kept config.yaml against the baseline's, `out_dir` aside), and they
-    are compared with the baseline on validation prompts, paired."""
+    exactly the one change its name says (its kept config.yaml against the baseline's, `out_dir` aside; r2 is the
+    baseline's second round), and they are compared with the baseline on validation prompts, paired."""
     args = parse_args(["--config", str(ROOT / "configs" / "ablation-qwen.yaml")])
     spec = spec_of(args)
     task = spec.tasks[0]
@@ -151,7 +151,10 @@ def test_qwen_ablation_changes_one_setting_per_scorer():
     base = _flat(yaml.safe_load((kept / "baseline" / "config.yaml").read_text()))
     assert base["train.content"] and base["train.label"] == "future_out" and base["rounds"] == 1
     change = {"nocontent": {"train.content": False}, "attnv": {"train.label": "future_attnv"},
-              "m25": {"train.membership_budget": [0.25]}}
+              "m25": {"train.membership_budget": [0.25]},
+              # a second round: collected under round 1's scorer (the baseline, retrained in r2's out_dir)
+              "r2": {"rounds": 2, "trace_dir": "runs/traces-qwen-round2", "collect.policy": "learned",
+                     "collect.policy_params.scorer": "runs/train-qwen-r2/round-1/scorer"}}
     variants = [r.params["scorer"] for r in spec.runs if r.name == "learned" and r.label != "learned"]
     assert sorted(Path(v).parent.name for v in variants) == sorted(change)
     for v in variants:
