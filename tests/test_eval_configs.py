@@ -163,8 +163,32 @@ def test_qwen_ablation_changes_one_setting_per_scorer():
         assert {k: x for k, x in differ.items() if k != "out_dir"} == change[Path(v).parent.name]
 
 
+def test_mixed_source_global_scorer_changes_only_the_sources():
+    """configs/train-global-mix-smollm2.yaml, issue 42 point 3: the allocating scorer of the decode table retrained
+    with one change, its prompt sources (GSM8K + chain instead of gsm_symbolic), then run by
+    configs/allocation-unseen-smollm2.yaml on the decode table's own gsm_symbolic prompts, a source it never saw."""
+    from learnkv.config import load_config, to_dict
+
+    mix = _flat(to_dict(load_config(ROOT / "configs" / "train-global-mix-smollm2.yaml")))
+    single = _flat(yaml.safe_load((ROOT / "docs" / "results" / "allocation-fidelity-smollm2" / "learned" /
+                                   "scorer-global" / "train-config.yaml").read_text()))
+    differ = {k for k in set(mix) | set(single) if mix.get(k) != single.get(k)}
+    assert differ - {"out_dir", "trace_dir", "wandb.mode"} == {"collect.sources"}
+    assert single["collect.sources"] == ["gsm_symbolic"] and "gsm_symbolic" not in mix["collect.sources"]
+    assert mix["train.objective"] == "global"
+    kept = _flat(yaml.safe_load((ROOT / "docs" / "results" / "allocation-unseen-smollm2" / "scorer-global-mix" /
+                                 "train-config.yaml").read_text()))
+    assert kept == mix  # the kept scorer is this config's
+    args = parse_args(["--config", str(ROOT / "configs" / "allocation-unseen-smollm2.yaml")])
+    table = spec_of(parse_args(["--task", "fidelity", "--budget", "0.1,0.25", "--batch-budgets", "--limit", "32",
+                                "--batch-size", "32", "--max-new-tokens", "256", "--policy", "h2o"]))
+    assert args.source == "gsm_symbolic" and spec_of(args).tasks == table.tasks  # the decode table's prompts
+    assert spec_of(args).budgets == table.budgets and spec_of(args).limit == table.limit
+
+
 @pytest.mark.parametrize("name", ["long-chain-smollm2.yaml", "chain-accuracy-qwen.yaml", "gsm8k-accuracy-qwen.yaml",
-                                  "chain-fidelity-qwen.yaml", "ablation-qwen.yaml"])
+                                  "chain-fidelity-qwen.yaml", "ablation-qwen.yaml",
+                                  "allocation-unseen-smollm2.yaml"])
 def test_a_long_table_keeps_its_records_in_git_and_they_are_a_run_of_its_config(name):
     """The long tables outlive a machine (runs/ is not kept between sessions): their configs write into docs/results/,
     whose records git keeps and whose batch references (~1 GB a prompt) it ignores. Committed records must be a run of
