@@ -180,10 +180,11 @@ def test_mixed_source_global_scorer_changes_only_the_sources():
                                  "train-config.yaml").read_text()))
     assert kept == mix  # the kept scorer is this config's
     args = parse_args(["--config", str(ROOT / "configs" / "allocation-unseen-smollm2.yaml")])
+    unseen = spec_of(args)
     table = spec_of(parse_args(["--task", "fidelity", "--budget", "0.1,0.25", "--batch-budgets", "--limit", "32",
                                 "--batch-size", "32", "--max-new-tokens", "256", "--policy", "h2o"]))
-    assert args.source == "gsm_symbolic" and spec_of(args).tasks == table.tasks  # the decode table's prompts
-    assert spec_of(args).budgets == table.budgets and spec_of(args).limit == table.limit
+    assert args.source == "gsm_symbolic" and unseen.tasks == table.tasks  # the decode table's prompts
+    assert unseen.budgets == table.budgets and unseen.limit == table.limit
 
 
 @pytest.mark.parametrize("name", ["long-chain-smollm2.yaml", "chain-accuracy-qwen.yaml", "gsm8k-accuracy-qwen.yaml",
