@@ -163,22 +163,36 @@ def test_qwen_ablation_changes_one_setting_per_scorer():
         assert {k: x for k, x in differ.items() if k != "out_dir"} == change[Path(v).parent.name]
 
 
-def test_mixed_source_global_scorer_changes_only_the_sources():
-    """configs/train-global-mix-smollm2.yaml, issue 42 point 3: the allocating scorer of the decode table retrained
-    with one change, its prompt sources (GSM8K + chain instead of gsm_symbolic), then run by
-    configs/allocation-unseen-smollm2.yaml on the decode table's own gsm_symbolic prompts, a source it never saw."""
+GLOBAL_SCORER = ROOT / "docs" / "results" / "allocation-fidelity-smollm2" / "learned" / "scorer-global"
+
+
+@pytest.mark.parametrize("config, kept, changed", [
+    # issue 42 point 3: one change, the prompt sources (GSM8K + chain instead of gsm_symbolic)
+    ("train-global-mix-smollm2.yaml", "allocation-unseen-smollm2/scorer-global-mix", {"collect.sources"}),
+    # issue 42's goal: the ablation's longer, more varied traces (docs/ablations.md) under the content gate
+    ("train-global-chain-smollm2.yaml", "allocation-decode-smollm2/scorer-global-chain",
+     {"collect.sources", "collect.prompts", "collect.max_new_tokens", "collect.decisions_per_prompt"}),
+])
+def test_a_retrained_global_scorer_changes_only_what_its_config_says(config, kept, changed):
+    """The allocating scorer of the decode table (`GLOBAL_SCORER`) retrained with the changes its config's header
+    names and no other, and the kept scorer is that config's output."""
     from learnkv.config import load_config, to_dict
 
-    mix = _flat(to_dict(load_config(ROOT / "configs" / "train-global-mix-smollm2.yaml")))
-    single = _flat(yaml.safe_load((ROOT / "docs" / "results" / "allocation-fidelity-smollm2" / "learned" /
-                                   "scorer-global" / "train-config.yaml").read_text()))
-    differ = {k for k in set(mix) | set(single) if mix.get(k) != single.get(k)}
-    assert differ - {"out_dir", "trace_dir", "wandb.mode"} == {"collect.sources"}
-    assert single["collect.sources"] == ["gsm_symbolic"] and "gsm_symbolic" not in mix["collect.sources"]
-    assert mix["train.objective"] == "global"
-    kept = _flat(yaml.safe_load((ROOT / "docs" / "results" / "allocation-unseen-smollm2" / "scorer-global-mix" /
-                                 "train-config.yaml").read_text()))
-    assert kept == mix  # the kept scorer is this config's
+    new = _flat(to_dict(load_config(ROOT / "configs" / config)))
+    single = _flat(yaml.safe_load((GLOBAL_SCORER / "train-config.yaml").read_text()))
+    differ = {k for k in set(new) | set(single) if new.get(k) != single.get(k)}
+    assert differ - {"out_dir", "trace_dir", "wandb.mode"} == changed
+    assert single["collect.sources"] == ["gsm_symbolic"] and new["train.objective"] == "global"
+    kept_config = _flat(yaml.safe_load((ROOT / "docs" / "results" / kept / "train-config.yaml").read_text()))
+    assert kept_config == new  # the kept scorer is this config's
+
+
+def test_the_unseen_source_is_the_decode_tables_prompts():
+    """configs/allocation-unseen-smollm2.yaml runs the mix scorer on the decode table's own gsm_symbolic prompts, a
+    source it never saw (the mix has none of it)."""
+    from learnkv.config import load_config
+
+    assert "gsm_symbolic" not in load_config(ROOT / "configs" / "train-global-mix-smollm2.yaml").collect.sources
     args = parse_args(["--config", str(ROOT / "configs" / "allocation-unseen-smollm2.yaml")])
     unseen = spec_of(args)
     table = spec_of(parse_args(["--task", "fidelity", "--budget", "0.1,0.25", "--batch-budgets", "--limit", "32",
