@@ -201,9 +201,25 @@ def test_the_unseen_source_is_the_decode_tables_prompts():
     assert unseen.budgets == table.budgets and unseen.limit == table.limit
 
 
+def test_the_long_allocation_column_asks_what_issue_42_point_5_asks():
+    """configs/allocation-long-chain-smollm2.yaml, issue 42 point 5's long regime: >= 16 held-out chain prompts of
+    >= 1,000 decode steps at 10%, the global scorer under `global` (the baseline) and `uniform`, the heuristics under
+    `uniform`, `head` and `global`, and the oracle under both; each policy compresses its own prompt."""
+    args = parse_args(["--config", str(ROOT / "configs" / "allocation-long-chain-smollm2.yaml")])
+    spec = spec_of(args)
+    assert args.source == "chain" and spec.limit >= 16 and list(spec.budgets) == [0.1] and args.prefill_policy is None
+    assert spec.tasks[0].name == "fidelity" and spec.tasks[0].max_new_tokens >= 1000
+    labels = args.policy.split(",")
+    scorer = "learned:scorer=docs/results/allocation-fidelity-smollm2/learned/scorer-global"
+    assert args.compare == f"{scorer}:allocation=global" and {args.compare, scorer} <= set(labels)
+    for name in ("h2o", "snapkv"):
+        assert {name, f"{name}:allocation=head", f"{name}:allocation=global"} <= set(labels)
+    assert {"roco", "tova", "rkv", "oracle", "oracle:allocation=global"} <= set(labels)
+
+
 @pytest.mark.parametrize("name", ["long-chain-smollm2.yaml", "chain-accuracy-qwen.yaml", "gsm8k-accuracy-qwen.yaml",
                                   "chain-fidelity-qwen.yaml", "ablation-qwen.yaml",
-                                  "allocation-unseen-smollm2.yaml"])
+                                  "allocation-unseen-smollm2.yaml", "allocation-long-chain-smollm2.yaml"])
 def test_a_long_table_keeps_its_records_in_git_and_they_are_a_run_of_its_config(name):
     """The long tables outlive a machine (runs/ is not kept between sessions): their configs write into docs/results/,
     whose records git keeps and whose batch references (~1 GB a prompt) it ignores. Committed records must be a run of
