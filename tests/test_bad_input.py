@@ -80,7 +80,7 @@ def traces(out: Path, cfg: CollectConfig | None = None, rows=(16, 8), seed=0) ->
         f = rng.normal(size=(n, H, T, N_FEATURES)).astype(np.float32)
         cols = {"prompt_id": [f"{split}{r}" for r in range(n)], "source": ["synthetic"] * n, "split": [split] * n,
                 "step": [1] * n, "layer": [r % LAYERS for r in range(n)], "n_heads": [H] * n, "n_tokens": [T] * n,
-                "positions": [np.arange(T, dtype=np.int32)] * n, "features": [x.ravel() for x in f],
+                "positions": [np.tile(np.arange(T, dtype=np.int32), H)] * n, "features": [x.ravel() for x in f],
                 "future_sum": [np.exp(x[..., 2]).ravel() for x in f],
                 "future_max": [np.exp(x[..., 2]).ravel() for x in f],
                 "future_out": [np.exp(x[..., 2]).ravel() for x in f],

@@ -85,10 +85,12 @@ def _h2o(**kw) -> "Policy":  # noqa: F821
     return make_policy("h2o", **{"n_recent": 4, **kw})
 
 
-def test_labels_come_from_the_branched_future(small, monkeypatch):
+@pytest.mark.parametrize("allocation", ["uniform", "global"])
+def test_labels_come_from_the_branched_future(small, monkeypatch, allocation):
     """Hand-computed: a lagged H2O evicts at step e and then not for `interval - 1` steps, so from the decision at
     t = e + 1 the acting run itself is the branch (no eviction, the same tokens). Its attention on the decision's
-    tokens over steps t+1 .. t+H, read off the attention function, must be the recorded labels."""
+    tokens over steps t+1 .. t+H, read off the attention function, must be the recorded labels. Under ``global``
+    the KV heads hold different numbers of tokens: each head's padding (position -1) gets no label."""
     model, tok = small
     H_steps = 5
     P = int(tok(TEXTS[3], return_tensors="pt")["input_ids"].shape[1])
@@ -104,25 +106,35 @@ def test_labels_come_from_the_branched_future(small, monkeypatch):
         original(cache, layer_idx, probs, query_pos)
 
     monkeypatch.setattr(attention, "_hand_statistics", spy)
-    plain = generate(model, tok, [TEXTS[3]], policy=policy, budget=budget, max_new_tokens=20, chat=False)
+    plain = generate(model, tok, [TEXTS[3]], policy=policy, budget=budget, max_new_tokens=20, chat=False,
+                     allocation=allocation)
     monkeypatch.setattr(attention, "_hand_statistics", original)
     t = e + 1
     decisions, result = record(model, tok, [TEXTS[3]], policy, [budget], [frozenset({t})], TEACHERS, horizon=H_steps,
-                               label_budget=0.25, max_new_tokens=20, chat=False)
+                               label_budget=0.25, max_new_tokens=20, chat=False, allocation=allocation)
     assert result.tokens.tolist() == plain.tokens.tolist()
     by_step = {(layer, step): (p, pos, v) for layer, step, p, pos, v in seen}
     for layer_idx in range(2):
-        assert by_step[layer_idx, t][1].shape[-1] < P + t  # the acting cache has evicted by then
+        held = by_step[layer_idx, t][1][0]  # [H, T] the acting cache's positions at step t
+        assert (held >= 0).sum(-1).max() < P + t  # the acting cache has evicted by then
+    counts = [(d.positions >= 0).sum(-1) for d in decisions[0]]
+    assert all(bool((c == c.max()).all()) for c in counts) == (allocation == "uniform")  # global: heads differ
     for d in decisions[0]:
         assert not d.evicts
+        pad = d.positions < 0
+        assert bool((pad[:, :-1] >= pad[:, 1:]).all())  # a head's padding comes first
+        for k in FLOAT_LABELS:
+            assert not bool(d.labels[k][pad].any())
         exp = {k: torch.zeros(d.positions.shape) for k in FLOAT_LABELS}
         for s in range(t + 1, t + H_steps + 1):
             probs, pos, values = by_step[d.layer, s]
-            assert pos.shape[-1] == d.positions.shape[1] + s - t  # no eviction since the decision
+            assert ((pos[0] >= 0).sum(-1) == (~pad).sum(-1) + s - t).all()  # no eviction since the decision
             for h in range(d.positions.shape[0]):
                 a = probs[0, h, :, 0, :]  # [G, T]
                 o = a @ values[0, h]  # [G, D]
                 for j, p in enumerate(d.positions[h].tolist()):
+                    if p < 0:
+                        continue
                     slot = pos[0, h].tolist().index(p)
                     g = a[:, slot]
                     exp["future_sum"][h, j] += g.mean()
@@ -196,3 +208,24 @@ def test_learned_acting_policy_and_its_weights_in_the_digest(small, tmp_path):
 def test_bad_collection_policy_is_refused(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(CollectConfig(), **change).validate()
+
+
+def test_collection_under_the_global_allocation_records_each_heads_tokens(small, tmp_path):
+    """``collect.policy_params: {allocation: global}`` decodes under ``global`` (it was once dropped silently): the
+    trace rows hold each KV head's own tokens, a head that held fewer padded with position -1, and the training
+    rows read that padding as no token (``live``)."""
+    from learnkv.scorer.data import TraceRows
+
+    model, tok = small
+    cfg = dataclasses.replace(ONPOLICY, policy_params={"n_recent": 4, "allocation": "global"}, budgets=(0.5,))
+    assert cfg.digest() != dataclasses.replace(cfg, policy_params={"n_recent": 4}).digest()
+    collect(tmp_path, cfg, model=model, tokenizer=tok, prompts=PROMPTS, progress=False)
+    ds = load_traces(tmp_path)
+    rows = TraceRows(ds)
+    padded = 0
+    for i in range(len(ds)):
+        positions = np.asarray(ds[i]["positions"]).reshape(ds[i]["n_heads"], ds[i]["n_tokens"])
+        assert torch.equal(rows[i]["live"], torch.from_numpy(positions >= 0))
+        assert not rows[i]["label"][~rows[i]["live"]].any()
+        padded += int((positions < 0).any())
+    assert padded > 0  # under uniform no row is padded (every head holds the same count)

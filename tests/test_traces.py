@@ -12,7 +12,7 @@ from learnkv.features import FEATURES, N_FEATURES
 from learnkv.policies.base import LayerView
 from learnkv.prompts import Prompt
 from learnkv.traces.collect import CollectConfig, collect, merge
-from learnkv.traces.record import Recorder
+from learnkv.traces.record import Recorder, resident
 from learnkv.traces.store import TraceError, load_traces, read_manifest
 
 
@@ -108,6 +108,30 @@ def test_a_snapshot_holds_only_the_rows_that_decide_and_they_record_as_alone(sma
             for name in (*a.labels, *a.teachers):
                 x, y = (a.labels | a.teachers)[name], (b.labels | b.teachers)[name]
                 torch.testing.assert_close(x.float(), y.float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("H, T, tail", [(1, 5, ()), (3, 7, ()), (2, 6, (4,)), (4, 9, (2, 3))])
+@pytest.mark.parametrize("equal", [True, False])
+def test_resident_keeps_each_heads_tokens_in_order_padded_at_the_front(H, T, tail, equal):
+    """Against a loop: each head's resident slots in slot order, n = the fullest head's count, the others padded
+    at the front with the fill (under the head and global allocations a cache's KV heads hold different counts)."""
+    g = torch.Generator().manual_seed(H * 100 + T)
+    x = torch.randn(H, T, *tail, generator=g)
+    if equal:  # the same number per head (uniform): the reshape of before, bit for bit
+        valid = torch.stack([torch.randperm(T, generator=g) < T // 2 + 1 for _ in range(H)])
+    else:
+        valid = torch.rand(H, T, generator=g) < 0.6
+        valid[0] = True  # one head holds every slot, another (H > 1) only its first
+        if H > 1:
+            valid[1] = torch.arange(T) == 0
+    n = int(valid.sum(-1).max())
+    expected = torch.full((H, n, *tail), -7.0)
+    for h in range(H):
+        kept = x[h][valid[h]]
+        expected[h, n - len(kept):] = kept
+    assert torch.equal(resident(x, valid, fill=-7.0), expected)
+    if equal:
+        assert torch.equal(resident(x, valid), x[valid].reshape(H, n, *tail))
 
 
 def test_labels_equal_a_direct_computation():

@@ -41,7 +41,7 @@ def synthetic_traces(out: Path, rows_per_split=(96, 24), seed=0, decisions=False
             cols["layer"].append(r % LAYERS)
             cols["n_heads"].append(H)
             cols["n_tokens"].append(T)
-            cols["positions"].append(np.arange(T, dtype=np.int32))
+            cols["positions"].append(np.tile(np.arange(T, dtype=np.int32), H))
             cols["features"].append(f.ravel())
             cols["future_sum"].append(utility.astype(np.float32).ravel())
             cols["future_max"].append(utility.astype(np.float32).ravel())
@@ -311,6 +311,52 @@ def test_rounds_collect_under_the_previous_scorer_and_train_on_the_union(synthet
     dm = TraceDataModule([union.trace_dir, str(second)])
     dm.setup()
     assert len(dm.train_rows) == 96 + 32 and len(dm.val_rows) == 24 + 8
+
+
+def test_rounds_of_the_global_objective_collect_under_global(synthetic_run):
+    """A scorer of the global objective is deployed under the ``global`` allocation: so are its on-policy rounds."""
+    from learnkv.scorer.fit import round_config
+
+    tmp, artifact, _, _ = synthetic_run
+    r2 = round_config(config(tmp, "rounds=2", "train.objective=global"), 2, artifact)
+    assert r2.collect.policy_params == {"scorer": str(artifact), "allocation": "global"}
+    assert r2.collect.eviction.resolved_allocation.mode == "global"
+
+
+@pytest.mark.parametrize("objective", ["uniform", "global"])
+def test_a_heads_padding_is_no_token_in_training(objective, monkeypatch):
+    """A head that held fewer tokens than the row's fullest (positions -1 at the front, `resident`) adds nothing to
+    the loss or the validation recalls: garbage in its padded features and labels changes neither."""
+    from learnkv.scorer.data import collate, collate_decisions
+    from learnkv.scorer.module import ScorerModule
+
+    H, T, F = 2, 6, N_FEATURES
+    g = torch.Generator().manual_seed(0)
+    live = torch.ones(H, T, dtype=torch.bool)
+    live[1, :2] = False  # head 1 held two tokens fewer
+
+    def item(layer, garbage):
+        features, label = torch.randn(H, T, F, generator=g), torch.rand(H, T, generator=g)
+        features[~live] = garbage
+        label[~live] = garbage
+        return {"features": features, "label": label, "layer": layer, "live": live}
+
+    def batch(garbage):
+        g.manual_seed(1)
+        if objective == "global":
+            return collate_decisions([[item(0, garbage), item(1, garbage)]])
+        return collate([item(0, garbage), item(1, garbage)])
+
+    torch.manual_seed(0)
+    module = ScorerModule(n_layers=2, hidden=8, objective=objective, membership_budget=(0.25, 0.5), n_heads=H)
+    logs = []
+    monkeypatch.setattr(module, "log_dict", lambda d, **kw: logs.append({k: float(v) for k, v in d.items()}))
+    clean, dirty = module._step(batch(0.0), "val"), module._step(batch(50.0), "val")
+    assert batch(0.0)["mask"].shape == (2, H, T) and torch.equal(batch(0.0)["mask"][0], live)
+    assert clean.item() == pytest.approx(dirty.item(), rel=1e-6)
+    assert logs[0] == pytest.approx(logs[1], rel=1e-6)
+    assert module._step(batch(0.0), "val").item() != pytest.approx(  # the same garbage where tokens live counts
+        module._step({**batch(0.0), "mask": torch.ones(2, H, T, dtype=torch.bool)}, "val").item(), rel=1e-6)
 
 
 def _train_py(tmp_path, *flags):

@@ -25,7 +25,8 @@ DERIVED = {"future_attnv": "future_sum"}
 
 
 class TraceRows(Dataset):
-    """Map-style view of trace rows: features [H, T, F], label [H, T], teachers [K, H, T], layer."""
+    """Map-style view of trace rows: features [H, T, F], label [H, T], teachers [K, H, T], layer, and ``live [H, T]``:
+    the resident tokens (position >= 0; a head that held fewer than the row's fullest is padded, `resident`)."""
 
     def __init__(self, ds, label: str = "future_sum", teachers: tuple[str, ...] = (), values: bool = False):
         if label not in LABELS:
@@ -38,7 +39,7 @@ class TraceRows(Dataset):
             raise TraceError(f"traces have no teacher column for {missing}")
         if values and "values" not in ds.column_names:
             raise TraceError("traces have no value vectors (collect them with collect.record_values=true)")
-        cols = ["layer", "n_heads", "n_tokens", "features", column] + [f"teacher_{t}" for t in teachers]
+        cols = ["layer", "n_heads", "n_tokens", "positions", "features", column] + [f"teacher_{t}" for t in teachers]
         cols += ["head_dim", "values"] if values else []
         self.ds = ds.with_format("numpy", columns=cols)
         self.label, self.column, self.teachers, self.values = label, column, teachers, values
@@ -53,7 +54,8 @@ class TraceRows(Dataset):
         label = torch.from_numpy(np.asarray(row[self.column], dtype=np.float32).reshape(H, T))
         if self.label == "future_attnv":
             label = label * features[..., feature_index("value_norm")]
-        item = {"features": features, "label": label, "layer": int(row["layer"])}
+        live = torch.from_numpy(np.asarray(row["positions"]).reshape(H, T) >= 0)
+        item = {"features": features, "label": label, "layer": int(row["layer"]), "live": live}
         if self.values:
             item["values"] = torch.from_numpy(np.asarray(row["values"], dtype=np.float32).reshape(H, T, -1))
         if self.teachers:
@@ -64,13 +66,13 @@ class TraceRows(Dataset):
 
 
 def collate(items: list[dict]) -> dict:
-    """Pad the token axis; ``mask [N, T]`` marks real tokens."""
+    """Pad the token axis; ``mask [N, H, T]`` marks each head's resident tokens."""
     T = max(it["features"].shape[1] for it in items)
     N, H = len(items), items[0]["features"].shape[0]
     out = {
         "features": torch.zeros(N, H, T, N_FEATURES),
         "label": torch.zeros(N, H, T),
-        "mask": torch.zeros(N, T, dtype=torch.bool),
+        "mask": torch.zeros(N, H, T, dtype=torch.bool),
         "layer": torch.tensor([it["layer"] for it in items]),
     }
     if "teachers" in items[0]:
@@ -81,7 +83,7 @@ def collate(items: list[dict]) -> dict:
         t = it["features"].shape[1]
         out["features"][n, :, :t] = it["features"]
         out["label"][n, :, :t] = it["label"]
-        out["mask"][n, :t] = True
+        out["mask"][n, :, :t] = it["live"]
         if "teachers" in it:
             out["teachers"][n, :, :, :t] = it["teachers"]
         if "values" in it:
@@ -153,7 +155,8 @@ def feature_stats(rows: TraceRows, max_rows: int = 256, seed: int = 0) -> tuple[
     total_sq = torch.zeros(N_FEATURES, dtype=torch.float64)
     count = 0
     for i in pick:
-        f = rows[i]["features"].reshape(-1, N_FEATURES).double()
+        item = rows[i]
+        f = item["features"][item["live"]].double()  # [resident tokens, F]: a head's padding is no token
         total += f.sum(0)
         total_sq += (f * f).sum(0)
         count += f.shape[0]

@@ -180,12 +180,17 @@ def recall_table(metrics: dict, teachers: list[str]) -> str:
 
 
 def round_config(cfg: PipelineConfig, r: int, previous: Path | None) -> PipelineConfig:
-    """Round ``r``'s pipeline config (1-based): its trace and output directories and what it collects under."""
+    """Round ``r``'s pipeline config (1-based): its trace and output directories and what it collects under: from
+    round 2 the previous round's scorer, deployed as it was trained (a scorer of the global objective under the
+    ``global`` allocation, where its KV heads hold different numbers of tokens)."""
     trace_dir = cfg.trace_dir if r == 1 else f"{cfg.trace_dir}-round{r}"
     out_dir = cfg.out_dir if r == cfg.rounds else str(Path(cfg.out_dir) / f"round-{r}")
     collect = cfg.collect
     if r > 1:
-        collect = dataclasses.replace(collect, policy="learned", policy_params={"scorer": str(previous)})
+        params = {"scorer": str(previous)}
+        if cfg.train.objective == "global":
+            params["allocation"] = "global"
+        collect = dataclasses.replace(collect, policy="learned", policy_params=params)
     return dataclasses.replace(cfg, trace_dir=trace_dir, out_dir=out_dir, collect=collect)
 
 

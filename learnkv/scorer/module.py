@@ -154,7 +154,7 @@ class ScorerModule(L.LightningModule):
     def _step(self, batch: dict, stage: str) -> Tensor:
         hp = self.hparams
         scores = self(batch)
-        mask = batch["mask"][:, None, :].expand_as(scores)
+        mask = batch["mask"]  # [N, H, T]
         label = batch["label"]
         pooled = hp.get("objective", "uniform") == "global"  # checkpoints before the setting trained per head
         groups = ranking_groups(scores, label, mask, batch["decisions"] if pooled else None)

@@ -220,8 +220,8 @@ def record_batch(model, tokenizer, cfg: CollectConfig, prompts: list, on_step=No
             got, result = onpolicy.record(model, tokenizer, texts, cfg.eviction.make(),
                                           [budgets[i] for i in group], [steps[i] for i in group], cfg.teachers,
                                           cfg.horizon, cfg.label_budget, cfg.max_new_tokens, chat=cfg.chat,
-                                          reply_prefixes=prefixes,
-                                          record_values=cfg.record_values, on_step=on_step)
+                                          reply_prefixes=prefixes, record_values=cfg.record_values,
+                                          on_step=on_step, allocation=cfg.eviction.allocation)
         else:
             rec = Recorder(n_layers=model.config.num_hidden_layers, teachers=tuple(cfg.teachers),
                            decision_steps=tuple(steps[i] for i in group), horizon=cfg.horizon,

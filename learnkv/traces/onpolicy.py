@@ -102,6 +102,10 @@ class OnPolicyRecorder(Policy):
     def pooling(self) -> str:
         return self.acting.pooling
 
+    @property
+    def normalisation(self) -> str | None:  # how the cache compares the acting policy's scores across heads
+        return self.acting.normalisation
+
     def block_size_at(self, step: int) -> int:
         return self.acting.block_size_at(step)
 
@@ -184,8 +188,9 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
     horizon = items[0].tokens.shape[0]
     at = [it.snapshots[0].index(it.row) for it in items]  # each item's row in its snapshots (the same per layer)
     valid = [[s.positions[i] >= 0 for s in it.snapshots] for i, it in zip(at, items)]  # [item][layer] [H, T]
-    # resident tokens per layer and item (the same in every head; a sliding layer of a hybrid model holds fewer)
-    n_at = [[int(v[layer][0].sum()) for v in valid] for layer in range(n_layers)]
+    # resident tokens per layer and item: the most any head holds (a sliding layer of a hybrid model holds fewer;
+    # under the head and global allocations the heads differ, and `resident` pads the others with dead slots)
+    n_at = [[int(v[layer].sum(-1).max()) for v in valid] for layer in range(n_layers)]
     n = [max(col) for col in zip(*n_at)]  # per item: the slots every layer gets (left-padded with dead slots)
     n_max = max(n)
     observer = _BranchLabels(n_seed=n_max, label_budget=label_budget)
@@ -204,7 +209,7 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
             snap, ok, m = it.snapshots[layer], valid[i][layer], n_at[layer][i]
             keys[i, :, n_max - m:] = resident(snap.keys[at[i]], ok)
             values[i, :, n_max - m:] = resident(snap.values[at[i]], ok)
-            positions[i, :, n_max - m:] = resident(snap.positions[at[i]], ok)
+            positions[i, :, n_max - m:] = resident(snap.positions[at[i]], ok, -1)
         cache.layers[layer].update(keys, values)
         cache.layers[layer].positions.copy_(positions)  # per KV head (the append wrote one row of positions per row)
         cache.layers[layer].live = list(n_at[layer])
@@ -222,15 +227,16 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
 def record(model, tokenizer, texts: list[str], acting: Policy, budgets: list[int], decision_steps: list[frozenset],
            teachers: tuple[str, ...], horizon: int, label_budget: float, max_new_tokens: int, chat: bool = True,
            branch_batch: int = 16, record_values: bool = False,
-           reply_prefixes: list[str | None] | None = None, on_step=None):
-    """Decode ``texts`` (one batch) under ``acting`` at per-row ``budgets`` (tokens), snapshot the decision steps and
-    branch them. Returns (per row: its `Decision` list in (step, layer) order, the `GenerationResult`).
+           reply_prefixes: list[str | None] | None = None, on_step=None, allocation="uniform"):
+    """Decode ``texts`` (one batch) under ``acting`` at per-row ``budgets`` (tokens), shared by layers and KV heads
+    as ``allocation`` says (`learnkv.allocation`), snapshot the decision steps and branch them. Returns (per row:
+    its `Decision` list in (step, layer) order, the `GenerationResult`).
     ``record_values``: also record each resident token's value vector (`Decision.values`); ``reply_prefixes`` as
     in `learnkv.decode.encode_prompts`; ``on_step`` as in `learnkv.decode.generate` (the acting decode's steps)."""
     rec = OnPolicyRecorder(acting=acting, n_layers=model.config.num_hidden_layers, teachers=tuple(teachers),
                            decision_steps=tuple(decision_steps), label_budget=label_budget)
     result = generate(model, tokenizer, texts, policy=rec, budget=budgets, max_new_tokens=max_new_tokens, chat=chat,
-                      reply_prefixes=reply_prefixes, on_step=on_step)
+                      reply_prefixes=reply_prefixes, on_step=on_step, allocation=allocation)
     by_step: dict[int, list[Snapshot]] = {}
     for snap in rec.log.snapshots:
         by_step.setdefault(snap.step, []).append(snap)

@@ -166,7 +166,9 @@ class Riders:
 
 @dataclass
 class Decision:
-    """One recorded decision of one prompt in one layer: the resident tokens (padding dropped), per KV head.
+    """One recorded decision of one prompt in one layer: the resident tokens (the cache's padding dropped), per KV
+    head. Where heads hold different numbers (the ``head`` and ``global`` allocations), each is padded at the front
+    to the fullest one's n: position -1, every other field 0 (`resident`).
 
     ``positions [H, n]``, ``features [H, n, F]``, ``teachers`` and ``labels``: name -> ``[H, n]``; ``evicts``:
     whether the acting policy evicted at this step; ``budget``: the row's budget (None: full cache); ``values``:
@@ -184,10 +186,21 @@ class Decision:
     values: Tensor | None = None
 
 
-def resident(x: Tensor, valid: Tensor) -> Tensor:
-    """``x [H, T, ...]`` at the slots where ``valid [H, T]`` holds, as ``[H, n, ...]`` (every head has n of them)."""
-    H = valid.shape[0]
-    return x[valid].reshape(H, -1, *x.shape[2:])
+def resident(x: Tensor, valid: Tensor, fill: float = 0) -> Tensor:
+    """``x [H, T, ...]`` at the slots where ``valid [H, T]`` holds, as ``[H, n, ...]`` in slot order, n the most any
+    head holds. Heads that hold fewer (under the ``head`` and ``global`` allocations a cache's KV heads differ) are
+    padded at the front with ``fill`` (-1 for positions, which marks padding wherever a `Decision` is read)."""
+    H, T = valid.shape
+    counts = valid.sum(-1)
+    n = int(counts.max()) if H else 0
+    if bool((counts == n).all()):
+        return x[valid].reshape(H, n, *x.shape[2:])
+    # a stable sort of the flags puts each head's dead slots first and its resident ones last, both in slot order
+    order = torch.sort(valid.to(torch.uint8), dim=-1, stable=True).indices[:, T - n:]
+    tail = [1] * (x.dim() - 2)
+    out = x.gather(1, order.view(H, n, *tail).expand(H, n, *x.shape[2:]))
+    pad = torch.arange(n, device=valid.device)[None, :] < (n - counts)[:, None]
+    return out.masked_fill(pad.view(H, n, *tail), fill)
 
 
 def row_steps(decision_steps, B: int) -> list[frozenset]:
@@ -243,7 +256,7 @@ class Snapshot:
         if labels is None:
             labels = {k: resident(v[i], ok) for k, v in self.labels.items()}
         values = resident(self.values[i], ok) if record_values and self.values is not None else None
-        return Decision(self.step, self.layer, resident(self.positions[i], ok), resident(self.features[i], ok),
+        return Decision(self.step, self.layer, resident(self.positions[i], ok, -1), resident(self.features[i], ok),
                         {k: resident(v[i], ok) for k, v in self.teachers.items()}, labels, values=values, **extra)
 
 
