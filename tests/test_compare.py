@@ -137,3 +137,25 @@ def test_cli_prints_the_paired_table_and_writes_json(tmp_path, capsys):
     assert "| new | 6 | -0.0117 [" in table and "attention_recall" not in table
     assert {(p["policy"], p["metric"]) for p in json.loads(out.read_text())} == {
         (p, m) for p in ("h2o", "new") for m in ("kl", "attention_recall")}
+
+
+def test_batches_that_resolve_their_windows_from_their_own_budgets_pool_as_one_policy(tmp_path):
+    """At a fractional budget each batch resolves H2O's recent window (half its budget) from its own prompts: two
+    batches of one run in two files are one policy, whether the records carry the parameters as given or (written
+    before they did) only the resolved ones; a parameter that is not budget-derived still tells two setups apart."""
+    old = lambda ids, **kw: record("h2o", ids, params={"n_sink": 0, "interval": 1, "block_size": 1, **kw})  # noqa
+    a = write(tmp_path / "a", [record("learned", IDS), old(IDS[:3], n_recent=294)])
+    b = write(tmp_path / "b", [old(IDS[3:], n_recent=314)])
+    (pair,) = [p for p in compare([a, b], "learned")[0] if p["metric"] == "kl"]
+    assert pair["n"] == 6
+    given = dict(record("h2o", IDS[3:], params={"n_recent": 314}), config={
+        **record("h2o", IDS[3:])["config"], "policy_params": {"n_recent": 314}, "policy_given": {}})
+    a_given = dict(record("h2o", IDS[:3]), config={**record("h2o", IDS[:3])["config"],
+                                                    "policy_params": {"n_recent": 294}, "policy_given": {}})
+    assert len(pool({"a": [a_given], "b": [given]})) == 1
+    other = dict(given, config={**given["config"], "policy_given": {"n_recent": 0.25}})
+    with pytest.raises(ValueError, match=r"not one policy .* \(policy_params differ\)"):
+        pool({"a": [a_given], "b": [other]})
+    with pytest.raises(ValueError, match=r"\(policy_params differ\)"):  # not budget-derived: two setups
+        pool({"a": [old(IDS[:3], n_recent=294)], "b": [old(IDS[3:], n_recent=314, interval=4)]})
+

@@ -260,6 +260,13 @@ def test_policy_items_with_parameters_are_rows_of_their_own(tiny):
     assert [r["config"]["policy_name"] for r in records] == ["h2o", "lazy", "lazy", "lazy"]
 
 
+def test_a_record_names_its_parameters_as_given_beside_the_resolved_ones(tiny):
+    spec = build_spec("full,h2o,lazy:window=5", "0.9", "fidelity", max_new_tokens=12)
+    records = evaluate(tiny, None, spec, samples=samples(n=1, length=20))
+    assert [r["config"]["policy_given"] for r in records] == [{}, {}, {"window": 5}]
+    assert isinstance(records[1]["config"]["policy_params"]["n_recent"], int)
+
+
 @pytest.mark.parametrize("policy", ["h2o", "lazy", "snapkv", "learned", "oracle", "paged:block_size=4"])
 def test_batched_evaluation_equals_one_prompt_at_a_time(tiny, policy):
     """--batch-size: prompts of different lengths decode together, each with its own fraction budget, and every

@@ -10,23 +10,28 @@ from several files (batches finished by different runs) pools into one set of pr
 give different values on one prompt (two scorers under one label, say) is refused rather than silently picked.
 Only one regime is paired at a time: records of one task and budget must agree on the model and the task's options
 (the continuation, its length, the prompts' source), which is what makes two values a pair; one label from two
-files must also name one setup (its parameters, scorer path included, and its prefill policy). Two setups under one
+files must also name one setup (its parameters as given, scorer path included, and its prefill policy; a window
+that each batch resolves from its own budget is not a different setup). Two setups under one
 label (the same policy with another prefill policy, say) pair once one file's labels are tagged: ``PATH@TAG`` reads
 that file's policies as ``LABEL@TAG`` (``--baseline learned@TAG`` names one of them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 from learnkv.eval.run import paired
+from learnkv.policies import POLICIES
 
 #: what must agree between two records for their values on one prompt to be a pair
 REGIME = ("model", "task_options")
 #: what must agree between two records of one policy label for them to be one policy
 SETUP = ("policy_name", "policy_params", "prefill_policy")
+#: a budget no policy's windows outgrow, to read which parameters a policy derives from its budget
+_PROBE_BUDGET = 1 << 16
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -70,11 +75,40 @@ def _same(a, b) -> bool:
     return math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-4)
 
 
+def _budget_derived(name: str | None) -> set[str]:
+    """The parameters of policy ``name`` whose resolved value each batch derives from its own budget: windows given
+    as a fraction of it (`learnkv.fields.setting`'s ``fraction``) and the paper defaults `resolve_defaults` fills."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        return set()
+    keys = {f.name for f in dataclasses.fields(cls) if f.metadata.get("fraction")}
+    try:
+        keys |= set(cls().resolve_defaults(_PROBE_BUDGET))
+    except ValueError:  # the learned policy needs its scorer to resolve; its windows are the fraction fields above
+        pass
+    return keys
+
+
+def _setups_differ(a: dict, b: dict) -> list[str]:
+    """The `SETUP` keys on which two records' configs name different setups of one label. Parameters compare as
+    given (``policy_given``) where both records have them. Records written before evaluate.py stored them compare
+    their resolved parameters less the budget-derived ones: those differ between two batches of one run at a
+    fractional budget (each batch resolves its own), and a value given explicitly is in the label already."""
+    differ = [k for k in SETUP if k != "policy_params" and a.get(k) != b.get(k)]
+    if "policy_given" in a and "policy_given" in b:
+        same = a["policy_given"] == b["policy_given"]
+    else:
+        derived = _budget_derived(a.get("policy_name"))
+        strip = lambda params: {k: v for k, v in (params or {}).items() if k not in derived}  # noqa: E731
+        same = strip(a.get("policy_params")) == strip(b.get("policy_params"))
+    return differ + ([] if same else ["policy_params"])
+
+
 def pool(sources: dict[str, list[dict]]) -> list[dict]:
     """One record per (task, budget, policy) over every file, its per-prompt values keyed by prompt id.
 
     Returns records ``{"task", "budget", "policy", "values": {prompt id: {metric: value}}, "from": {prompt id:
-    file}, "setup": (its `SETUP` settings, first file)}`` in order of first appearance; raises ValueError where
+    file}, "setup": (its record's config, first file)}`` in order of first appearance; raises ValueError where
     one task and budget holds records of two regimes, where one label names two setups, or where two files disagree
     on a policy's value for one prompt."""
     pooled: dict[tuple, dict] = {}
@@ -88,12 +122,12 @@ def pool(sources: dict[str, list[dict]]) -> list[dict]:
                 differ = [k for k in REGIME if first[0].get(k) != regime.get(k)]
                 raise ValueError(f"{r['task']} at budget {r['budget']}: {first[1]} and {source} are runs of different "
                                  f"regimes ({', '.join(differ)} differ): their values are not pairs")
-            setup = {k: r.get("config", {}).get(k) for k in SETUP}
+            setup = r.get("config", {})
             slot = pooled.setdefault((*where, r["policy"]), {"task": r["task"], "budget": r["budget"],
                                                              "policy": r["policy"], "values": {}, "from": {},
                                                              "setup": (setup, source)})
-            if slot["setup"][0] != setup:
-                differ = [k for k in SETUP if slot["setup"][0].get(k) != setup.get(k)]
+            differ = _setups_differ(slot["setup"][0], setup)
+            if differ:
                 raise ValueError(f"{r['policy']} at budget {r['budget']} is not one policy in {slot['setup'][1]} and "
                                  f"{source} ({', '.join(differ)} differ); rename one (e.g. learned:scorer=PATH)")
             for i, pid in enumerate(r["config"]["prompt_ids"]):

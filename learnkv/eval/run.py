@@ -316,7 +316,8 @@ def evaluate(model, tokenizer, spec: EvalSpec, samples: Sequence[Sample] | None 
     list of dict
         One record per (policy, budget, task), task-major, then budget, then policy: ``{"policy": label,
         "budget", "task", "metrics": {m, m_ci95, ..., cost}, "per_prompt": {m: [...]}, "config": {...}}``, with
-        ``config["policy_params"]`` the resolved parameters and ``config["n_prompts"]``. With ``shard``, instead:
+        ``config["policy_params"]`` the resolved parameters (one prompt's), ``config["policy_given"]`` the
+        parameters as given and ``config["n_prompts"]``. With ``shard``, instead:
         the 1-based indices of the batches left to other shards (none finished when this one ended).
     """
     torch.manual_seed(spec.seed)
@@ -508,6 +509,9 @@ def _record(task, run, b, prompts, per_prompt, costs, params, spec, model, model
         "model": model_name or getattr(model.config, "name_or_path", None) or type(model).__name__,
         "policy_name": run.name,
         "policy_params": params,
+        # as given, before a budget resolves them: two batches of one run at a fractional budget resolve different
+        # windows, yet are one policy (`learnkv compare` pools them by these)
+        "policy_given": run.params,
         # the path names a folder that retraining overwrites; the digest names the weights this row decoded with
         "scorer": scorer_identity(params["scorer"]) if isinstance(params.get("scorer"), str) else None,
         "prefill_policy": spec.prefill.label if spec.prefill and evicts(run.name) else None,
