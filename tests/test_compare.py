@@ -13,14 +13,18 @@ KL = {"learned": [0.05, 0.07, 0.02, 0.09, 0.04, 0.06], "h2o": [0.06, 0.06, 0.05,
       "new": [0.03, 0.05, 0.02, 0.07, 0.05, 0.04]}
 
 
-def record(policy, ids, budget=0.25, task_options=None, params=None, prefill="snapkv", kl=None):
+def record(policy, ids, budget=0.25, task_options=None, params=None, prefill="snapkv", kl=None, given=None):
+    """``params``: the resolved parameters; ``given``: those as given (absent from records written before)."""
     kl = kl if kl is not None else [KL[policy][IDS.index(i)] for i in ids]
+    config = {"model": "smollm2-135m-instruct", "policy_name": policy.split(":")[0], "policy_params": params or {},
+              "prefill_policy": prefill,
+              "task_options": task_options or {"max_new_tokens": 1536, "source": "chain", "split": "test"},
+              "prompt_ids": list(ids)}
+    if given is not None:
+        config["policy_given"] = given
     return {"policy": policy, "budget": budget, "task": "fidelity", "metrics": {"kl": sum(kl) / len(kl)},
             "per_prompt": {"kl": kl, "attention_recall": [1 - x for x in kl], "generated_tokens": [1536] * len(ids)},
-            "config": {"model": "smollm2-135m-instruct", "policy_name": policy.split(":")[0],
-                       "policy_params": params or {}, "prefill_policy": prefill,
-                       "task_options": task_options or {"max_new_tokens": 1536, "source": "chain", "split": "test"},
-                       "prompt_ids": list(ids)}}
+            "config": config}
 
 
 def write(path, records):
@@ -148,14 +152,10 @@ def test_batches_that_resolve_their_windows_from_their_own_budgets_pool_as_one_p
     b = write(tmp_path / "b", [old(IDS[3:], n_recent=314)])
     (pair,) = [p for p in compare([a, b], "learned")[0] if p["metric"] == "kl"]
     assert pair["n"] == 6
-    given = dict(record("h2o", IDS[3:], params={"n_recent": 314}), config={
-        **record("h2o", IDS[3:])["config"], "policy_params": {"n_recent": 314}, "policy_given": {}})
-    a_given = dict(record("h2o", IDS[:3]), config={**record("h2o", IDS[:3])["config"],
-                                                    "policy_params": {"n_recent": 294}, "policy_given": {}})
-    assert len(pool({"a": [a_given], "b": [given]})) == 1
-    other = dict(given, config={**given["config"], "policy_given": {"n_recent": 0.25}})
+    a_given = record("h2o", IDS[:3], params={"n_recent": 294}, given={})
+    assert len(pool({"a": [a_given], "b": [record("h2o", IDS[3:], params={"n_recent": 314}, given={})]})) == 1
+    other = record("h2o", IDS[3:], params={"n_recent": 314}, given={"n_recent": 0.25})
     with pytest.raises(ValueError, match=r"not one policy .* \(policy_params differ\)"):
         pool({"a": [a_given], "b": [other]})
     with pytest.raises(ValueError, match=r"\(policy_params differ\)"):  # not budget-derived: two setups
         pool({"a": [old(IDS[:3], n_recent=294)], "b": [old(IDS[3:], n_recent=314, interval=4)]})
-

@@ -19,6 +19,7 @@ that file's policies as ``LABEL@TAG`` (``--baseline learned@TAG`` names one of t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -75,18 +76,19 @@ def _same(a, b) -> bool:
     return math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-4)
 
 
-def _budget_derived(name: str | None) -> set[str]:
+@functools.cache
+def _budget_derived(name: str | None) -> frozenset[str]:
     """The parameters of policy ``name`` whose resolved value each batch derives from its own budget: windows given
     as a fraction of it (`learnkv.fields.setting`'s ``fraction``) and the paper defaults `resolve_defaults` fills."""
     cls = POLICIES.get(name)
     if cls is None:
-        return set()
+        return frozenset()
     keys = {f.name for f in dataclasses.fields(cls) if f.metadata.get("fraction")}
     try:
         keys |= set(cls().resolve_defaults(_PROBE_BUDGET))
     except ValueError:  # the learned policy needs its scorer to resolve; its windows are the fraction fields above
         pass
-    return keys
+    return frozenset(keys)
 
 
 def _setups_differ(a: dict, b: dict) -> list[str]:
