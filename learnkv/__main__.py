@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     dia.add_argument("--out", default=None, metavar="PATH",
                      help="JSON file (default: runs/diagnose-chain/<policy>-<budget>.json)")
     dia.add_argument("--seed", type=int, default=0, help="data seed")
-    dia.add_argument("--threads", type=int, default=None)
+    dia.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads")
 
     cmp = sub.add_parser("compare", help="paired intervals of every policy to a baseline across finished evaluations "
                                          "of the same prompts (no decode)")
@@ -303,11 +303,10 @@ def cmd_compare(args) -> None:
         write_text_atomic(Path(args.json), json.dumps(pairs, indent=1) + "\n")
 
 
-def cmd_diagnose_chain(args) -> None:
+def cmd_diagnose_chain(args) -> int | None:
     import re
+    import shutil
     from pathlib import Path
-
-    import torch
 
     from learnkv.atomic import write_text_atomic
     from learnkv.eval import build_spec
@@ -332,15 +331,26 @@ def cmd_diagnose_chain(args) -> None:
                       slack=args.slack, accuracy_only=True, **options)
     out = Path(args.out or f"runs/diagnose-chain/{re.sub(r'[^A-Za-z0-9_.=-]', '_', args.policy)}-{args.budget}.json")
     model_name = args.model or DEFAULT_MODEL
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model, tokenizer = load_model(model_name)
-    results = diagnose(model, tokenizer, spec, all_lost=args.all_lost, top=args.top)
+    state = out.with_name(out.stem + ".partial")  # finished batches: a killed run resumes (`diagnose`)
+    if state.is_dir():
+        print(f"note: resuming from {state}: its finished batches are read back, not decoded", file=sys.stderr)
+    try:
+        with Interruptible() as interrupt:
+            results = diagnose(model, tokenizer, spec, all_lost=args.all_lost, top=args.top, state_dir=state,
+                               model_name=model_name, progress=True)
+    except KeyboardInterrupt:
+        kept = len(list(state.glob("diagnosed-*.json")))
+        print(f"\n{interrupt.how}: {kept} finished batch(es) kept in {state}; the batch in progress was discarded. "
+              "Rerun the same command to resume.", file=sys.stderr)
+        return interrupt.code
     for result in results:
         result["config"]["model"] = model_name
         print(table(result))
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, json.dumps({"results": results}, indent=1) + "\n")
+    shutil.rmtree(state)  # the JSON holds every batch now
     print(f"json: {out}")
 
 
@@ -369,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "compare":
             cmd_compare(args)
         elif args.command == "diagnose-chain":
-            cmd_diagnose_chain(args)
+            return cmd_diagnose_chain(args) or 0
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -211,3 +211,115 @@ def test_cli_refuses_what_it_cannot_diagnose_before_loading_a_model(capsys):
                        (["--policy", "nope"], "unknown policy")):
         assert main(["diagnose-chain", "--budget", "0.5", *args, "--model", "/nonexistent"]) == 2
         assert what in capsys.readouterr().err
+
+
+def _two_batches():
+    from learnkv.eval import build_spec
+
+    return build_spec("full,streaming", "0.5", "chain", limit=2, batch_size=1, max_new_tokens=12, accuracy_only=True)
+
+
+def test_a_killed_diagnosis_resumes_from_its_finished_batches(small, tmp_path, monkeypatch):
+    """Each finished batch is kept in the state directory and read back bit for bit; a batch whose records were
+    lost but whose full-cache reference is stored decodes only its policy's runs, not the reference again."""
+    from learnkv.eval.tasks.chain import Chain
+
+    model, tok = small
+    state = tmp_path / "state"
+    first = diagnose(model, tok, _two_batches(), state_dir=state, model_name="tiny")
+    stored = sorted(state.glob("diagnosed-*.json"))
+    assert len(stored) == 2 and len(list(state.glob("reference-*.safetensors"))) == 2  # small: kept
+    # an evaluation of the same prompts stores the same reference files, so one can be hard-linked across
+    from learnkv.eval import evaluate
+
+    evaluate(model, tok, _two_batches(), resume_dir=tmp_path / "eval", model_name="tiny")
+    assert ({p.name for p in (tmp_path / "eval").glob("reference-*")}
+            == {p.name for p in state.glob("reference-*")})
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decoded a batch that was stored")
+
+    monkeypatch.setattr(Chain, "reference_batch", refuse)
+    monkeypatch.setattr(Chain, "decode_batch", refuse)
+    assert json.dumps(diagnose(model, tok, _two_batches(), state_dir=state, model_name="tiny")) == json.dumps(first)
+
+    monkeypatch.undo()
+    reference_batch, decode_batch = Chain.reference_batch, Chain.decode_batch
+    calls = {"reference": 0, "decode": 0}
+
+    def counted(name, method):
+        def run(self, *args, **kwargs):
+            calls[name] += 1
+            return method(self, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(Chain, "reference_batch", counted("reference", reference_batch))
+    monkeypatch.setattr(Chain, "decode_batch", counted("decode", decode_batch))
+    stored[1].unlink()  # killed in the second batch: its records are gone, its reference is not
+    assert json.dumps(diagnose(model, tok, _two_batches(), state_dir=state, model_name="tiny")) == json.dumps(first)
+    assert calls == {"reference": 0, "decode": 1}  # the policy's free run of one batch (nothing lost: no forced run)
+
+
+def test_a_stored_batch_of_another_diagnosis_is_not_read_back(small, tmp_path, monkeypatch):
+    """The stored records are named by what they depend on: another policy, model or setting decodes again."""
+    from learnkv.eval import build_spec
+    from learnkv.eval.diagnose import batch_identity
+    from learnkv.eval.tasks.chain import Chain
+
+    model, tok = small
+    state = tmp_path / "state"
+    diagnose(model, tok, _two_batches(), state_dir=state, model_name="tiny")
+    spec = _two_batches()
+    runs = [r for r in spec.runs if r.name != "full"]
+    base = batch_identity(spec, runs, "tiny", ["a"], False, 5)
+    other = build_spec("full,h2o", "0.5", "chain", limit=2, batch_size=1, max_new_tokens=12, accuracy_only=True)
+    assert base != batch_identity(other, [r for r in other.runs if r.name != "full"], "tiny", ["a"], False, 5)
+    assert base != batch_identity(spec, runs, "other", ["a"], False, 5)
+    assert base != batch_identity(spec, runs, "tiny", ["a"], True, 5)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("decoded")
+
+    monkeypatch.setattr(Chain, "decode_batch", refuse)
+    with pytest.raises(RuntimeError, match="decoded"):
+        diagnose(model, tok, _two_batches(), state_dir=state, model_name="tiny", all_lost=True)
+    with pytest.raises(RuntimeError, match="decoded"):
+        diagnose(model, tok, _two_batches(), state_dir=state, model_name="other")
+
+
+def test_cli_writes_the_json_resumes_and_clears_its_state(small, tmp_path, capsys, monkeypatch):
+    """`diagnose-chain` end to end on a saved tiny model: the JSON is written and the state directory removed; a
+    state directory left by a killed run is read back (said on stderr) and gives the same JSON."""
+    from learnkv.__main__ import main
+
+    model, tok = small
+    model_dir, out = tmp_path / "tiny", tmp_path / "d" / "streaming.json"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    args = ["diagnose-chain", "--policy", "streaming", "--budget", "0.5", "--model", str(model_dir), "--limit", "2",
+            "--max-new-tokens", "12", "--threads", "1", "--out", str(out)]
+    assert main(args) == 0
+    state = tmp_path / "d" / "streaming.partial"
+    assert not state.exists() and "json: " in capsys.readouterr().out
+    whole = json.loads(out.read_text())
+    assert whole["results"][0]["config"]["n_prompts"] == 2
+
+    # a killed run's state: rebuild it by diagnosing into the state directory; the CLI reads it back, decoding nothing
+    from learnkv.eval import build_spec
+    from learnkv.eval.tasks.chain import Chain
+
+    spec = build_spec("full,streaming", "0.5", "chain", limit=2, batch_size=1, max_new_tokens=12, accuracy_only=True)
+    diagnose(model, tok, spec, state_dir=state, model_name=str(model_dir))
+    out.unlink()
+
+    def refuse(*a, **k):
+        raise AssertionError("decoded a batch that was stored")
+
+    monkeypatch.setattr(Chain, "reference_batch", refuse)
+    monkeypatch.setattr(Chain, "decode_batch", refuse)
+    assert main(args) == 0
+    assert "resuming from" in capsys.readouterr().err
+    assert json.loads(out.read_text()) == whole and not state.exists()
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--threads", "0"])
+    assert exit_.value.code == 2 and "threads" in capsys.readouterr().err

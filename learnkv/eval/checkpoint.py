@@ -72,7 +72,8 @@ def scorer_identity(path: str) -> dict:
     return {"path": str(path), "weights_sha256": read_artifact_manifest(Path(path)).get("weights_sha256")}
 
 
-def _run_identity(run) -> dict:
+def run_identity(run) -> dict:
+    """A policy run as a grid names it: label, name, parameters (a scorer by its weights' digest)."""
     params = {k: (scorer_identity(v) if k == "scorer" else v) for k, v in sorted(run.params.items())}
     return {"label": run.label, "name": run.name, "params": params}
 
@@ -83,11 +84,11 @@ def grid_identity(spec, model_name: str | None) -> dict:
         "format": FORMAT,
         "model": model_name,
         "tasks": [{"name": t.name, "options": t.options()} for t in spec.tasks],
-        "runs": [_run_identity(r) for r in spec.runs],
+        "runs": [run_identity(r) for r in spec.runs],
         "budgets": list(spec.budgets),
         "limit": spec.limit,
         "seed": spec.seed,
-        "prefill": _run_identity(spec.prefill) if spec.prefill else None,
+        "prefill": run_identity(spec.prefill) if spec.prefill else None,
         "batch_size": spec.batch_size,
     }
     if spec.slack:  # speed only, but its peak KV differs; absent at 0, so grids from before it still resume
@@ -450,6 +451,6 @@ class Resume:
         return sum(map(len, self.finished.values()))
 
 
-__all__ = ["KEEP_REFERENCE_BYTES", "PARTIAL", "Resume", "append_run", "drop_references", "finish", "grid_identity", "kept_runs", "load_references",
-           "open_partial", "partial_files", "peer_dirs", "read_peers", "reference_identity", "save_references",
-           "shard_dir"]
+__all__ = ["KEEP_REFERENCE_BYTES", "PARTIAL", "Resume", "append_run", "drop_references", "finish", "grid_identity",
+           "kept_runs", "load_references", "open_partial", "partial_files", "peer_dirs", "read_peers",
+           "reference_identity", "run_identity", "save_references", "shard_dir"]

@@ -26,19 +26,31 @@ and the positions the forced policy held after the previous step plus the query 
 
 What the forced run shows is what the policy evicts on the full cache's path, not on its own: after its first
 differing token (``diverged_at``) the policy's own output differs, and so may what it keeps.
+
+A diagnosis at full length runs for hours: `diagnose` keeps each finished batch in a state directory and a rerun
+reads it back (`batch_identity` names what a batch's records depend on).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from learnkv import chains
+from learnkv.atomic import ensure_dir, write_text_atomic
 from learnkv.decode import generate
+from learnkv.eval.checkpoint import (drop_references, load_references, reference_identity, run_identity,
+                                     save_references)
+from learnkv.progress import redraw_seconds, token_counter
 from learnkv.settings import resolve_budget
 from learnkv.eval.metrics import agreement_length, attention_recall
 from learnkv.eval.run import batches
@@ -301,32 +313,77 @@ def _explain(tokenizer, task: Chain, sample: Sample, ref: ChainRun, record: dict
     return record
 
 
-def diagnose(model, tokenizer, spec, all_lost: bool = False, top: int = TOP) -> list[dict]:
+def diagnose(model, tokenizer, spec, all_lost: bool = False, top: int = TOP, state_dir: str | Path | None = None,
+             model_name: str | None = None, progress: bool | None = None) -> list[dict]:
     """`diagnose_prompt` on every prompt of a checked grid (`learnkv.eval.run.build_spec` of ``full`` and evicting
     policies, one budget, the chain task) for each evicting policy, ``spec.batch_size`` prompts at a time: the
     full-cache free runs once per batch, shared by every policy, then per policy its free runs as a batch, the forced
     runs of the prompts with a problem to look at as one batch, and each such prompt's full-cache attention alone.
-    Returns one ``{"config", "prompts": [per prompt], "summary"}`` per evicting policy, in the grid's order."""
+    Returns one ``{"config", "prompts": [per prompt], "summary"}`` per evicting policy, in the grid's order.
+
+    ``state_dir``: a diagnosis of full-length decodes runs for hours, so each finished batch's records are kept
+    there (``diagnosed-<digest>.json``, named by everything they depend on: `batch_identity`) and a rerun reads them
+    back instead of decoding the batch again; so is each batch's full-cache reference while its policies run
+    (`learnkv.eval.checkpoint.save_references`, the same file an evaluation of the chain task with the same model,
+    options and batch of prompts stores, so one hard-linked from an evaluation's directory is read, not decoded).
+    ``model_name`` names the model in those identities. ``progress``: a bar over the batch's decodes (None: only on
+    a terminal; True: also into a log, every 30 s)."""
     task, budget = spec.tasks[0], spec.budgets[0]
     runs = [run for run in spec.runs if evicts(run.name)]
     prompts = task.load(tokenizer, spec.limit or task.default_limit, spec.seed)
     prefill = (spec.prefill.name, spec.prefill.params) if spec.prefill else None
     records: dict[str, list[dict]] = {run.label: [] for run in runs}
-    for batch in batches(prompts, spec.batch_size):
-        refs = task.reference_batch(model, tokenizer, batch)
-        budgets = [resolve_budget(budget, task.final_length(s, r)) for s, r in zip(batch, refs)]
-        for run in runs:
-            config = lambda rows: RunConfig(run.name, run.params, rows, prefill, spec.slack)  # noqa: E731
-            result = task.decode_batch(model, tokenizer, batch, config(budgets))
-            planned = [_plan(tokenizer, task, sample, ref, result.texts[b], result.tokens[b, : result.new_tokens[b]],
-                             config([budgets[b]]), all_lost) for b, (sample, ref) in enumerate(zip(batch, refs))]
-            look = [b for b, (_, plan) in enumerate(planned) if plan["wanted"]]
-            views = dict(zip(look, evicted_attention_batch(
-                model, tokenizer, task, [batch[b] for b in look], [refs[b].tokens for b in look],
-                [planned[b][1]["wanted"] for b in look], config([budgets[b] for b in look])) if look else []))
-            for b, (record, plan) in enumerate(planned):
-                records[run.label].append(_explain(tokenizer, task, batch[b], refs[b], record, plan, views[b], top)
-                                          if b in views else record)
+    redraw_s = redraw_seconds()
+    # per prompt: the full cache's free run, then per policy its free run and its forced run
+    bar = tqdm(total=len(prompts) * (1 + 2 * len(runs)), desc="diagnose", unit="run", mininterval=redraw_s,
+               disable=not sys.stderr.isatty() if progress is None else not progress, file=sys.stderr)
+    task.on_step = counter = token_counter(bar, every_s=redraw_s)
+    state = None if state_dir is None else ensure_dir(state_dir, "the diagnosis's state directory")
+    try:
+        for batch in batches(prompts, spec.batch_size):
+            ids = [s.id for s in batch]
+            identity = batch_identity(spec, runs, model_name, ids, all_lost, top)
+            done = _read_batch(state, identity)
+            if done is not None:
+                for run in runs:
+                    records[run.label] += done[run.label]
+                bar.update(len(batch) * (1 + 2 * len(runs)))
+                continue
+            ref_identity = reference_identity(model_name, task, ids)
+            refs = load_references(state, ref_identity) if state is not None else None
+            if refs is None:
+                counter(0, doing=f"full-cache free runs of {len(batch)} prompts")
+                refs = task.reference_batch(model, tokenizer, batch)
+                if state is not None:
+                    save_references(state, ref_identity, refs)
+            bar.update(len(batch))
+            budgets = [resolve_budget(budget, task.final_length(s, r)) for s, r in zip(batch, refs)]
+            batch_records: dict[str, list[dict]] = {}
+            for run in runs:
+                config = lambda rows: RunConfig(run.name, run.params, rows, prefill, spec.slack)  # noqa: E731
+                counter(0, doing=f"{run.label}: free runs")
+                result = task.decode_batch(model, tokenizer, batch, config(budgets))
+                bar.update(len(batch))
+                planned = [_plan(tokenizer, task, sample, ref, result.texts[b],
+                                 result.tokens[b, : result.new_tokens[b]], config([budgets[b]]), all_lost)
+                           for b, (sample, ref) in enumerate(zip(batch, refs))]
+                look = [b for b, (_, plan) in enumerate(planned) if plan["wanted"]]
+                counter(0, doing=f"{run.label}: forced runs and the full cache's attention")
+                views = dict(zip(look, evicted_attention_batch(
+                    model, tokenizer, task, [batch[b] for b in look], [refs[b].tokens for b in look],
+                    [planned[b][1]["wanted"] for b in look], config([budgets[b] for b in look])) if look else []))
+                bar.update(len(batch))
+                batch_records[run.label] = [
+                    _explain(tokenizer, task, batch[b], refs[b], record, plan, views[b], top) if b in views else record
+                    for b, (record, plan) in enumerate(planned)]
+            if state is not None:
+                _write_batch(state, identity, batch_records)
+                drop_references(state, ref_identity, keep_small=True)
+            for run in runs:
+                records[run.label] += batch_records[run.label]
+    finally:
+        task.on_step = None
+        bar.close()
     out = []
     for run in runs:
         rows = records[run.label]
@@ -335,6 +392,37 @@ def diagnose(model, tokenizer, spec, all_lost: bool = False, top: int = TOP) -> 
                   "max_new_tokens": task.max_new_tokens, "n_prompts": len(rows), "all_lost": all_lost}
         out.append({"config": config, "prompts": rows, "summary": summarise(rows, spec.seed)})
     return out
+
+
+def batch_identity(spec, runs, model_name: str | None, ids: Sequence[str], all_lost: bool, top: int) -> dict:
+    """What one batch's diagnosis depends on: a stored batch with the same identity is read back, not decoded."""
+    task = spec.tasks[0]
+    identity = {"format": 1, "model": model_name, "task": task.name, "options": task.options(), "ids": list(ids),
+                "runs": [run_identity(r) for r in runs], "budget": spec.budgets[0],
+                "prefill": run_identity(spec.prefill) if spec.prefill else None, "slack": spec.slack,
+                "all_lost": all_lost, "top": top}
+    return json.loads(json.dumps(identity, default=str))  # the form it has after a round trip through the file
+
+
+def _batch_path(state_dir: Path, identity: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return state_dir / f"diagnosed-{digest}.json"
+
+
+def _read_batch(state_dir: Path | None, identity: dict) -> dict | None:
+    """A finished batch's records per policy label, or None (not stored, or another batch's or a damaged file:
+    decoded again, and the file replaced)."""
+    if state_dir is None or not (path := _batch_path(state_dir, identity)).is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return stored["records"] if isinstance(stored, dict) and stored.get("identity") == identity else None
+
+
+def _write_batch(state_dir: Path, identity: dict, records: dict) -> None:
+    write_text_atomic(_batch_path(state_dir, identity), json.dumps({"identity": identity, "records": records}) + "\n")
 
 
 def summarise(records: list[dict], seed: int = 0) -> dict:
@@ -417,5 +505,5 @@ def _interval(stat: dict) -> str:
     return f"{stat['mean']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
-__all__ = ["StepAttention", "evicted_attention", "evicted_attention_batch", "diagnose_prompt", "diagnose", "summarise",
-           "table"]
+__all__ = ["StepAttention", "batch_identity", "evicted_attention", "evicted_attention_batch", "diagnose_prompt",
+           "diagnose", "summarise", "table"]
