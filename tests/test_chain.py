@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import random_ids
-from learnkv.chains import FACT_SHARE, LINKED_SHARE, N_PROBLEMS, chain_problem, final_answer, parse_answers
+from learnkv.chains import FACT_SHARE, LINKED_SHARE, N_GIVEN, N_PROBLEMS, chain_problem, final_answer, parse_answers
 from learnkv.eval import Sample, build_spec, evaluate, make_task
 from learnkv.decode import encode_prompts
 from learnkv.eval.tasks.chain import count_by_kind, grade_chain, kind_accuracy
@@ -471,3 +471,27 @@ def test_bench_room_counts_the_graded_statements_that_fit():
     room = bench.statements_that_fit(c.text, c.given, facts + 10 + sum(graded[:5]), 10, words)
     assert room == {"facts": facts, "statements": sum(graded), "graded": N_PROBLEMS - c.given, "fit": 5}
     assert bench.statements_that_fit(c.text, c.given, 10_000, 10, words)["fit"] == N_PROBLEMS - c.given
+
+
+def test_bench_copies_reports_what_the_prefill_kept_of_each_statement(small):
+    """bench/chain_copies.py on a tiny random model: a budget that holds the prompt keeps every statement whole;
+    StreamingLLM compressing the prompt keeps the last statements whole and the middle ones not at all."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_copies",
+                                                  Path(__file__).parents[1] / "bench" / "chain_copies.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model, tok = small
+    sample = make_task("chain", accuracy_only=True).load(tok, 1, 0)[0]
+    P = sample.input_ids.shape[1]
+    whole = bench.look(model, tok, sample.id, "streaming", {}, P + 8, "streaming", slack=0, max_new_tokens=4)
+    assert [p["problem"] for p in whole["problems"]] == list(range(N_GIVEN + 1, N_PROBLEMS + 1))
+    assert all(p["kept"] == 1.0 for p in whole["problems"])
+    assert sum(s["problems"] for s in whole["summary"].values()) == N_PROBLEMS - N_GIVEN
+    window = bench.look(model, tok, sample.id, "streaming", {}, P // 3, "streaming", slack=0, max_new_tokens=4)
+    kept = {p["problem"]: p["kept"] for p in window["problems"]}
+    assert kept[N_PROBLEMS] == 1.0 and kept[N_PROBLEMS // 2] == 0.0
+    with pytest.raises(ValueError, match="not among"):
+        bench.look(model, tok, "chain/s0/nope", "streaming", {}, P, None, max_new_tokens=4)
