@@ -342,8 +342,8 @@ def cmd_diagnose_chain(args) -> int | None:
                                model_name=model_name, progress=True)
     except KeyboardInterrupt:
         kept = len(list(state.glob("diagnosed-*.json")))
-        print(f"\n{interrupt.how}: {kept} finished batch(es) kept in {state}; the batch in progress was discarded. "
-              "Rerun the same command to resume.", file=sys.stderr)
+        print(f"\n{interrupt.how}: {kept} finished batch(es) kept in {state}; the batch in progress starts over "
+              "(its full-cache reference, once decoded, is kept). Rerun the same command to resume.", file=sys.stderr)
         return interrupt.code
     for result in results:
         result["config"]["model"] = model_name

@@ -318,9 +318,13 @@ def _unpack(packed: dict, tensors: dict):
     return packed["value"]
 
 
+def identity_digest(identity: dict) -> str:
+    """The short digest that names a stored file by what it depends on (``identity``, JSON-able)."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def _reference_path(out_dir: str | Path, identity: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return Path(out_dir) / f"reference-{digest}.safetensors"
+    return Path(out_dir) / f"reference-{identity_digest(identity)}.safetensors"
 
 
 def save_references(out_dir: str | Path, identity: dict, refs: list) -> Path | None:
@@ -452,5 +456,5 @@ class Resume:
 
 
 __all__ = ["KEEP_REFERENCE_BYTES", "PARTIAL", "Resume", "append_run", "drop_references", "finish", "grid_identity",
-           "kept_runs", "load_references", "open_partial", "partial_files", "peer_dirs", "read_peers",
-           "reference_identity", "run_identity", "save_references", "shard_dir"]
+           "identity_digest", "kept_runs", "load_references", "open_partial", "partial_files", "peer_dirs",
+           "read_peers", "reference_identity", "run_identity", "save_references", "shard_dir"]

@@ -33,7 +33,6 @@ reads it back (`batch_identity` names what a batch's records depend on).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import sys
@@ -48,8 +47,8 @@ from tqdm.auto import tqdm
 from learnkv import chains
 from learnkv.atomic import ensure_dir, write_text_atomic
 from learnkv.decode import generate
-from learnkv.eval.checkpoint import (drop_references, load_references, reference_identity, run_identity,
-                                     save_references)
+from learnkv.eval.checkpoint import (drop_references, identity_digest, load_references, reference_identity,
+                                     run_identity, save_references)
 from learnkv.progress import redraw_seconds, token_counter
 from learnkv.settings import resolve_budget
 from learnkv.eval.metrics import agreement_length, attention_recall
@@ -405,8 +404,7 @@ def batch_identity(spec, runs, model_name: str | None, ids: Sequence[str], all_l
 
 
 def _batch_path(state_dir: Path, identity: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return state_dir / f"diagnosed-{digest}.json"
+    return state_dir / f"diagnosed-{identity_digest(identity)}.json"
 
 
 def _read_batch(state_dir: Path | None, identity: dict) -> dict | None:
