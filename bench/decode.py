@@ -23,7 +23,11 @@ replays a full-cache pass) at each fraction of ``--long-fractions`` of each row'
 cache. ``--repeats`` rounds time every (setting, policy, fraction) in turn; per round a run's decode tokens/s (prefill
 excluded) is divided by the full cache's of the same round and setting, reported as the median [min, max] over
 rounds, with the share of the run's time spent in eviction (on CUDA the host's launch time only). ``--json`` writes
-the records (``{"mode": "long", "policy", "fraction", "batch_size", "final_length", "speed_vs_full", ...}``):
+the records (``{"mode": "long", "policy", "fraction", "batch_size", "final_length", "speed_vs_full", ...}``). The
+table runs for hours: each finished decode is kept in ``<json>.partial.jsonl`` as it ends, and the same command
+resumes after the last one (a kept decode keeps its time, ``timed_at_rounds`` in the records: a resumed round pairs
+runs timed apart; more ``--repeats``, settings or policies add to what is kept); the file goes once the records are
+written:
 
     python bench/decode.py --long --threads 2 --slack 16 --repeats 2 --json runs/bench-decode-long.json
 """
@@ -63,7 +67,9 @@ def parse_args(argv=None):
     parser.add_argument("--scorer", default=None, help="exported scorer for the learned policy")
     parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--batch-sizes", default=None, help="B[,B...]: the throughput table (e.g. 1,4,16)")
-    parser.add_argument("--json", default=None, help="write the throughput records here")
+    parser.add_argument("--json", default=None,
+                        help="write the throughput records here (--long: and keep each finished decode beside them, "
+                             "in JSON.partial.jsonl, so the same command resumes)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds, each timing every policy in turn: best rate, cost ratio per round")
     parser.add_argument("--slack", type=int, default=0,
@@ -196,6 +202,45 @@ def long_prompts(n: int) -> list[str]:
     return [p.text for p in load_prompts("chain", n=n, split="test")]
 
 
+def long_identity(model, args) -> dict:
+    """What a kept decode of the long table was timed under: a decode kept under anything else is not read back."""
+    from learnkv.eval.checkpoint import scorer_identity
+
+    return {"model": args.model, "dtype": args.dtype, "random_weights": args.random_weights, "threads": args.threads,
+            "slack": args.slack, "prefill_policy": args.prefill_policy, "device": str(next(model.parameters()).device),
+            "scorer": scorer_identity(args.scorer) if args.scorer else None}
+
+
+def read_long_state(path: Path, identity: dict) -> dict[tuple, dict]:
+    """The finished decodes kept in ``path`` (one JSON line each after an identity line), keyed by (round, batch,
+    length, policy, fraction). A line without its newline was being written when the run was killed: it is cut off
+    here, so the next decode appends after the last finished one."""
+    if not path.exists():
+        return {}
+    text = path.read_text()
+    finished = text[:text.rindex("\n") + 1] if "\n" in text else ""
+    if finished != text:
+        path.write_text(finished)
+    lines = finished.split("\n")[:-1]
+    if not lines:
+        return {}
+    head = json.loads(lines[0])["identity"]
+    if head != identity:
+        differ = [k for k in dict.fromkeys([*head, *identity]) if head.get(k) != identity.get(k)]
+        raise SystemExit(f"error: {path} keeps decodes timed under another setting ({', '.join(differ)} differ); "
+                         "give another --json, or remove it to start over")
+    entries = (json.loads(line) for line in lines[1:])
+    return {tuple(e["key"]): e["result"] for e in entries}
+
+
+def append_long_state(path: Path, identity: dict, key: tuple, result: dict) -> None:
+    """Keep one finished decode: one line appended in one write (the identity line first in a new file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = "" if path.exists() and path.stat().st_size else json.dumps({"identity": identity}) + "\n"
+    with path.open("a") as f:
+        f.write(head + json.dumps({"key": list(key), "result": result}) + "\n")
+
+
 def long_table(model, tok, names, args) -> list[dict]:
     """Table 3 (see the module docstring): decode speed relative to the full cache at long caches, paired by round."""
     from learnkv.decode import encode_prompts
@@ -214,22 +259,36 @@ def long_table(model, tok, names, args) -> list[dict]:
             raise SystemExit(f"error: cache length {length} is not above the prompts' median {median}")
         plan[b, length] = (ids, mask, lengths, new)
     rounds: dict[tuple, list[dict]] = {(b, length, n, f): [] for b, length in settings for n, f in runs}
+    state = Path(args.json + ".partial.jsonl") if args.json else None
+    identity = long_identity(model, args)
+    kept = read_long_state(state, identity) if state else {}
+    todo = [(i, b, length, name, frac) for i in range(args.repeats) for b, length in settings for name, frac in runs]
+    if kept:
+        print(f"resuming: {sum(k in kept for k in todo)} of {len(todo)} decodes read back from {state}")
     # one tick per decode (minutes each), nothing per step: the bar must not touch what it times
-    bar = tqdm(total=args.repeats * len(settings) * len(runs), desc="long", unit="decode",
-               mininterval=redraw_seconds())
-    for i in range(args.repeats):
-        for b, length in settings:
-            ids, mask, lengths, new = plan[b, length]
-            for name, frac in runs:
+    bar = tqdm(total=len(todo), desc="long", unit="decode", mininterval=redraw_seconds())
+    try:
+        for key in todo:
+            i, b, length, name, frac = key
+            if key not in kept:
+                ids, mask, _, new = plan[b, length]
                 params = {"scorer": args.scorer} if name == "learned" else {}
-                r = generate(model, input_ids=ids, attention_mask=mask, policy=name, budget=frac, policy_params=params,
-                             max_new_tokens=new, stop_at_eos=False, **prefill(name, args))
-                rate = sum(r.new_tokens) / max(r.decode_s, 1e-9)
-                rounds[b, length, name, frac].append({
-                    "decode_tokens_per_s": rate, "tokens_per_s": r.tokens_per_s,
-                    "eviction_share": r.eviction_share, "budgets": r.budgets})
-                bar.update()
-                bar.set_postfix_str(f"round {i + 1}, batch {b}, {name} {frac or ''}: {rate:.1f} decode tok/s")
+                r = generate(model, input_ids=ids, attention_mask=mask, policy=name, budget=frac,
+                             policy_params=params, max_new_tokens=new, stop_at_eos=False, **prefill(name, args))
+                kept[key] = {"decode_tokens_per_s": sum(r.new_tokens) / max(r.decode_s, 1e-9),
+                             "tokens_per_s": r.tokens_per_s, "eviction_share": r.eviction_share,
+                             "budgets": r.budgets, "timed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                if state:
+                    append_long_state(state, identity, key, kept[key])
+            rounds[b, length, name, frac].append(kept[key])
+            bar.update()
+            rate = kept[key]["decode_tokens_per_s"]
+            bar.set_postfix_str(f"round {i + 1}, batch {b}, {name} {frac or ''}: {rate:.1f} decode tok/s")
+    except KeyboardInterrupt:
+        bar.close()
+        if state:
+            raise SystemExit(f"interrupted: {len(kept)} finished decodes kept in {state}; the same command resumes")
+        raise
     bar.close()
     records = []
     for b, length in settings:
@@ -249,7 +308,9 @@ def long_table(model, tok, names, args) -> list[dict]:
                 "tokens_per_s_rounds": [x["tokens_per_s"] for x in got],
                 "speed_vs_full_rounds": speed, "speed_vs_full": statistics.median(speed),
                 "eviction_share_rounds": [x["eviction_share"] for x in got],
-                "eviction_share": statistics.median(x["eviction_share"] for x in got)})
+                "eviction_share": statistics.median(x["eviction_share"] for x in got),
+                # a resumed benchmark pairs runs timed in different sessions: when each was timed says so
+                "timed_at_rounds": [x.get("timed_at") for x in got]})
     spread = f" [min, max] over {args.repeats} rounds" if args.repeats > 1 else ""
     print(f"\nlong caches: decode tokens/s (prefill excluded) relative to the full cache, paired by round "
           f"(median{spread}); eviction share of each run's time; slack {args.slack}\n")
@@ -290,6 +351,7 @@ def main(argv=None) -> None:
     if records is not None and args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(records, indent=1))
+        Path(args.json + ".partial.jsonl").unlink(missing_ok=True)
         print(f"\nrecords: {args.json}")
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,6 +69,63 @@ def test_decode_benchmark_long_mode(small, tmp_path):
             assert r["budgets"] == [-(-int(r["fraction"] * 1000) * f // 1000) for f in finals]
             assert r["eviction_share"] > 0
     assert "| 2 | " in res.stdout and "| snapkv | 25% (" in res.stdout and "[min, max] over 2 rounds" in res.stdout
+
+
+def _bench_decode():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "bench" / "decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_benchmark_long_mode_resumes(small, tmp_path, monkeypatch):
+    """A killed `--long` run keeps every finished decode; the same command decodes only the rest and writes the
+    records with the kept decodes' figures as they were; a run under another setting does not read them back."""
+    model, tok = small
+    model_dir, out = tmp_path / "tiny", tmp_path / "long.json"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    bench = _bench_decode()
+    calls = []
+    real = bench.generate
+
+    def counting(*a, **k):
+        calls.append(k["policy"])
+        if len(calls) == 5 and kill:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(bench, "generate", counting)
+    argv = ["--model", str(model_dir), "--long", "--long-settings", "2:1040", "--long-fractions", "0.5",
+            "--policies", "full,h2o", "--threads", "1", "--repeats", "2", "--slack", "4", "--json", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        kill = True
+        with pytest.raises(SystemExit, match="3 finished decodes kept"):
+            bench.main(argv)  # the warm-up, round 1's full and h2o, round 2's full; killed in round 2's h2o
+        state = Path(str(out) + ".partial.jsonl")
+        assert len(state.read_text().splitlines()) == 1 + 3 and not out.exists()
+        kept = bench.read_long_state(state, json.loads(state.read_text().splitlines()[0])["identity"])
+        with state.open("a") as f:
+            f.write('{"key": [1, 2, 1040, "h2o"')  # a torn line: killed while writing
+        kill, calls[:] = False, []
+        bench.main(argv)
+        assert calls == ["full", "h2o"]  # the warm-up and the one lost decode
+        assert not state.exists()
+        records = json.loads(out.read_text())
+        full, h2o = records
+        assert full["decode_tokens_per_s_rounds"] == [kept[0, 2, 1040, "full", None]["decode_tokens_per_s"],
+                                                      kept[1, 2, 1040, "full", None]["decode_tokens_per_s"]]
+        assert h2o["decode_tokens_per_s_rounds"][0] == kept[0, 2, 1040, "h2o", 0.5]["decode_tokens_per_s"]
+        assert len(h2o["timed_at_rounds"]) == 2 and all(h2o["timed_at_rounds"])
+        # another setting (slack) does not read back what was timed under this one
+        state.write_text(json.dumps({"identity": bench.long_identity(model, bench.parse_args(argv))}) + "\n")
+        with pytest.raises(SystemExit, match="another setting .*slack"):
+            bench.main([*argv[:-4], "--slack", "8", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_gpu_on_paper_counts():
