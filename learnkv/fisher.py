@@ -107,6 +107,7 @@ def _forward(model, seq: Tensor, record: _Record) -> Tensor:
         return logits.float().log_softmax(-1)
 
 
+@torch.inference_mode(False)  # `generate` runs under inference mode, where no graph is recorded
 @torch.enable_grad()  # the decode loop calls it under no_grad
 def step_fisher(model, prompt: Tensor, continuation: Tensor, samples: int | None = 8, seed: int = 0) -> list[Tensor]:
     """Per layer ``[H, N - 1, P + N - 1]`` float32: the Fisher utility (module docstring) of every key for each

@@ -261,7 +261,9 @@ class _ReadBacks(TorchDispatchMode):
         self.n = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func.overloadpacket.__name__ == "_local_scalar_dense"
+        # under inference mode (`generate`'s) a read-back dispatches as the composite `item` / `is_nonzero`,
+        # elsewhere as the `_local_scalar_dense` they decompose into: one of them per read, never both
+        self.n += func.overloadpacket.__name__ in ("_local_scalar_dense", "item", "is_nonzero")
         return func(*args, **(kwargs or {}))
 
 
