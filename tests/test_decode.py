@@ -280,3 +280,25 @@ def test_the_full_cache_decode_reads_back_once_a_step_at_most(tiny, eos):
         return counter.n
 
     assert reads(20) - reads(10) == (10 if eos else 0)
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o", "snapkv", "rkv"])
+def test_generate_runs_in_inference_mode_with_the_same_result(tiny, policy):
+    """`generate` runs under inference mode (its result's tensors are inference tensors) and decodes exactly what the
+    same decode under ``no_grad`` does: every token, every row, slack and a prompt over the budget included."""
+    kw = dict(input_ids=random_ids(20, batch=2), policy=policy, max_new_tokens=12, stop_at_eos=False)
+    if policy != "full":
+        kw.update(budget=10, slack=3)
+    kept = {"fast": [], "plain": []}
+
+    def watching(run):  # every layer's slot positions after every forward pass
+        return lambda cache: kept[run].append([cache.layer_positions(i).clone() for i in range(2)])
+
+    fast = generate(tiny, observer=watching("fast"), **kw)
+    with torch.no_grad():
+        plain = generate.__wrapped__(tiny, observer=watching("plain"), **kw)
+    assert fast.tokens.is_inference() and not plain.tokens.is_inference()
+    assert torch.equal(fast.tokens, plain.tokens)
+    assert len(kept["fast"]) == len(kept["plain"]) == 12
+    for a, b in zip(kept["fast"], kept["plain"]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
