@@ -24,10 +24,10 @@ cache. ``--repeats`` rounds time every (setting, policy, fraction) in turn; per 
 excluded) is divided by the full cache's of the same round and setting, reported as the median [min, max] over
 rounds, with the share of the run's time spent in eviction (on CUDA the host's launch time only). ``--json`` writes
 the records (``{"mode": "long", "policy", "fraction", "batch_size", "final_length", "speed_vs_full", ...}``). The
-table runs for hours: each finished decode is kept in ``<json>.partial.jsonl`` as it ends, and the same command
-resumes after the last one (a kept decode keeps its time, ``timed_at_rounds`` in the records: a resumed round pairs
-runs timed apart; more ``--repeats``, settings or policies add to what is kept); the file goes once the records are
-written:
+table runs for hours: each finished decode is kept in ``<json>.decodes.jsonl`` as it ends, and the same command
+resumes after the last one; the file stays beside the records, so a rerun with more policies, settings or
+``--repeats`` times only what is new (a kept decode keeps its time, ``timed_at_rounds`` in the records: a round
+completed later pairs runs timed apart). Remove the file to time everything again:
 
     python bench/decode.py --long --threads 2 --slack 16 --repeats 2 --json runs/bench-decode-long.json
 """
@@ -69,7 +69,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch-sizes", default=None, help="B[,B...]: the throughput table (e.g. 1,4,16)")
     parser.add_argument("--json", default=None,
                         help="write the throughput records here (--long: and keep each finished decode beside them, "
-                             "in JSON.partial.jsonl, so the same command resumes)")
+                             "in JSON.decodes.jsonl, so the same command resumes or adds to them)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds, each timing every policy in turn: best rate, cost ratio per round")
     parser.add_argument("--slack", type=int, default=0,
@@ -259,7 +259,7 @@ def long_table(model, tok, names, args) -> list[dict]:
             raise SystemExit(f"error: cache length {length} is not above the prompts' median {median}")
         plan[b, length] = (ids, mask, lengths, new)
     rounds: dict[tuple, list[dict]] = {(b, length, n, f): [] for b, length in settings for n, f in runs}
-    state = Path(args.json + ".partial.jsonl") if args.json else None
+    state = Path(args.json + ".decodes.jsonl") if args.json else None
     identity = long_identity(model, args)
     kept = read_long_state(state, identity) if state else {}
     todo = [(i, b, length, name, frac) for i in range(args.repeats) for b, length in settings for name, frac in runs]
@@ -351,7 +351,6 @@ def main(argv=None) -> None:
     if records is not None and args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(records, indent=1))
-        Path(args.json + ".partial.jsonl").unlink(missing_ok=True)
         print(f"\nrecords: {args.json}")
 
 

@@ -82,7 +82,8 @@ def _bench_decode():
 
 def test_decode_benchmark_long_mode_resumes(small, tmp_path, monkeypatch):
     """A killed `--long` run keeps every finished decode; the same command decodes only the rest and writes the
-    records with the kept decodes' figures as they were; a run under another setting does not read them back."""
+    records with the kept decodes' figures as they were; a rerun with another policy decodes only that one; a run
+    under another setting does not read them back."""
     model, tok = small
     model_dir, out = tmp_path / "tiny", tmp_path / "long.json"
     model.save_pretrained(model_dir)
@@ -105,7 +106,7 @@ def test_decode_benchmark_long_mode_resumes(small, tmp_path, monkeypatch):
         kill = True
         with pytest.raises(SystemExit, match="3 finished decodes kept"):
             bench.main(argv)  # the warm-up, round 1's full and h2o, round 2's full; killed in round 2's h2o
-        state = Path(str(out) + ".partial.jsonl")
+        state = Path(str(out) + ".decodes.jsonl")
         assert len(state.read_text().splitlines()) == 1 + 3 and not out.exists()
         kept = bench.read_long_state(state, json.loads(state.read_text().splitlines()[0])["identity"])
         with state.open("a") as f:
@@ -113,13 +114,18 @@ def test_decode_benchmark_long_mode_resumes(small, tmp_path, monkeypatch):
         kill, calls[:] = False, []
         bench.main(argv)
         assert calls == ["full", "h2o"]  # the warm-up and the one lost decode
-        assert not state.exists()
+        assert len(state.read_text().splitlines()) == 1 + 4  # kept beside the records
         records = json.loads(out.read_text())
         full, h2o = records
         assert full["decode_tokens_per_s_rounds"] == [kept[0, 2, 1040, "full", None]["decode_tokens_per_s"],
                                                       kept[1, 2, 1040, "full", None]["decode_tokens_per_s"]]
         assert h2o["decode_tokens_per_s_rounds"][0] == kept[0, 2, 1040, "h2o", 0.5]["decode_tokens_per_s"]
         assert len(h2o["timed_at_rounds"]) == 2 and all(h2o["timed_at_rounds"])
+        calls[:] = []
+        bench.main([*argv[:8], "full,h2o,knorm", *argv[9:]])  # one more policy: only its two rounds decode
+        assert calls == ["full", "knorm", "knorm"]
+        assert [r["policy"] for r in json.loads(out.read_text())] == ["full", "h2o", "knorm"]
+        assert json.loads(out.read_text())[:2] == records
         # another setting (slack) does not read back what was timed under this one
         state.write_text(json.dumps({"identity": bench.long_identity(model, bench.parse_args(argv))}) + "\n")
         with pytest.raises(SystemExit, match="another setting .*slack"):
