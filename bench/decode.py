@@ -48,7 +48,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learnkv import POLICIES, attention, generate, load_model  # noqa: E402
-from learnkv.cli import thread_count  # noqa: E402
+from learnkv.cli import Interruptible, thread_count  # noqa: E402
+from learnkv.eval.checkpoint import differing_keys, scorer_identity  # noqa: E402
 from learnkv.eval.metrics import agreement_length  # noqa: E402
 from learnkv.progress import redraw_seconds  # noqa: E402
 
@@ -204,8 +205,6 @@ def long_prompts(n: int) -> list[str]:
 
 def long_identity(model, args) -> dict:
     """What a kept decode of the long table was timed under: a decode kept under anything else is not read back."""
-    from learnkv.eval.checkpoint import scorer_identity
-
     return {"model": args.model, "dtype": args.dtype, "random_weights": args.random_weights, "threads": args.threads,
             "slack": args.slack, "prefill_policy": args.prefill_policy, "device": str(next(model.parameters()).device),
             "scorer": scorer_identity(args.scorer) if args.scorer else None}
@@ -226,9 +225,9 @@ def read_long_state(path: Path, identity: dict) -> dict[tuple, dict]:
         return {}
     head = json.loads(lines[0])["identity"]
     if head != identity:
-        differ = [k for k in dict.fromkeys([*head, *identity]) if head.get(k) != identity.get(k)]
-        raise SystemExit(f"error: {path} keeps decodes timed under another setting ({', '.join(differ)} differ); "
-                         "give another --json, or remove it to start over")
+        raise SystemExit(f"error: {path} keeps decodes timed under another setting "
+                         f"({', '.join(differing_keys(head, identity))} differ); give another --json, or remove it "
+                         "to start over")
     entries = (json.loads(line) for line in lines[1:])
     return {tuple(e["key"]): e["result"] for e in entries}
 
@@ -268,26 +267,28 @@ def long_table(model, tok, names, args) -> list[dict]:
     # one tick per decode (minutes each), nothing per step: the bar must not touch what it times
     bar = tqdm(total=len(todo), desc="long", unit="decode", mininterval=redraw_seconds())
     try:
-        for key in todo:
-            i, b, length, name, frac = key
-            if key not in kept:
-                ids, mask, _, new = plan[b, length]
-                params = {"scorer": args.scorer} if name == "learned" else {}
-                r = generate(model, input_ids=ids, attention_mask=mask, policy=name, budget=frac,
-                             policy_params=params, max_new_tokens=new, stop_at_eos=False, **prefill(name, args))
-                kept[key] = {"decode_tokens_per_s": sum(r.new_tokens) / max(r.decode_s, 1e-9),
-                             "tokens_per_s": r.tokens_per_s, "eviction_share": r.eviction_share,
-                             "budgets": r.budgets, "timed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-                if state:
-                    append_long_state(state, identity, key, kept[key])
-            rounds[b, length, name, frac].append(kept[key])
-            bar.update()
-            rate = kept[key]["decode_tokens_per_s"]
-            bar.set_postfix_str(f"round {i + 1}, batch {b}, {name} {frac or ''}: {rate:.1f} decode tok/s")
+        with Interruptible() as interrupt:  # SIGTERM (a scheduler's, `timeout`'s) as Ctrl-C: say what was kept
+            for key in todo:
+                i, b, length, name, frac = key
+                if key not in kept:
+                    ids, mask, _, new = plan[b, length]
+                    params = {"scorer": args.scorer} if name == "learned" else {}
+                    r = generate(model, input_ids=ids, attention_mask=mask, policy=name, budget=frac,
+                                 policy_params=params, max_new_tokens=new, stop_at_eos=False, **prefill(name, args))
+                    kept[key] = {"decode_tokens_per_s": sum(r.new_tokens) / max(r.decode_s, 1e-9),
+                                 "tokens_per_s": r.tokens_per_s, "eviction_share": r.eviction_share,
+                                 "budgets": r.budgets, "timed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                    if state:
+                        append_long_state(state, identity, key, kept[key])
+                rounds[b, length, name, frac].append(kept[key])
+                bar.update()
+                rate = kept[key]["decode_tokens_per_s"]
+                bar.set_postfix_str(f"round {i + 1}, batch {b}, {name} {frac or ''}: {rate:.1f} decode tok/s")
     except KeyboardInterrupt:
         bar.close()
         if state:
-            raise SystemExit(f"interrupted: {len(kept)} finished decodes kept in {state}; the same command resumes")
+            raise SystemExit(f"{interrupt.how}: {len(kept)} finished decodes kept in {state}; the same command "
+                             "resumes") from None
         raise
     bar.close()
     records = []

@@ -80,10 +80,13 @@ def _bench_decode():
     return module
 
 
-def test_decode_benchmark_long_mode_resumes(small, tmp_path, monkeypatch):
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_decode_benchmark_long_mode_resumes(small, tmp_path, monkeypatch, signal_name):
     """A killed `--long` run keeps every finished decode; the same command decodes only the rest and writes the
     records with the kept decodes' figures as they were; a rerun with another policy decodes only that one; a run
-    under another setting does not read them back."""
+    under another setting does not read them back. Killed by Ctrl-C or by SIGTERM (a scheduler's, `timeout`'s)."""
+    import signal
+
     model, tok = small
     model_dir, out = tmp_path / "tiny", tmp_path / "long.json"
     model.save_pretrained(model_dir)
@@ -95,7 +98,7 @@ def test_decode_benchmark_long_mode_resumes(small, tmp_path, monkeypatch):
     def counting(*a, **k):
         calls.append(k["policy"])
         if len(calls) == 5 and kill:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), getattr(signal, signal_name))
         return real(*a, **k)
 
     monkeypatch.setattr(bench, "generate", counting)
@@ -104,7 +107,8 @@ def test_decode_benchmark_long_mode_resumes(small, tmp_path, monkeypatch):
     threads = torch.get_num_threads()
     try:
         kill = True
-        with pytest.raises(SystemExit, match="3 finished decodes kept"):
+        how = "terminated .SIGTERM." if signal_name == "SIGTERM" else "interrupted"
+        with pytest.raises(SystemExit, match=f"{how}: 3 finished decodes kept"):
             bench.main(argv)  # the warm-up, round 1's full and h2o, round 2's full; killed in round 2's h2o
         state = Path(str(out) + ".decodes.jsonl")
         assert len(state.read_text().splitlines()) == 1 + 3 and not out.exists()

@@ -98,14 +98,18 @@ def grid_identity(spec, model_name: str | None) -> dict:
     return json.loads(json.dumps(identity, default=str))  # the form it has after a round trip through the file
 
 
+def differing_keys(head: dict, identity: dict) -> list[str]:
+    """The keys whose values differ between two identities (either one's keys, in order)."""
+    return [k for k in dict.fromkeys([*head, *identity]) if head.get(k) != identity.get(k)]
+
+
 def _mismatch(head, identity: dict) -> str | None:
     """Why a partial file whose identity is ``head`` is not a run of this grid (None if it is)."""
     if head == identity:
         return None
     if head == "damaged":
         return "is damaged"
-    differ = [k for k in dict.fromkeys([*head, *identity]) if head.get(k) != identity.get(k)]
-    return f"is a run of another grid ({', '.join(differ)} differ)"
+    return f"is a run of another grid ({', '.join(differing_keys(head, identity))} differ)"
 
 
 def _read(path: Path) -> tuple[object, list[dict], list[str], bool]:
@@ -455,6 +459,6 @@ class Resume:
         return sum(map(len, self.finished.values()))
 
 
-__all__ = ["KEEP_REFERENCE_BYTES", "PARTIAL", "Resume", "append_run", "drop_references", "finish", "grid_identity",
-           "identity_digest", "kept_runs", "load_references", "open_partial", "partial_files", "peer_dirs",
+__all__ = ["KEEP_REFERENCE_BYTES", "PARTIAL", "Resume", "append_run", "differing_keys", "drop_references", "finish",
+           "grid_identity", "identity_digest", "kept_runs", "load_references", "open_partial", "partial_files", "peer_dirs",
            "read_peers", "reference_identity", "run_identity", "save_references", "shard_dir"]
