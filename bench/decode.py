@@ -204,16 +204,23 @@ def long_prompts(n: int) -> list[str]:
 
 
 def long_identity(model, args) -> dict:
-    """What a kept decode of the long table was timed under: a decode kept under anything else is not read back."""
+    """What a kept decode of the long table was timed under: a decode kept under anything else is not read back.
+    (The scorer is the learned policy's alone: it is in that policy's keys, `long_key`.)"""
     return {"model": args.model, "dtype": args.dtype, "random_weights": args.random_weights, "threads": args.threads,
-            "slack": args.slack, "prefill_policy": args.prefill_policy, "device": str(next(model.parameters()).device),
-            "scorer": scorer_identity(args.scorer) if args.scorer else None}
+            "slack": args.slack, "prefill_policy": args.prefill_policy, "device": str(next(model.parameters()).device)}
+
+
+def long_key(i: int, batch: int, length: int, name: str, fraction: float | None, scorer: str | None) -> tuple:
+    """A decode's key: (round, batch, length, policy, fraction), and for the learned policy its scorer's weights
+    digest, so a run may add ``learned`` to decodes timed without a scorer, and another scorer is another decode."""
+    return (i, batch, length, name, fraction) + ((scorer,) if name == "learned" else ())
 
 
 def read_long_state(path: Path, identity: dict) -> dict[tuple, dict]:
-    """The finished decodes kept in ``path`` (one JSON line each after an identity line), keyed by (round, batch,
-    length, policy, fraction). A line without its newline was being written when the run was killed: it is cut off
-    here, so the next decode appends after the last finished one."""
+    """The finished decodes kept in ``path`` (one JSON line each after an identity line), keyed by `long_key`. A
+    line without its newline was being written when the run was killed: it is cut off here, so the next decode
+    appends after the last finished one. A file whose identity line names a scorer (the first format) keeps its
+    learned decodes under that scorer's digest."""
     if not path.exists():
         return {}
     text = path.read_text()
@@ -224,12 +231,15 @@ def read_long_state(path: Path, identity: dict) -> dict[tuple, dict]:
     if not lines:
         return {}
     head = json.loads(lines[0])["identity"]
+    first_format = head.pop("scorer", None)
     if head != identity:
         raise SystemExit(f"error: {path} keeps decodes timed under another setting "
                          f"({', '.join(differing_keys(head, identity))} differ); give another --json, or remove it "
                          "to start over")
     entries = (json.loads(line) for line in lines[1:])
-    return {tuple(e["key"]): e["result"] for e in entries}
+    old = (first_format or {}).get("weights_sha256")
+    return {tuple(e["key"]) + ((old,) if e["key"][3] == "learned" and len(e["key"]) == 5 else ()): e["result"]
+            for e in entries}
 
 
 def append_long_state(path: Path, identity: dict, key: tuple, result: dict) -> None:
@@ -261,7 +271,9 @@ def long_table(model, tok, names, args) -> list[dict]:
     state = Path(args.json + ".decodes.jsonl") if args.json else None
     identity = long_identity(model, args)
     kept = read_long_state(state, identity) if state else {}
-    todo = [(i, b, length, name, frac) for i in range(args.repeats) for b, length in settings for name, frac in runs]
+    scorer = scorer_identity(args.scorer)["weights_sha256"] if args.scorer else None
+    todo = [long_key(i, b, length, name, frac, scorer)
+            for i in range(args.repeats) for b, length in settings for name, frac in runs]
     if kept:
         print(f"resuming: {sum(k in kept for k in todo)} of {len(todo)} decodes read back from {state}")
     # one tick per decode (minutes each), nothing per step: the bar must not touch what it times
@@ -269,7 +281,7 @@ def long_table(model, tok, names, args) -> list[dict]:
     try:
         with Interruptible() as interrupt:  # SIGTERM (a scheduler's, `timeout`'s) as Ctrl-C: say what was kept
             for key in todo:
-                i, b, length, name, frac = key
+                i, b, length, name, frac = key[:5]
                 if key not in kept:
                     ids, mask, _, new = plan[b, length]
                     params = {"scorer": args.scorer} if name == "learned" else {}

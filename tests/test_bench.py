@@ -130,6 +130,25 @@ def test_decode_benchmark_long_mode_resumes(small, tmp_path, monkeypatch, signal
         assert calls == ["full", "knorm", "knorm"]
         assert [r["policy"] for r in json.loads(out.read_text())] == ["full", "h2o", "knorm"]
         assert json.loads(out.read_text())[:2] == records
+        # the learned policy joins decodes timed without a scorer; its scorer is in its keys, not the file's identity
+        from conftest import scorer_for
+
+        scorer = scorer_for(2, n_kv_heads=model.config.num_key_value_heads, model=str(model_dir))
+        calls[:] = []
+        bench.main([*argv[:8], "full,h2o,learned", *argv[9:], "--scorer", scorer])
+        assert calls == ["full", "learned", "learned"]
+        digest = bench.scorer_identity(scorer)["weights_sha256"]
+        learned = bench.read_long_state(state, bench.long_identity(model, bench.parse_args(argv)))
+        assert (0, 2, 1040, "learned", 0.5, digest) in learned
+        # a file of the first format (the scorer in its identity line) keeps its learned decodes under that scorer
+        lines = state.read_text().splitlines()
+        first = [json.dumps({"identity": {**json.loads(lines[0])["identity"], "scorer": {"path": scorer,
+                                                                                          "weights_sha256": digest}}})]
+        for line in lines[1:]:
+            entry = json.loads(line)
+            first.append(json.dumps({**entry, "key": entry["key"][:5]}))
+        state.write_text("\n".join(first) + "\n")
+        assert bench.read_long_state(state, bench.long_identity(model, bench.parse_args(argv))) == learned
         # another setting (slack) does not read back what was timed under this one
         state.write_text(json.dumps({"identity": bench.long_identity(model, bench.parse_args(argv))}) + "\n")
         with pytest.raises(SystemExit, match="another setting .*slack"):
