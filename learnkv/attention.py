@@ -103,12 +103,15 @@ def learnkv_attention(
         scores = torch.tanh(scores / softcap) * softcap
 
     if learnkv_cache is not None:
-        key_pos = learnkv_cache.layer_positions(module.layer_idx)  # [B, Hc, T], Hc = H or 1 (a latent shared by all)
-        key_pos = key_pos[:, :, None, None, :]
         query_pos = learnkv_cache.step_positions.to(key.device)  # [B, q]
-        allowed = (key_pos >= 0) & (key_pos <= query_pos[:, None, None, :, None])
-        if sliding_window is not None:
-            allowed = allowed & (key_pos > query_pos[:, None, None, :, None] - sliding_window)
+        if q == 1 and sliding_window is None and _every_slot_visible(learnkv_cache, module.layer_idx):
+            allowed = None  # a decode step's one query sees every cached token: masking would change nothing
+        else:
+            key_pos = learnkv_cache.layer_positions(module.layer_idx)  # [B, Hc, T], Hc = H or 1 (one latent)
+            key_pos = key_pos[:, :, None, None, :]
+            allowed = (key_pos >= 0) & (key_pos <= query_pos[:, None, None, :, None])
+            if sliding_window is not None:
+                allowed = allowed & (key_pos > query_pos[:, None, None, :, None] - sliding_window)
     else:
         allowed = torch.ones(q, T, dtype=torch.bool, device=key.device).tril(T - q)
         if attention_mask is not None:  # a user-supplied 4D additive mask [B, 1 or Hq, q, T] replaces causality
@@ -117,7 +120,8 @@ def learnkv_attention(
             allowed = torch.ones_like(allowed)
         elif sliding_window is not None:  # query i (index T - q + i) sees keys j > T - q + i - window
             allowed = allowed & torch.ones_like(allowed).triu(T - q - sliding_window + 1)
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     if s_aux is None:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     else:  # the sink joins the normaliser and is dropped: the probabilities sum to less than 1
@@ -129,6 +133,14 @@ def learnkv_attention(
     if learnkv_cache is not None:
         _hand_statistics(learnkv_cache, module.layer_idx, probs, query_pos)
     return out, None
+
+
+def _every_slot_visible(cache, layer_idx: int) -> bool:
+    """Whether the cache says every slot of the layer holds a live token (no dead or padding slot) and every row's
+    query is a token (no padding row), asked on the host (`BudgetCache.every_slot_live`): then a one-query step's
+    mask is all true (every cached position is at most the query's) and is skipped, bit for bit the same scores."""
+    every_slot_live = getattr(cache, "every_slot_live", None)
+    return every_slot_live is not None and every_slot_live(layer_idx)
 
 
 def unsupported_terms(kwargs: dict) -> list[str]:

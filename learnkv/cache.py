@@ -320,6 +320,15 @@ class BudgetCache(Cache):
     def layer_positions(self, layer_idx: int) -> Tensor:
         return self.layers[layer_idx].positions
 
+    def every_slot_live(self, layer_idx: int) -> bool:
+        """Every slot of the layer, in every row and KV head, holds a live token, and every row's step has all its
+        tokens (none is padding), known on the host (`BudgetLayer.live`): the attention may skip a mask that would
+        exclude nothing (`learnkv.attention`)."""
+        layer = self.layers[layer_idx]
+        n = layer.n_slots
+        return (layer.live_heads is None and layer.heads_alike and all(live == n for live in layer.live)
+                and all(valid == self.step_positions.shape[1] for valid in self.step_valid))
+
     def attended(self, layer_idx: int, window: int | None) -> None:
         """Called by the attention function before each layer's attention: the layer's sliding window (None: full
         attention), so the cache drops what falls out of it (`_drop_by_age`), and a record that the layer's
@@ -580,6 +589,7 @@ class BudgetCache(Cache):
         live = list(live) if live is not None else first.count_live()
         for layer in layers:
             layer.live = list(live)
+            layer.heads_alike = first.heads_alike
         return compacts
 
     def _link_layers(self, layers: list[BudgetLayer]) -> tuple[Tensor, dict[str, Tensor]] | None:

@@ -72,6 +72,7 @@ class BudgetLayer(DynamicLayer):
         self.state: dict[str, Tensor] = {}
         self.n_new = 0
         self.live: list[int] = []  # per row: live tokens, the same in every KV head of the row (else the widest's)
+        self.heads_alike = True  # whether every KV head of a row holds ``live`` tokens (False once a count found not)
         # per row: live slots summed over the KV heads, once the cache's allocation gave heads different counts
         # (``head``, ``global``); None while every head holds ``live`` (see `live_slots`)
         self.live_heads: list[int] | None = None
@@ -193,8 +194,12 @@ class BudgetLayer(DynamicLayer):
         self.state, self._packed, self._layout, self._channels = {}, {}, {}, {}
 
     def count_live(self) -> list[int]:
-        """Live tokens per row, counted on the device (a synchronisation; block evictions only)."""
-        return (self.positions >= 0).sum(-1).amax(-1).tolist()
+        """Live tokens per row, counted on the device (a synchronisation; block evictions only): the widest KV
+        head's; ``heads_alike`` says whether every head holds as many."""
+        counts = (self.positions >= 0).sum(-1)
+        widest, narrowest = torch.stack([counts.amax(-1), counts.amin(-1)]).tolist()
+        self.heads_alike = widest == narrowest
+        return widest
 
     def keep_slots(self, index: Tensor) -> None:
         """Compact keys, values, positions and state to the slots ``index [B, H, K]`` (ascending; a -1 entry becomes a

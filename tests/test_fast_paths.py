@@ -324,3 +324,41 @@ def test_window_std_equals_torch_std(B, H, W, T, kind, threads):
     finally:
         torch.set_num_threads(old)
     assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("policy, budget", [("full", None), ("h2o", 20), ("paged", 20), ("snapkv", 48)])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_steps_skip_a_mask_that_excludes_nothing(tiny, monkeypatch, policy, budget, batch):
+    """A decode step over a layer whose every slot is live (`BudgetCache.every_slot_live`: no dead, padding or
+    ragged-head slot, no padding row) skips the attention mask, and every step's logits are bit for bit those of the
+    masked attention; batch 2 is left-padded (its padding slots keep the mask until an eviction compacts them away), PagedEviction evicts whole blocks
+    (its heads may hold different counts) and a budget of 48 holds the whole decode (the mask skipped throughout)."""
+    import learnkv.attention
+    import learnkv.decode
+
+    ids = torch.cat([random_ids(30, seed=11), random_ids(30, seed=12)])[:batch]
+    mask = torch.ones_like(ids)
+    if batch == 2:
+        mask[1, :5] = 0
+    kw = {} if budget is None else dict(budget=budget, slack=4, prefill_policy="snapkv")
+    if policy == "paged":
+        kw["policy_params"] = {"block_size": 4, "n_sink": 4}
+
+    def run():
+        logits, real = [], learnkv.decode.call_model
+        monkeypatch.setattr(learnkv.decode, "call_model", lambda *a: logits.append(real(*a)) or logits[-1])
+        generate(tiny, input_ids=ids, attention_mask=mask, policy=policy, max_new_tokens=16, stop_at_eos=False, **kw)
+        monkeypatch.setattr(learnkv.decode, "call_model", real)
+        return logits
+
+    skipped, real = [], learnkv.attention._every_slot_visible
+    monkeypatch.setattr(learnkv.attention, "_every_slot_visible", lambda *a: skipped.append(real(*a)) or skipped[-1])
+    fast = run()
+    monkeypatch.setattr(learnkv.attention, "_every_slot_visible", lambda *a: False)
+    masked = run()
+    assert len(fast) == len(masked) == 16
+    assert all(torch.equal(a, b) for a, b in zip(fast, masked))
+    if batch == 1:
+        assert any(skipped), "without padding some step must skip the mask"
+    if policy in ("full", "snapkv"):  # a cache that never evicts in the decode: dead slots never, padding always
+        assert all(skipped) if batch == 1 else not any(skipped)
