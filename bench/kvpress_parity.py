@@ -14,6 +14,8 @@ prompt (74 tokens with the chat template), ``--new-tokens`` (1,024) greedy token
 - ``h2o`` (``--slack``) against kvpress ``DecodingPress(ObservedAttentionPress)`` on eager attention, kvpress's only
   H2O-like scorer (under DecodingPress it scores by the current step's attention, not a running sum: the same
   family, not the same method);
+- ``knorm-lagged`` and ``h2o-lagged``: the same peers, learnkv's policy on kvpress's schedule (``interval`` 16: it
+  scores and evicts every 16 steps, down to ``budget - 15``, so it still never holds more than the budget);
 - ``full`` against transformers' ``model.generate`` on the same weights with SDPA attention, in this venv (the
   transformers learnkv runs on) and in the kvpress venv (the transformers kvpress pins; a second reference).
 
@@ -50,9 +52,10 @@ from learnkv.decode import encode_prompts  # noqa: E402
 from learnkv.eval.metrics import agreement_length  # noqa: E402
 from learnkv.model import BUNDLED  # noqa: E402
 
-# (label, learnkv policy or "hf-generate", peer run in the worker)
+# (label, learnkv policy or "hf-generate", peer run in the worker); a "-lagged" label runs the policy with interval
+# = the compression interval (`--slack`): kvpress's schedule (score and evict every 16 steps), under learnkv's budget
 PAIRS = [("knorm", "knorm", "knorm"), ("h2o", "h2o", "observed"), ("full", "full", "generate"),
-         ("full-hf", "full", "hf-generate")]
+         ("full-hf", "full", "hf-generate"), ("knorm-lagged", "knorm", "knorm"), ("h2o-lagged", "h2o", "observed")]
 PEER_NAMES = {"knorm": "kvpress DecodingPress(KnormPress)", "observed": "kvpress DecodingPress(ObservedAttentionPress)",
               "generate": "transformers generate (kvpress venv)", "hf-generate": "transformers generate (this venv)"}
 
@@ -66,7 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=thread_count, default=1)
     p.add_argument("--pairs", default="knorm,h2o,full,full-hf",
-                   help="which pairs: knorm, h2o, full (vs generate in the kvpress venv), full-hf (vs this venv's)")
+                   help="which pairs: knorm, h2o, full (vs generate in the kvpress venv), full-hf (vs this venv's), "
+                        "knorm-lagged, h2o-lagged (interval = --slack: kvpress's schedule)")
     p.add_argument("--venv", default=str(ROOT / ".venv-kvpress"), help="kvpress's venv (bench/kvpress_venv.sh)")
     p.add_argument("--json", default=None, help="write the per-round records here")
     p.add_argument("--profile", default=None, metavar="POLICY",
@@ -133,7 +137,7 @@ def main(argv=None) -> None:
     labels = args.pairs.split(",")
     pairs = [p for p in PAIRS if p[0] in labels]
 
-    def ours(policy: str, n: int) -> tuple[float, list[int]]:
+    def ours(policy: str, n: int, lagged: bool = False) -> tuple[float, list[int]]:
         nonlocal plain
         if policy == "hf-generate":
             if plain is None:
@@ -147,26 +151,29 @@ def main(argv=None) -> None:
                                      pad_token_id=plain.config.eos_token_id)
                 return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
         start = time.perf_counter()
+        budget = {} if policy == "full" else {"budget": args.budget, "slack": args.slack}
+        params = {"policy_params": {"interval": args.slack}} if lagged else {}
         r = generate(model, input_ids=ids, attention_mask=mask, policy=policy, max_new_tokens=n, stop_at_eos=False,
-                     **({} if policy == "full" else {"budget": args.budget, "slack": args.slack}))
+                     **budget, **params)
         return time.perf_counter() - start, r.tokens[0].tolist()
 
-    def learnkv_run(policy, n):
-        return ours(policy, n)
+    def learnkv_run(label, policy, n):
+        return ours(policy, n, lagged=label.endswith("-lagged"))
 
     def peer_run(name, n):
         return ours(name, n) if name == "hf-generate" else peer.run(name, ids[0].tolist(), n, args.budget, args.slack)
 
     print(f"model {args.model}, batch 1, prompt {ids.shape[1]} tokens + {args.new_tokens} new, budget "
           f"{args.budget}, slack / compression interval {args.slack}, threads {args.threads}, {args.rounds} rounds")
-    for _, ours_name, peer_name in pairs:  # warm-up: loads, first-call allocations
-        learnkv_run(ours_name, 4)
+    for label, ours_name, peer_name in pairs:  # warm-up: loads, first-call allocations
+        learnkv_run(label, ours_name, 4)
         peer_run(peer_name, 4)
-    records = {p[0]: {"pair": p[0], "learnkv": p[1], "peer": PEER_NAMES[p[2]], "learnkv_tokens_per_s": [],
+    records = {p[0]: {"pair": p[0], "learnkv": p[1] + (f" interval {args.slack}" if p[0].endswith("-lagged") else ""),
+                      "peer": PEER_NAMES[p[2]], "learnkv_tokens_per_s": [],
                       "peer_tokens_per_s": [], "ratio": []} for p in pairs}
     for rnd in range(args.rounds):
         for label, ours_name, peer_name in pairs:
-            runs = [("learnkv", lambda: learnkv_run(ours_name, args.new_tokens)),
+            runs = [("learnkv", lambda: learnkv_run(label, ours_name, args.new_tokens)),
                     ("peer", lambda: peer_run(peer_name, args.new_tokens))]
             out = dict((side, fn()) for side, fn in (runs if rnd % 2 == 0 else runs[::-1]))
             rec = records[label]

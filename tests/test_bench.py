@@ -102,6 +102,8 @@ def test_decode_benchmark_long_mode_resumes(small, tmp_path, monkeypatch, signal
         return real(*a, **k)
 
     monkeypatch.setattr(bench, "generate", counting)
+    # Ctrl-C as in a terminal: a job started in the background (`nohup ... &`, as CI may be) inherits SIGINT ignored
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = ["--model", str(model_dir), "--long", "--long-settings", "2:1040", "--long-fractions", "0.5",
             "--policies", "full,h2o", "--threads", "1", "--repeats", "2", "--slack", "4", "--json", str(out)]
     threads = torch.get_num_threads()
@@ -155,6 +157,7 @@ def test_decode_benchmark_long_mode_resumes(small, tmp_path, monkeypatch, signal
             bench.main([*argv[:-4], "--slack", "8", "--json", str(out)])
     finally:
         torch.set_num_threads(threads)
+        signal.signal(signal.SIGINT, sigint)
 
 
 def test_gpu_on_paper_counts():
