@@ -362,3 +362,37 @@ def test_decode_steps_skip_a_mask_that_excludes_nothing(tiny, monkeypatch, polic
         assert any(skipped), "without padding some step must skip the mask"
     if policy in ("full", "snapkv"):  # a cache that never evicts in the decode: dead slots never, padding always
         assert all(skipped) if batch == 1 else not any(skipped)
+
+
+def matmul_attention(query, key, value, scaling):
+    """The attention as `learnkv.attention` computed it with `torch.matmul` on 4D views (before commit 'bmm'): causal
+    by index, the probabilities in fp32."""
+    B, Hq, q, D = query.shape
+    H, T, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    G = Hq // H
+    scores = (torch.matmul(query.reshape(B, H, G * q, D), key.transpose(-1, -2)) * scaling).view(B, H, G, q, T)
+    allowed = torch.ones(q, T, dtype=torch.bool).tril(T - q)
+    probs = torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1, dtype=torch.float32)
+    out = torch.matmul(probs.to(query.dtype).view(B, H, G * q, T), value)
+    return out.view(B, Hq, q, Dv).transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("B, H, G, q, T, D", [(1, 3, 3, 1, 1, 64), (1, 3, 3, 1, 257, 64), (2, 2, 1, 1, 40, 16),
+                                              (4, 1, 7, 5, 33, 32), (3, 2, 4, 17, 17, 8), (8, 3, 3, 1, 790, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "slots"])
+def test_attention_bmm_equals_the_matmul_formulation(B, H, G, q, T, D, dtype, layout):
+    """`learnkv_attention` multiplies through `torch.bmm` on folded views; the output is bit for bit what
+    `torch.matmul` on the 4D views gave, for keys and values that are the first T slots of a larger buffer (the
+    cache's layout) or contiguous, GQA groups of 1-7, one query or several."""
+    from learnkv.attention import learnkv_attention
+
+    g = torch.Generator().manual_seed(B * 1000 + T)
+    query = torch.randn(B, H * G, q, D, generator=g).to(dtype)
+    C = T + (9 if layout == "slots" else 0)
+    key = torch.randn(B, H, C, D, generator=g).to(dtype)[:, :, :T]
+    value = torch.randn(B, H, C, D, generator=g).to(dtype)[:, :, :T]
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    out, _ = learnkv_attention(module, query, key, value, None, scaling=D**-0.5)
+    assert torch.equal(out, matmul_attention(query, key, value, D**-0.5))
