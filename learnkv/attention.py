@@ -15,8 +15,9 @@ The cache is anything with ``policy`` (the policy deciding in this step: its ``n
 
 The mask comes from the cache's slot positions (key position <= query position, padding excluded), so
 transformers builds no mask for this implementation; a decode step over a layer whose every slot is live (the cache
-says so on the host, `BudgetCache.every_slot_live`) needs none and builds none. Without a BudgetCache (the `learnkv_cache` kwarg, or the
-one `active_cache` holds for the forward pass in progress) it falls back to plain causal attention by index.
+says so on the host, `BudgetCache.every_slot_live`) needs none and builds none. Without a BudgetCache (the
+`learnkv_cache` kwarg, or the one `active_cache` holds for the forward pass in progress) it falls back to plain
+causal attention by index.
 
 What the model's attention module hands over is honoured as transformers' own eager attention does, on the torch
 path and in the fused kernel alike: ``sliding_window`` (a key is visible only within the query's newest ``window``

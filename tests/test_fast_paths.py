@@ -331,8 +331,9 @@ def test_window_std_equals_torch_std(B, H, W, T, kind, threads):
 def test_decode_steps_skip_a_mask_that_excludes_nothing(tiny, monkeypatch, policy, budget, batch):
     """A decode step over a layer whose every slot is live (`BudgetCache.every_slot_live`: no dead, padding or
     ragged-head slot, no padding row) skips the attention mask, and every step's logits are bit for bit those of the
-    masked attention; batch 2 is left-padded (its padding slots keep the mask until an eviction compacts them away), PagedEviction evicts whole blocks
-    (its heads may hold different counts) and a budget of 48 holds the whole decode (the mask skipped throughout)."""
+    masked attention; batch 2 is left-padded (its padding slots keep the mask until an eviction compacts them away),
+    PagedEviction evicts whole blocks (its heads may hold different counts) and a budget of 48 holds the whole decode
+    (the mask skipped throughout)."""
     import learnkv.attention
     import learnkv.decode
 
@@ -365,7 +366,7 @@ def test_decode_steps_skip_a_mask_that_excludes_nothing(tiny, monkeypatch, polic
 
 
 def matmul_attention(query, key, value, scaling):
-    """The attention as `learnkv.attention` computed it with `torch.matmul` on 4D views (before commit 'bmm'): causal
+    """The attention as `learnkv.attention` computed it with `torch.matmul` on 4D views (before 9d2a269): causal
     by index, the probabilities in fp32."""
     B, Hq, q, D = query.shape
     H, T, Dv = key.shape[1], key.shape[2], value.shape[-1]

@@ -460,5 +460,5 @@ class Resume:
 
 
 __all__ = ["KEEP_REFERENCE_BYTES", "PARTIAL", "Resume", "append_run", "differing_keys", "drop_references", "finish",
-           "grid_identity", "identity_digest", "kept_runs", "load_references", "open_partial", "partial_files", "peer_dirs",
-           "read_peers", "reference_identity", "run_identity", "save_references", "shard_dir"]
+           "grid_identity", "identity_digest", "kept_runs", "load_references", "open_partial", "partial_files",
+           "peer_dirs", "read_peers", "reference_identity", "run_identity", "save_references", "shard_dir"]
