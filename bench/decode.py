@@ -30,6 +30,11 @@ resumes after the last one; the file stays beside the records, so a rerun with m
 completed later pairs runs timed apart). Remove the file to time everything again:
 
     python bench/decode.py --long --threads 2 --slack 16 --repeats 2 --json runs/bench-decode-long.json
+
+``--interleave``: a round's decodes of a setting take turns with a full-cache decode, one step each
+(`bench/turns.py`), so each ratio pairs decodes that ran on the same machine state (this CPU's speed drifts 10-20%
+over minutes); the records add each policy's pooled ratio (the rounds' summed step times) and its 95% interval over
+16-step blocks. Such a round is kept when all its decodes end (the caches of a round live together).
 """
 
 from __future__ import annotations
@@ -46,12 +51,14 @@ from tqdm import tqdm
 
 # the repo root must come before this script's folder, or `import kernels` would find bench/kernels.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parent))  # after the root: bench/turns.py, when loaded by path too
 
 from learnkv import POLICIES, attention, generate, load_model  # noqa: E402
 from learnkv.cli import Interruptible, thread_count  # noqa: E402
 from learnkv.eval.checkpoint import differing_keys, scorer_identity  # noqa: E402
 from learnkv.eval.metrics import agreement_length  # noqa: E402
 from learnkv.progress import redraw_seconds  # noqa: E402
+from turns import block_ratio_interval, take_turns  # noqa: E402 - bench/turns.py
 
 PROMPT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -84,6 +91,9 @@ def parse_args(argv=None):
     parser.add_argument("--long-settings", default="8:1536,16:2560",
                         help="B:L[,B:L...]: batch size and the cache length each row ends near (prompt + new tokens)")
     parser.add_argument("--long-fractions", default="0.25,0.5", help="budgets as fractions of each row's final length")
+    parser.add_argument("--interleave", action="store_true",
+                        help="--long: a round's decodes of a setting take turns, one step each, with a full-cache "
+                             "decode (bench/turns.py): each ratio pairs decodes that ran on the same machine state")
     parser.add_argument("--random-weights", action="store_true",
                         help="--model is a folder with the model's config.json and tokenizer but no weights (a GPU "
                              "machine that cannot take the weights along): build it with seeded random weights. "
@@ -207,7 +217,8 @@ def long_identity(model, args) -> dict:
     """What a kept decode of the long table was timed under: a decode kept under anything else is not read back.
     (The scorer is the learned policy's alone: it is in that policy's keys, `long_key`.)"""
     return {"model": args.model, "dtype": args.dtype, "random_weights": args.random_weights, "threads": args.threads,
-            "slack": args.slack, "prefill_policy": args.prefill_policy, "device": str(next(model.parameters()).device)}
+            "slack": args.slack, "prefill_policy": args.prefill_policy, "device": str(next(model.parameters()).device),
+            **({"interleave": True} if args.interleave else {})}  # files timed one decode after another read back
 
 
 def long_key(i: int, batch: int, length: int, name: str, fraction: float | None, scorer: str | None) -> tuple:
@@ -250,6 +261,49 @@ def append_long_state(path: Path, identity: dict, key: tuple, result: dict) -> N
         f.write(head + json.dumps({"key": list(key), "result": result}) + "\n")
 
 
+def _whole_blocks(steps: list[float], block: int = 16) -> list[float]:
+    """``steps`` cut to whole blocks, so pooled rounds do not put two rounds' steps in one block."""
+    return steps[: len(steps) - len(steps) % block]
+
+
+def long_params(name: str, args) -> dict:
+    return {"scorer": args.scorer} if name == "learned" else {}
+
+
+def long_turns(model, keys: list[tuple], plan: tuple, args) -> dict[tuple, dict]:
+    """The decodes ``keys`` (one round and setting) and a full-cache decode, taking turns step by step
+    (`bench/turns.py`); each result holds its step times and its turn-mate full cache's (``paired_full_*``), which
+    its speed is divided by. The full decode is kept as the round's if ``keys`` holds it."""
+    ids, mask, _, new = plan
+    names = [("full", None)] + [(k[3], k[4]) for k in keys if k[3] != "full"]
+
+    def job(name, frac):
+        return lambda on_step: generate(model, input_ids=ids, attention_mask=mask, policy=name, budget=frac,
+                                        policy_params=long_params(name, args), max_new_tokens=new,
+                                        stop_at_eos=False, on_step=on_step, **prefill(name, args))
+
+    attention.install(model)  # once for all: each `generate` then leaves the model's attention as it found it
+    bar = tqdm(total=len(names) * new, desc=f"turns of {len(names)}", unit="step", leave=False,
+               mininterval=redraw_seconds())
+    turned = take_turns([job(n, f) for n, f in names], after_step=lambda _: bar.update())
+    bar.close()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    results = {}
+    for (name, frac), t in zip(names, turned):
+        r = t.result
+        eviction_s = r.eviction_share * (r.prefill_s + r.decode_s)  # generate's share is of its wall time, turns too
+        results[name, frac] = {
+            "decode_tokens_per_s": sum(r.new_tokens) / t.decode_s,
+            "tokens_per_s": sum(r.new_tokens) / (t.prefill_s + t.decode_s),
+            "eviction_share": eviction_s / (t.prefill_s + t.decode_s), "budgets": r.budgets, "timed_at": stamp,
+            "step_s": [round(x, 6) for x in t.step_s], "prefill_s": round(t.prefill_s, 6)}
+    full = results["full", None]
+    for res in results.values():
+        res["paired_full_decode_tokens_per_s"] = full["decode_tokens_per_s"]
+        res["paired_full_step_s"] = full["step_s"]
+    return {k: results[k[3], k[4]] for k in keys}
+
+
 def long_table(model, tok, names, args) -> list[dict]:
     """Table 3 (see the module docstring): decode speed relative to the full cache at long caches, paired by round."""
     from learnkv.decode import encode_prompts
@@ -282,11 +336,17 @@ def long_table(model, tok, names, args) -> list[dict]:
         with Interruptible() as interrupt:  # SIGTERM (a scheduler's, `timeout`'s) as Ctrl-C: say what was kept
             for key in todo:
                 i, b, length, name, frac = key[:5]
-                if key not in kept:
+                if key not in kept and args.interleave:  # this round's missing decodes of the setting, in turns
+                    group = [k for k in todo if k[:3] == key[:3] and k not in kept]
+                    kept.update(long_turns(model, group, plan[b, length], args))
+                    if state:
+                        for k in group:
+                            append_long_state(state, identity, k, kept[k])
+                elif key not in kept:
                     ids, mask, _, new = plan[b, length]
-                    params = {"scorer": args.scorer} if name == "learned" else {}
                     r = generate(model, input_ids=ids, attention_mask=mask, policy=name, budget=frac,
-                                 policy_params=params, max_new_tokens=new, stop_at_eos=False, **prefill(name, args))
+                                 policy_params=long_params(name, args), max_new_tokens=new, stop_at_eos=False,
+                                 **prefill(name, args))
                     kept[key] = {"decode_tokens_per_s": sum(r.new_tokens) / max(r.decode_s, 1e-9),
                                  "tokens_per_s": r.tokens_per_s, "eviction_share": r.eviction_share,
                                  "budgets": r.budgets, "timed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -310,7 +370,12 @@ def long_table(model, tok, names, args) -> list[dict]:
         for name, frac in runs:
             got = rounds[b, length, name, frac]
             rates = [x["decode_tokens_per_s"] for x in got]
-            speed = [p / f for p, f in zip(rates, full)]
+            # a decode timed in turns is divided by its turn-mate full cache's speed
+            speed = [p / x.get("paired_full_decode_tokens_per_s", f) for p, f, x in zip(rates, full, got)]
+            pooled = None
+            if all("step_s" in x for x in got):  # the rounds' steps pooled, 16-step blocks resampled
+                pooled = block_ratio_interval([s for x in got for s in _whole_blocks(x["paired_full_step_s"])],
+                                              [s for x in got for s in _whole_blocks(x["step_s"])])
             records.append({
                 "mode": "long", "policy": name, "fraction": frac, "batch_size": b, "final_length": length,
                 "prompt_tokens": lengths, "new_tokens": new, "budgets": got[0]["budgets"], "threads": args.threads,
@@ -323,19 +388,28 @@ def long_table(model, tok, names, args) -> list[dict]:
                 "eviction_share_rounds": [x["eviction_share"] for x in got],
                 "eviction_share": statistics.median(x["eviction_share"] for x in got),
                 # a resumed benchmark pairs runs timed in different sessions: when each was timed says so
-                "timed_at_rounds": [x.get("timed_at") for x in got]})
+                "timed_at_rounds": [x.get("timed_at") for x in got],
+                **({"speed_vs_full_pooled": pooled[0], "speed_vs_full_pooled_ci95": list(pooled[1:])} if pooled
+                   else {})})
     spread = f" [min, max] over {args.repeats} rounds" if args.repeats > 1 else ""
     print(f"\nlong caches: decode tokens/s (prefill excluded) relative to the full cache, paired by round "
           f"(median{spread}); eviction share of each run's time; slack {args.slack}\n")
-    print("| batch | cache (prompt + new) | policy | budget | decode tok/s | vs full | eviction share |")
-    print("|---|---|---|---|---|---|---|")
+    turns = all("speed_vs_full_pooled" in r for r in records)
+    if turns:
+        print("each round's decodes of a setting took turns with a full-cache decode, one step each; pooled: the "
+              "rounds' summed step times, 95% interval over 16-step blocks (bench/turns.py)\n")
+    print("| batch | cache (prompt + new) | policy | budget | decode tok/s | vs full | eviction share |"
+          + (" pooled [95%] |" if turns else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if turns else ""))
     for r in records:
         s = r["speed_vs_full_rounds"]
         rng = f" [{min(s):.2f}, {max(s):.2f}]" if len(s) > 1 else ""
         budget = "-" if r["fraction"] is None else f"{r['fraction']:.0%} ({min(r['budgets'])}-{max(r['budgets'])})"
+        lo, hi = r.get("speed_vs_full_pooled_ci95", (0, 0))
         print(f"| {r['batch_size']} | {min(r['prompt_tokens'])}-{max(r['prompt_tokens'])} + {r['new_tokens']} | "
               f"{r['policy']} | {budget} | {r['decode_tokens_per_s']:.1f} | {r['speed_vs_full']:.2f}x{rng} | "
-              f"{r['eviction_share']:.0%} |")
+              f"{r['eviction_share']:.0%} |"
+              + (f" {r['speed_vs_full_pooled']:.3f}x [{lo:.3f}, {hi:.3f}] |" if turns else ""))
     return records
 
 

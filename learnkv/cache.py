@@ -467,7 +467,8 @@ class BudgetCache(Cache):
         return LayerView(layer=order[0], step=self.step, keys=first.keys if L == 1 else None,
                          values=first.values if L == 1 else None, positions=positions, n_new=first.n_new,
                          attn=stat(0), attn_sum=stat(1), attn_sq_sum=stat(2), keep=_one_or_rows(keep * L),
-                         state=state if L == 1 else dict(state), live=first.live * L if L > 1 else first.live)
+                         state=state if L == 1 else dict(state), live=first.live * L if L > 1 else first.live,
+                         layers=tuple(order) if L > 1 else None)
 
     def _layer_views(self, order: list[int], stats: list[tuple], view: LayerView, keep: list[int]) -> list[LayerView]:
         """``view`` of the layers ``order`` as one view per layer (each layer's own positions, state, keys, values

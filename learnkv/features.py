@@ -147,16 +147,7 @@ class FeatureTracker:
         """The cached key and value norms ``[B, H, T]`` (`NORMS`), those still unknown computed from ``keys`` and
         ``values`` and written into ``state`` in place (they are the newest slots: from the first column holding one
         to the end)."""
-        out = []
-        for name, x in zip(NORMS, (keys, values)):
-            cached = state[name]
-            unknown = (cached < 0).flatten(0, -2).any(0)  # [T]
-            if bool(unknown.any()):
-                first = int(unknown.int().argmax())
-                tail = cached[..., first:]
-                tail.copy_(torch.where(tail < 0, token_norms(x[..., first:, :]), tail))
-            out.append(cached)
-        return out[0], out[1]
+        return fill_unknown_norms(state[NORMS[0]], keys), fill_unknown_norms(state[NORMS[1]], values)
 
     @staticmethod
     def _update_decode(attn: Tensor, positions: Tensor, step: int, state: dict[str, Tensor], spare: int = 0) -> None:
@@ -235,6 +226,19 @@ def _check_mean_max(attn: Tensor) -> None:
 def token_norms(x: Tensor) -> Tensor:
     """``x [..., T, D]`` -> ``[..., T]``: each token's fp32 L2 norm (the ``key_norm`` and ``value_norm`` features)."""
     return x.float().norm(dim=-1)
+
+
+def fill_unknown_norms(cached: Tensor, x: Tensor) -> Tensor:
+    """``cached [..., T]``, norms of ``x [..., T, D]``'s tokens cached as per-token state, -1 where still unknown
+    (the newest slots, where the cache appends): those computed from ``x`` from the first column holding one to the
+    end, written in place; returns ``cached``. A token's norm is the same computed alone or with others (one row's
+    reduction), so the filled state equals `token_norms` of every token."""
+    unknown = (cached < 0).flatten(0, -2).any(0)  # [T]
+    if bool(unknown.any()):
+        first = int(unknown.int().argmax())
+        tail = cached[..., first:]
+        tail.copy_(torch.where(tail < 0, token_norms(x[..., first:, :]), tail))
+    return cached
 
 
 def window_std(win: Tensor) -> Tensor:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,18 +38,25 @@ def test_decode_benchmark_batch_sizes_and_json(smollm2, tmp_path):
     assert "over 2 rounds" in res.stdout
 
 
-def test_decode_benchmark_long_mode(small, tmp_path):
-    """`--long` on a tiny random model with SmolLM2's tokenizer (fast; the real figures need the real model):
-    every policy at every fraction against the full cache, paired by round, records in JSON."""
+def _run_long(small, tmp_path, fractions: str, policies: str, *extra: str):
+    """`bench/decode.py --long` on the tiny model saved with SmolLM2's tokenizer: batch 2 to 1,040 tokens, two
+    rounds, slack 4, one thread; (the finished process, the records' path)."""
     model, tok = small
     model_dir, out = tmp_path / "tiny", tmp_path / "long.json"
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "bench/decode.py", "--model", str(model_dir), "--long", "--long-settings",
-                          "2:1040", "--long-fractions", "0.25,0.5", "--policies", "full,h2o,snapkv,oracle",
-                          "--threads", "1", "--repeats", "2", "--slack", "4", "--json", str(out)],
+                          "2:1040", "--long-fractions", fractions, "--policies", policies, *extra, "--threads", "1",
+                          "--repeats", "2", "--slack", "4", "--json", str(out)],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)  # fmt: skip
+    return res, out
+
+
+def test_decode_benchmark_long_mode(small, tmp_path):
+    """`--long` on a tiny random model with SmolLM2's tokenizer (fast; the real figures need the real model):
+    every policy at every fraction against the full cache, paired by round, records in JSON."""
+    res, out = _run_long(small, tmp_path, "0.25,0.5", "full,h2o,snapkv,oracle")
     assert res.returncode == 0, res.stderr[-2000:]
     records = json.loads(out.read_text())
     # the oracle is left out (it replays a full-cache pass); full once, the others at each fraction
@@ -69,6 +77,67 @@ def test_decode_benchmark_long_mode(small, tmp_path):
             assert r["budgets"] == [-(-int(r["fraction"] * 1000) * f // 1000) for f in finals]
             assert r["eviction_share"] > 0
     assert "| 2 | " in res.stdout and "| snapkv | 25% (" in res.stdout and "[min, max] over 2 rounds" in res.stdout
+
+
+def test_turns_alternate_and_time_each_decode_alone():
+    """`bench/turns.py`: decodes take turns one step each, in order (a log of who ran shows no overlap), each one's
+    times are its own spans (a slow neighbour's sleep is not in them), a job that ends early leaves the others going,
+    and an error in one is raised once all have ended."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import turns
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    log = []
+
+    def job(name, steps, pause):
+        def run(on_step):
+            time.sleep(pause)  # its prefill
+            on_step(1)
+            for _ in range(steps):
+                log.append(name + "+")
+                time.sleep(pause)
+                log.append(name + "-")
+                on_step(1)
+            return name
+        return run
+
+    out = turns.take_turns([job("a", 4, 0.002), job("b", 2, 0.02), job("c", 4, 0.002)])
+    assert [o.result for o in out] == ["a", "b", "c"]
+    assert log == ["a+", "a-", "b+", "b-", "c+", "c-"] * 2 + ["a+", "a-", "c+", "c-"] * 2
+    assert [len(o.step_s) for o in out] == [4, 2, 4]
+    assert max(out[0].step_s) < 0.015 and min(out[1].step_s) >= 0.02, "a step's time holds another decode's"
+    assert out[0].decode_s == pytest.approx(sum(out[0].step_s)) and out[1].prefill_s >= 0.02
+
+    def failing(on_step):
+        on_step(1)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        turns.take_turns([job("a", 3, 0.0), failing])
+    ratio, low, high = turns.block_ratio_interval([2.0] * 64, [1.0] * 64)
+    assert ratio == low == high == 2.0
+
+
+def test_decode_benchmark_long_mode_in_turns(small, tmp_path):
+    """`--long --interleave`: each round's decodes of a setting take turns with a full-cache decode; each speed is
+    divided by its turn-mate's, the records hold the pooled ratio and its block interval, the table prints them."""
+    res, out = _run_long(small, tmp_path, "0.5", "full,h2o,knorm", "--interleave")
+    assert res.returncode == 0, res.stderr[-2000:]
+    records = json.loads(out.read_text())
+    assert [r["policy"] for r in records] == ["full", "h2o", "knorm"]
+    kept = [json.loads(line) for line in Path(str(out) + ".decodes.jsonl").read_text().splitlines()]
+    assert kept[0]["identity"]["interleave"] is True and len(kept) == 1 + 6
+    for r in records:
+        entries = [e["result"] for e in kept[1:] if e["key"][3] == r["policy"]]
+        assert len(entries) == 2 and all(len(e["step_s"]) == r["new_tokens"] - 1 for e in entries)
+        assert r["speed_vs_full_rounds"] == pytest.approx(
+            [e["decode_tokens_per_s"] / e["paired_full_decode_tokens_per_s"] for e in entries])
+        low, high = r["speed_vs_full_pooled_ci95"]
+        assert low <= r["speed_vs_full_pooled"] <= high
+        if r["policy"] == "full":
+            assert r["speed_vs_full_pooled"] == 1.0
+    assert "pooled [95%]" in res.stdout and "| knorm | 50% (" in res.stdout
 
 
 def _bench_decode():

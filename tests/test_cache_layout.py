@@ -183,7 +183,7 @@ def _layer_by_layer(monkeypatch, policy: str) -> None:
     assert not make_policy(policy, **params_for(policy, 2)).rowwise
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova", "roco", "streaming", "learned", "knorm", "snapkv",
+@pytest.mark.parametrize("policy", ["h2o", "tova", "roco", "streaming", "learned", "knorm", "snapkv", "random",
                                     "learned:refresh=1"])
 @pytest.mark.parametrize("slack, prefill", [(0, None), (4, None), (3, "snapkv")])
 def test_stacked_layers_decide_as_layer_by_layer(tiny, monkeypatch, policy, slack, prefill):

@@ -397,3 +397,37 @@ def test_attention_bmm_equals_the_matmul_formulation(B, H, G, q, T, D, dtype, la
     module.layer_idx = 0
     out, _ = learnkv_attention(module, query, key, value, None, scaling=D**-0.5)
     assert torch.equal(out, matmul_attention(query, key, value, D**-0.5))
+
+
+@pytest.mark.parametrize("cache_from", [0, None])
+@pytest.mark.parametrize("slack, prefill, batch, interval", [(0, None, 1, 1), (4, "snapkv", 2, 1), (3, None, 2, 1),
+                                                             (0, None, 2, 5), (4, "snapkv", 2, 3)])
+def test_knorm_cached_norms_keep_what_every_keys_norm_kept(tiny, monkeypatch, slack, prefill, batch, interval,
+                                                           cache_from):
+    """Key-norm keeps each key's norm as state, computed once: every layer's slots after every step and the tokens
+    are those of scoring every key's norm at every eviction (the code before), stacked or lagged, padded, with a
+    prefill policy handing over; looked up at every size (``CACHE_FROM`` 0) or at the default threshold."""
+    import learnkv.policies.knorm as knorm
+    from learnkv.policies.knorm import KeyNorm
+
+    if cache_from is not None:
+        monkeypatch.setattr(knorm, "CACHE_FROM", cache_from)
+
+    ids = torch.cat([random_ids(30, seed=11), random_ids(30, seed=12)])[:batch]
+    mask = torch.ones_like(ids)
+    mask[-1, :5] = 0
+
+    def run():
+        seen = []
+        r = generate(tiny, input_ids=ids, attention_mask=mask, policy="knorm", budget=14, max_new_tokens=20,
+                     slack=slack, stop_at_eos=False, policy_params={"interval": interval}, prefill_policy=prefill,
+                     observer=lambda cache: seen.append([layer.positions.clone() for layer in cache.layers]))
+        return r.tokens, seen
+
+    cached = run()
+    monkeypatch.setattr(KeyNorm, "update", lambda self, view: None)
+    monkeypatch.setattr(KeyNorm, "score", lambda self, view: -view.keys.float().norm(dim=-1))
+    before = run()
+    assert torch.equal(cached[0], before[0])
+    assert len(cached[1]) == len(before[1]) == 20  # the prefill and 19 decode steps
+    assert all(torch.equal(a, b) for step_a, step_b in zip(cached[1], before[1]) for a, b in zip(step_a, step_b))

@@ -353,7 +353,58 @@ def test_random_draws_follow_the_token_not_its_slot():
     assert abs(torch.corrcoef(torch.stack([base.flatten(), draw(positions, step=2).flatten()]))[0, 1]) < 0.06
 
 
+def _random_scores_before(seed, view):
+    """The random policy's scoring as it was before its hash of (seed, layer, step, head) moved to the host (every
+    step of it on int64 tensors, float64 division), for one layer's view."""
+    def mix(x):
+        x = x & 0xFFFFFFFF
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    key = mix(mix(mix(torch.tensor(seed, dtype=torch.int64)) ^ view.layer) ^ view.step)
+    heads = torch.arange(view.positions.shape[1])[None, :, None]
+    return mix(mix(key ^ heads) ^ view.positions.clamp(min=0)).to(torch.float64).div(2.0**32).to(torch.float32)
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**31 - 1])
+@pytest.mark.parametrize("L, B, H, T", [(1, 1, 1, 1), (3, 2, 3, 50), (30, 8, 3, 300)])
+def test_random_stacked_scores_are_each_layers_own(seed, L, B, H, T):
+    """Of a view that stacks ``L`` layers' rows (layer-major, ``LayerView.layers``), the random policy scores every
+    row as its own layer's view is scored, and both bit for bit as the scoring before the host-side hash."""
+    g = torch.Generator().manual_seed(seed % 1000 + T)
+    positions = torch.randint(-1, 10**6, (L * B, H, T), generator=g)
+    policy = make_policy("random", seed=seed).resolve(10)
+    layers = tuple(range(5, 5 + L))
+    for step in (0, 1, 4093):
+        stacked = policy.score(LayerView(layer=layers[0], step=step, keys=None, values=None, positions=positions,
+                                         n_new=1, layers=layers if L > 1 else None))
+        for i, layer in enumerate(layers):
+            one = LayerView(layer=layer, step=step, keys=None, values=None, positions=positions[i * B:(i + 1) * B],
+                            n_new=1)
+            assert torch.equal(stacked[i * B:(i + 1) * B], policy.score(one)), f"layer {layer}, step {step}"
+            assert torch.equal(policy.score(one), _random_scores_before(seed, one)), f"layer {layer}, step {step}"
+
+
 # -- 7. RoCo ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("R, H, T", [(1, 1, 1), (3, 2, 17), (6, 3, 64)])
+@pytest.mark.parametrize("sizes", ["same", "each", "some zero"])
+def test_roco_scope_is_the_stable_argsorts_first(R, H, T, sizes):
+    """`lowest_first` (RoCo's scope by selection) chooses in every row and head the slots a stable ascending argsort
+    puts first, ties (many: few distinct values, infinities as the out-of-scope slots) to the lower slot."""
+    from learnkv.policies.roco import lowest_first
+
+    g = torch.Generator().manual_seed(R * 100 + T)
+    for trial in range(20):
+        values = torch.randint(0, 5, (R, H, T), generator=g).float()
+        values[torch.rand(R, H, T, generator=g) < 0.2] = float("inf")
+        drawn = torch.randint(0, T + 1, (R,), generator=g).tolist()
+        n = {"same": [drawn[0]] * R, "each": drawn, "some zero": [0] + drawn[1:]}[sizes]
+        rank = torch.argsort(values, dim=-1, stable=True)
+        order = torch.empty_like(rank).scatter_(-1, rank, torch.arange(T).expand_as(rank))
+        assert torch.equal(lowest_first(values, n), order < torch.tensor(n).view(-1, 1, 1)), f"trial {trial}"
 
 
 def roco_reference_victims(stats, cached, keep, n_recent=10, recent_ratio=0.3):

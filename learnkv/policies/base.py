@@ -60,9 +60,13 @@ class LayerView:
         Where False, ``update`` may skip what only ``score`` reads (the learned policy's feature read-out on the
         kernel path); ``score`` must still work if called (True unless the cache knows better).
 
+    layers : tuple[int, ...] or None
+        The layers of a view that holds the rows of several (see below), in the order of their rows; None for one
+        layer's view.
+
     The cache may hand a `Policy.rowwise` policy the rows of several layers in one view, layer-major along the batch
-    axis (`BudgetCache`, "Batching"): ``layer`` is then the first, and keys and values are None; `score` of a
-    policy that reads them or the layer (``reads_layer``) gets one layer's view.
+    axis (`BudgetCache`, "Batching"): ``layer`` is then the first, ``layers`` names them all, and keys and values are
+    None; `score` of a policy that reads them or the layer (``reads_layer``) gets one layer's view.
     """
 
     layer: int
@@ -78,6 +82,7 @@ class LayerView:
     state: dict[str, Tensor] = field(default_factory=dict)
     live: list[int] | None = None
     scored: bool = True
+    layers: tuple[int, ...] | None = None
 
     @property
     def valid(self) -> Tensor:

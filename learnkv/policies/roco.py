@@ -75,8 +75,31 @@ class RoCo(Policy):
         scope_size = [max(k - int(self.recent_ratio * k), live - k, 0) for k, live in zip(keep, view.live_tokens())]
         out_of_scope = protected_slots(view.positions, self.n_sink, self.n_recent) | ~view.valid
         std = std.masked_fill(out_of_scope, float("inf"))
-        rank = torch.argsort(std, dim=-1, stable=True)  # lowest std first; ties: older slot first
-        order = torch.empty_like(rank).scatter_(-1, rank, torch.arange(rank.shape[-1], device=rank.device).expand_as(rank))
-        in_scope = order < torch.tensor(scope_size, device=rank.device).view(-1, 1, 1)
-        in_scope &= ~out_of_scope
+        in_scope = lowest_first(std, scope_size) & ~out_of_scope
         return mean.masked_fill(~in_scope, float("inf"))
+
+
+def lowest_first(values: Tensor, sizes: list[int]) -> Tensor:
+    """``[R, H, T]`` bool: in each row ``r`` and head, the ``sizes[r]`` lowest values, ties to the lower slot, i.e.
+    the first ``sizes[r]`` of a stable ascending argsort (NaN-free ``values``).
+
+    Why not that argsort: it sorts every row to find one threshold (29 ms of a 36 ms score over 30 layers x 8 rows x
+    790 slots, one thread); a selection (``kthvalue``) finds the threshold in linear time, and the slots tied at it
+    are taken in slot order by a running count, so the set is the same, bit for bit. One selection per distinct
+    size (rows of different budgets: at most one per batch row)."""
+    R, H, T = values.shape
+    threshold = values.new_empty(R, H, 1)
+    size = torch.tensor(sizes, device=values.device).view(R, 1, 1)
+    if len(set(sizes)) == 1 and sizes[0] > 0:  # one budget for every row: one selection, no gathered copy
+        threshold = values.kthvalue(min(sizes[0], T), dim=-1, keepdim=True).values
+    for k in set(sizes) if len(set(sizes)) > 1 or sizes[0] == 0 else ():
+        rows = [r for r, n in enumerate(sizes) if n == k]
+        index = torch.tensor(rows, device=values.device)
+        if k == 0:  # nothing chosen: below every value
+            threshold[index] = float("-inf")
+        else:
+            threshold[index] = values[index].kthvalue(min(k, T), dim=-1, keepdim=True).values
+    below = values < threshold
+    tied = values == threshold
+    room = size - below.sum(-1, keepdim=True)  # how many of the tied slots still fit, the lower slots first
+    return below | (tied & (tied.cumsum(-1) <= room))
