@@ -20,6 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
+class _Stopped(Exception):
+    """Raised in a decode's ``on_step`` when the caller was interrupted: its `generate` unwinds, its thread ends."""
+
+
 @dataclass
 class Turned:
     """One decode's outcome: what its job returned, its prefill's seconds and each decode step's."""
@@ -41,7 +45,7 @@ def take_turns(jobs: list[Callable[[Callable[[int], None]], object]],
     turn) after each of its steps, e.g. to tick a progress bar. An exception in a job ends it (the others go on) and
     is raised here once all have ended."""
     cond = threading.Condition()
-    turn = [0]
+    turn, stopping = [0], [False]
     done = [False] * len(jobs)
     out = [Turned() for _ in jobs]
 
@@ -55,10 +59,15 @@ def take_turns(jobs: list[Callable[[Callable[[int], None]], object]],
 
     def wait_for(i: int) -> None:
         with cond:
-            cond.wait_for(lambda: turn[0] == i)
+            cond.wait_for(lambda: turn[0] == i or stopping[0])
+        if stopping[0]:
+            raise _Stopped
 
     def run(i: int) -> None:
-        wait_for(i)
+        try:
+            wait_for(i)
+        except _Stopped:
+            return
         started, calls = [time.perf_counter()], [0]
 
         def on_step(_rows: int) -> None:
@@ -77,18 +86,28 @@ def take_turns(jobs: list[Callable[[Callable[[int], None]], object]],
 
         try:
             out[i].result = jobs[i](on_step)
+        except _Stopped:
+            pass
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             out[i].error = e
         with cond:
             done[i] = True
             pass_on(i)
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(jobs))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
     for t in threads:
         t.start()
-    for t in threads:
-        while t.is_alive():
-            t.join(timeout=0.5)  # a join with a timeout lets Ctrl-C / SIGTERM reach the main thread
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(timeout=0.5)  # a join with a timeout lets Ctrl-C / SIGTERM reach the main thread
+    except BaseException:  # interrupted: each decode stops at its next step's end, then the interrupt goes on
+        with cond:
+            stopping[0] = True
+            cond.notify_all()
+        for t in threads:
+            t.join()
+        raise
     for o in out:
         if o.error is not None:
             raise o.error

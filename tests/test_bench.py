@@ -119,6 +119,41 @@ def test_turns_alternate_and_time_each_decode_alone():
     assert ratio == low == high == 2.0
 
 
+def test_turns_stop_every_decode_when_interrupted():
+    """Ctrl-C (or SIGTERM taken as it) while decodes take turns: each decode stops at the end of its step, every
+    thread has ended when the interrupt reaches the caller, and none runs on."""
+    import signal
+    import threading
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import turns
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    steps = []
+
+    def endless(on_step):
+        while True:
+            time.sleep(0.005)
+            steps.append(1)
+            on_step(1)
+
+    before = threading.active_count()
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            turns.take_turns([endless, endless, endless])
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, sigint)
+    assert threading.active_count() == before and steps
+    n = len(steps)
+    time.sleep(0.05)
+    assert len(steps) == n, "a decode ran on after the interrupt"
+
+
 def test_decode_benchmark_long_mode_in_turns(small, tmp_path):
     """`--long --interleave`: each round's decodes of a setting take turns with a full-cache decode; each speed is
     divided by its turn-mate's, the records hold the pooled ratio and its block interval, the table prints them."""
