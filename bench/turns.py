@@ -93,21 +93,27 @@ def take_turns(jobs: list[Callable[[Callable[[int], None]], object]],
         with cond:
             done[i] = True
             pass_on(i)
+            if all(done):
+                ended.set()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    ended = threading.Event()
+    threads = [threading.Thread(target=run, args=(i,), name=f"turns-{i}") for i in range(len(jobs))]
     for t in threads:
         t.start()
     try:
-        for t in threads:
-            while t.is_alive():
-                t.join(timeout=0.5)  # a join with a timeout lets Ctrl-C / SIGTERM reach the main thread
+        # waited on an event, not a join: Ctrl-C inside Python 3.11's `Thread.join` marks the joined thread stopped
+        # while it runs (bpo-45274's handling), so a later join would return at once
+        while jobs and not ended.wait(timeout=0.5):  # with a timeout, Ctrl-C / SIGTERM reach the main thread
+            pass
     except BaseException:  # interrupted: each decode stops at its next step's end, then the interrupt goes on
         with cond:
             stopping[0] = True
             cond.notify_all()
+        ended.wait()
+        raise
+    finally:
         for t in threads:
             t.join()
-        raise
     for o in out:
         if o.error is not None:
             raise o.error
