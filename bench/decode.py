@@ -291,11 +291,10 @@ def long_turns(model, keys: list[tuple], plan: tuple, args) -> dict[tuple, dict]
     results = {}
     for (name, frac), t in zip(names, turned):
         r = t.result
-        eviction_s = r.eviction_share * (r.prefill_s + r.decode_s)  # generate's share is of its wall time, turns too
         results[name, frac] = {
             "decode_tokens_per_s": sum(r.new_tokens) / t.decode_s,
             "tokens_per_s": sum(r.new_tokens) / (t.prefill_s + t.decode_s),
-            "eviction_share": eviction_s / (t.prefill_s + t.decode_s), "budgets": r.budgets, "timed_at": stamp,
+            "eviction_share": r.eviction_s / (t.prefill_s + t.decode_s), "budgets": r.budgets, "timed_at": stamp,
             "step_s": [round(x, 6) for x in t.step_s], "prefill_s": round(t.prefill_s, 6)}
     full = results["full", None]
     for res in results.values():

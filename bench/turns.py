@@ -125,15 +125,8 @@ def block_ratio_interval(base_s: list[float], other_s: list[float], block: int =
     """Speed of ``other`` relative to ``base`` (the ratio of their summed step times, base / other) and its 95%
     bootstrap interval over blocks of ``block`` consecutive steps, the two decodes' step ``k`` paired (they ran in
     turns): (ratio, low, high). A block keeps a compaction's step with the steps it serves (slack 16: one in 17)."""
-    import random
+    from learnkv.eval.stats import ratio_of_sums
 
     n = min(len(base_s), len(other_s))
     blocks = [(sum(base_s[j:j + block]), sum(other_s[j:j + block])) for j in range(0, n, block)]
-    ratio = sum(b for b, _ in blocks) / sum(o for _, o in blocks)
-    rng = random.Random(seed)
-    drawn = []
-    for _ in range(draws):
-        pick = [blocks[rng.randrange(len(blocks))] for _ in blocks]
-        drawn.append(sum(b for b, _ in pick) / sum(o for _, o in pick))
-    drawn.sort()
-    return ratio, drawn[int(0.025 * draws)], drawn[int(0.975 * draws) - 1]
+    return ratio_of_sums(blocks, n_resamples=draws, seed=seed)

@@ -70,6 +70,9 @@ class GenerationResult:
         Generated tokens (every row, up to its EOS) per second of wall time, prefill included.
     eviction_share : float
         Share of that wall time spent in policy updates, scoring, selection and compaction.
+    eviction_s : float
+        Those seconds (`BudgetCache.eviction_s`): a caller that times the decode itself (`bench/turns.py`) divides
+        them by its own time.
     """
 
     tokens: Tensor
@@ -86,6 +89,7 @@ class GenerationResult:
     decode_s: float
     tokens_per_s: float
     eviction_share: float = 0.0
+    eviction_s: float = 0.0
     prefill_policy: str | None = None
     extra: dict = field(default_factory=dict)
     layer_windows: list[int | None] | None = None  # per layer, its sliding window (None: full attention)
@@ -637,6 +641,7 @@ def _result(state: DecodeState, tokenizer, policy_obj: Policy, budgets, rows, pr
         decode_s=t2 - t1,
         tokens_per_s=sum(new_tokens) / max(t2 - t0, 1e-9),
         eviction_share=cache.eviction_s / max(t2 - t0, 1e-9),
+        eviction_s=cache.eviction_s,
         prefill_policy=prefill_rows[0].name if prefill_rows else None,
         layer_windows=windows,
         live_kv_bytes_rows=[peak_attended(cache.kept_slots, b, n, k, heads) * (per_token // heads)

@@ -74,10 +74,11 @@ def eos_token(model, token: int):
 _SCORERS: dict[tuple, str] = {}
 
 
-def scorer_for(n_layers: int, n_kv_heads: int = 2, model: str = "test") -> str:
+def scorer_for(n_layers: int, n_kv_heads: int = 2, model: str = "test", content_dim: int = 0) -> str:
     """A random-init scorer exported for a model with ``n_layers`` layers and ``n_kv_heads`` KV heads, bound to
-    ``model`` (what `learned` needs in policy matrices; the unnamed tiny model is bound by shape only)."""
-    key = (n_layers, n_kv_heads, model)
+    ``model`` (what `learned` needs in policy matrices; the unnamed tiny model is bound by shape only); with
+    ``content_dim`` (the model's head dimension), content features with random weights (they start at zero)."""
+    key = (n_layers, n_kv_heads, model, content_dim)
     if key not in _SCORERS:
         import tempfile
 
@@ -85,7 +86,10 @@ def scorer_for(n_layers: int, n_kv_heads: int = 2, model: str = "test") -> str:
         from learnkv.scorer.model import Scorer
 
         torch.manual_seed(n_layers)
-        path = export_scorer(Scorer(n_layers), tempfile.mkdtemp(prefix="learnkv-test-scorer-") + "/scorer",
+        scorer = Scorer(n_layers, content_dim=content_dim, n_heads=n_kv_heads if content_dim else 0)
+        if content_dim:
+            torch.nn.init.normal_(scorer.wc)
+        path = export_scorer(scorer, tempfile.mkdtemp(prefix="learnkv-test-scorer-") + "/scorer",
                              model=model, n_kv_heads=n_kv_heads)
         _SCORERS[key] = str(path)
     return _SCORERS[key]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import params_for, prefill_for, random_ids
+from conftest import params_for, prefill_for, random_ids, scorer_for
 from learnkv import generate
 from learnkv.cache import BudgetCache
 from learnkv.policies import make_policy
@@ -184,16 +184,20 @@ def _layer_by_layer(monkeypatch, policy: str) -> None:
 
 
 @pytest.mark.parametrize("policy", ["h2o", "tova", "roco", "streaming", "learned", "knorm", "snapkv", "random",
-                                    "learned:refresh=1"])
+                                    "learned:refresh=1", "learned:content"])
 @pytest.mark.parametrize("slack, prefill", [(0, None), (4, None), (3, "snapkv")])
 def test_stacked_layers_decide_as_layer_by_layer(tiny, monkeypatch, policy, slack, prefill):
     """A rowwise policy updates and evicts every layer of a decode step at once: the same tokens,
     the same live positions in every layer after every step, and the same policy state as layer by layer. On a
     padded batch of two prompts over the budget, with and without dead slots, and with a prefill policy (the
     decode policy then starts its state inside a stacked step). ``learned:refresh=1`` scores at every eviction, one
-    layer at a time (it reads each layer's keys and scorer) within the stacked step."""
+    layer at a time (it reads each layer's keys and scorer) within the stacked step; at its refreshes the default
+    ``learned`` reads every layer's features at once (`Learned.score_layers`), with a scorer that reads the values
+    too (``learned:content``)."""
     policy, _, refresh = policy.partition(":refresh=")
     extra = {"refresh": int(refresh)} if refresh else {}
+    if policy == "learned:content":
+        policy, extra = "learned", {"scorer": scorer_for(2, content_dim=tiny.config.head_dim)}
     ids, mask = padded_batch()
     runs = []
     for stacked in (True, False):

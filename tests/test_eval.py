@@ -19,7 +19,7 @@ from learnkv.eval import TASKS, Sample, Task, build_spec, evaluate, make_task, m
 from learnkv.eval.report import summary_table
 from learnkv.eval import metrics as M
 from learnkv.eval.run import paired, run_config
-from learnkv.eval.stats import bootstrap_ci, paired_difference
+from learnkv.eval.stats import bootstrap_ci, paired_difference, ratio_of_sums
 from learnkv.settings import batch_groups
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,6 +127,17 @@ def test_paired_difference_cancels_what_prompts_share():
     noise = paired_difference([b + (0.02 if i % 2 else -0.02) for i, b in enumerate(base)], base)
     assert not noise["excludes_zero"]
     assert paired_difference([None, 0.2], [0.1, None]) is None
+
+
+def test_ratio_of_sums_weights_units_by_their_totals():
+    # a slow unit (10 vs 5) and fast ones (1 vs 1): the totals' ratio, not the mean of the units' ratios (1.2)
+    pairs = [(10.0, 5.0)] + [(1.0, 1.0)] * 4
+    ratio, lo, hi = ratio_of_sums(pairs)
+    assert ratio == pytest.approx(14 / 9) and lo < ratio < hi and (ratio, lo, hi) == ratio_of_sums(pairs)  # seeded
+    assert ratio_of_sums([(2.0, 1.0)] * 8) == (2.0, 2.0, 2.0)
+    jittered = [(1.0 + (0.1 if i % 2 else -0.1), 1.0) for i in range(40)]
+    wide, narrow = ratio_of_sums(jittered[:8]), ratio_of_sums(jittered)  # more units, a narrower interval
+    assert wide[2] - wide[1] > narrow[2] - narrow[1] > 0
 
 
 # -- the full cache and large budgets are exact ceilings --------------------------------------------------------

@@ -56,3 +56,21 @@ def paired_difference(a: Sequence[float | None], b: Sequence[float | None], leve
         return None
     return {"mean_diff": float(np.mean(diffs)), "ci95": ci, "n": len(diffs),
             "excludes_zero": bool(ci[0] > 0 or ci[1] < 0)}
+
+
+def ratio_of_sums(pairs: Sequence[tuple[float, float]], level: float = LEVEL, n_resamples: int = N_RESAMPLES,
+                  seed: int = 0) -> tuple[float, float, float]:
+    """``sum(a) / sum(b)`` over paired units ``(a, b)`` and its percentile-bootstrap interval over the units:
+    ``(ratio, low, high)``. For a ratio of totals (two decodes' summed step times, blocks of steps as the units),
+    where a mean of per-unit ratios would weight a fast unit like a slow one."""
+    import random
+
+    total = sum(a for a, _ in pairs) / sum(b for _, b in pairs)
+    rng = random.Random(seed)
+    drawn = []
+    for _ in range(n_resamples):
+        pick = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        drawn.append(sum(a for a, _ in pick) / sum(b for _, b in pick))
+    drawn.sort()
+    tail = (1.0 - level) / 2
+    return total, drawn[int(tail * n_resamples)], drawn[int((1.0 - tail) * n_resamples) - 1]
