@@ -233,11 +233,19 @@ def fill_unknown_norms(cached: Tensor, x: Tensor) -> Tensor:
     (the newest slots, where the cache appends): those computed from ``x`` from the first column holding one to the
     end, written in place; returns ``cached``. A token's norm is the same computed alone or with others (one row's
     reduction), so the filled state equals `token_norms` of every token."""
-    unknown = (cached < 0).flatten(0, -2).any(0)  # [T]
+    return fill_unknown(cached, lambda t: t < 0, lambda first: token_norms(x[..., first:, :]))
+
+
+def fill_unknown(cached: Tensor, is_unknown, compute) -> Tensor:
+    """``cached [..., T]``, a per-token constant kept as state, where ``is_unknown(cached)`` marks the slots not
+    computed yet (the newest, where the cache appends): ``compute(first)`` gives the values of the columns from
+    ``first``, the first column holding an unknown one, to the end, and they are written in place where unknown;
+    returns ``cached``."""
+    unknown = is_unknown(cached).flatten(0, -2).any(0)  # [T]
     if bool(unknown.any()):
         first = int(unknown.int().argmax())
         tail = cached[..., first:]
-        tail.copy_(torch.where(tail < 0, token_norms(x[..., first:, :]), tail))
+        tail.copy_(torch.where(is_unknown(tail), compute(first), tail))
     return cached
 
 

@@ -283,3 +283,52 @@ def test_scorer_inference_path_keeps_the_scores(shape, content):
             half = feats.bfloat16()
             scorer(half, layer, values if content else None, consume=True)
             assert torch.equal(half, feats.bfloat16())  # not fp32: not its own to overwrite
+
+
+@pytest.mark.parametrize("slack, refresh, prefill, interval", DECODES)
+def test_cached_content_keeps_the_same_scores_and_slots(tiny, monkeypatch, slack, refresh, prefill, interval):
+    """A scorer with content features keeps each token's content term as state (`learned.CONTENT`, computed at its
+    first score): every score the scorer gives and every layer's slots after every step of a padded decode are bit
+    for bit those of the scorer's content term of every slot at every score (the code before), and after every step
+    each live slot's cached term is its value vector's."""
+    from conftest import scorer_for
+
+    scorer = scorer_for(2, content_dim=tiny.config.head_dim)
+    runs = []
+    for cached in (True, False):
+        if not cached:
+            monkeypatch.setattr(learned, "cached_content", lambda view, model: None)
+        scores, slots, checked = [], [], []
+        real = Scorer.forward
+
+        def record(self, *args, **kwargs):
+            out = real(self, *args, **kwargs)
+            scores.append(out.clone())
+            return out
+
+        def observe(cache):
+            slots.append([layer.positions.clone() for layer in cache.layers])
+            for i, layer in enumerate(cache.layers):
+                if learned.CONTENT in layer.state:
+                    known = (layer.positions >= 0) & ~layer.state[learned.CONTENT].isnan()
+                    model = cache.policy.decoding.scorer
+                    exact = model.content_term(layer.values, i)
+                    assert torch.equal(layer.state[learned.CONTENT][known], exact[known]), f"step {cache.step}"
+                    checked.append(int(known.sum()))
+
+        monkeypatch.setattr(Scorer, "forward", record)
+        ids = torch.cat([random_ids(40, seed=21 + i, vocab=256) for i in range(2)])
+        mask = torch.ones_like(ids)
+        mask[1, :7] = 0
+        with torch.no_grad():
+            generate(tiny, input_ids=ids, attention_mask=mask, policy="learned", budget=24, max_new_tokens=40,
+                     slack=slack, stop_at_eos=False, observer=observe,
+                     policy_params={"scorer": scorer, "refresh": refresh, "interval": interval},
+                     **({"prefill_policy": prefill} if prefill else {}))  # fmt: skip
+        monkeypatch.undo()
+        runs.append((scores, slots, sum(checked)))
+    (scores, slots, checked), (scores_before, slots_before, checked_before) = runs
+    assert checked > 0 and checked_before == 0  # the code before keeps no content term
+    assert len(scores) == len(scores_before) > 0
+    assert all(torch.equal(a, b) for a, b in zip(scores, scores_before))
+    assert all(torch.equal(a, b) for step_a, step_b in zip(slots, slots_before) for a, b in zip(step_a, step_b))

@@ -9,13 +9,19 @@ import torch
 from torch import Tensor
 
 import kernels
-from learnkv.features import NORMS, SPARE_ROWS, FeatureTracker
+from learnkv.features import NORMS, SPARE_ROWS, FeatureTracker, fill_unknown
 from learnkv.fields import setting
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import POOLING
 from learnkv.scorer.artifact import (cached_kv_heads, check_binding, load_scorer, read_artifact_manifest,
                                      trained_allocation)
 from learnkv.scorer.model import Scorer
+
+
+#: the scorer's content term of each token (`Scorer.content_term`: its value vector against the layer's content
+#: weights, a constant per token), per-token state of a scorer with content features on a CPU: NaN until the first
+#: score that sees the token computes it (`cached_content`)
+CONTENT = "s.content"
 
 
 @dataclass
@@ -145,6 +151,8 @@ class Learned(Policy):
     def update(self, view: LayerView) -> None:
         run = self._loaded(view)
         run.fused = None
+        if run.scorer.content_dim and view.positions.device.type == "cpu":
+            mark_new_content(view)
         if _fused_step(view):
             # one launch updates the state and, where the cache scores this view next (it evicts or refreshes),
             # computes the features; `score`, called right after, takes them from here (only the latest layer's are
@@ -178,8 +186,9 @@ class Learned(Policy):
         if feats is None:
             feats = self._features(tracker, view, _due_rows(view) if due_rows_only else None)
         model = model.to(feats.device)
+        content = cached_content(view, model) if model.content_dim else None
         # the features are this call's own (a fresh read-out or the fused launch's output): standardised in place
-        return model(feats, view.layer, view.values if model.content_dim else None, consume=True)
+        return model(feats, view.layer, view.values if model.content_dim else None, content=content, consume=True)
 
     @staticmethod
     def _features(tracker, view: LayerView, due: list[int] | None) -> Tensor:
@@ -195,6 +204,25 @@ class Learned(Policy):
             return feats
         idx = torch.tensor(due, device=feats.device)
         return feats.new_zeros(*view.positions.shape, feats.shape[-1]).index_copy_(0, idx, feats)
+
+
+def mark_new_content(view: LayerView) -> None:
+    """`CONTENT` of the step's new slots (the last ``n_new``; every slot where the state starts) marked unknown."""
+    if CONTENT not in view.state:
+        view.state[CONTENT] = torch.full(view.positions.shape, float("nan"), device=view.positions.device)
+    else:
+        view.state[CONTENT][..., -view.n_new :] = float("nan")
+
+
+def cached_content(view: LayerView, model: Scorer) -> Tensor | None:
+    """The content term of every slot of one layer's view, from `CONTENT` (the unknown ones computed from the
+    values first, in place: a token's once, at its first score; its value vector never changes), or None where the
+    policy keeps none (not on a CPU: the scorer computes it from the values, with no host read of what is unknown).
+    The same values as the scorer's own `Scorer.content_term` of every slot (tests/test_refresh.py)."""
+    cached = view.state.get(CONTENT)
+    if cached is None:
+        return None
+    return fill_unknown(cached, torch.isnan, lambda first: model.content_term(view.values[..., first:, :], view.layer))
 
 
 def _due_rows(view: LayerView) -> list[int] | None:
