@@ -371,10 +371,12 @@ def long_table(model, tok, names, args) -> list[dict]:
             rates = [x["decode_tokens_per_s"] for x in got]
             # a decode timed in turns is divided by its turn-mate full cache's speed
             speed = [p / x.get("paired_full_decode_tokens_per_s", f) for p, f, x in zip(rates, full, got)]
-            pooled = None
+            pooled = extra_ms = None
             if all("step_s" in x for x in got):  # the rounds' steps pooled, 16-step blocks resampled
-                pooled = block_ratio_interval([s for x in got for s in _whole_blocks(x["paired_full_step_s"])],
-                                              [s for x in got for s in _whole_blocks(x["step_s"])])
+                base_s = [s for x in got for s in _whole_blocks(x["paired_full_step_s"])]
+                own_s = [s for x in got for s in _whole_blocks(x["step_s"])]
+                pooled = block_ratio_interval(base_s, own_s)
+                extra_ms = 1000 * (sum(own_s) - sum(base_s)) / len(own_s)  # what a step costs beyond the full cache's
             records.append({
                 "mode": "long", "policy": name, "fraction": frac, "batch_size": b, "final_length": length,
                 "prompt_tokens": lengths, "new_tokens": new, "budgets": got[0]["budgets"], "threads": args.threads,
@@ -388,8 +390,8 @@ def long_table(model, tok, names, args) -> list[dict]:
                 "eviction_share": statistics.median(x["eviction_share"] for x in got),
                 # a resumed benchmark pairs runs timed in different sessions: when each was timed says so
                 "timed_at_rounds": [x.get("timed_at") for x in got],
-                **({"speed_vs_full_pooled": pooled[0], "speed_vs_full_pooled_ci95": list(pooled[1:])} if pooled
-                   else {})})
+                **({"speed_vs_full_pooled": pooled[0], "speed_vs_full_pooled_ci95": list(pooled[1:]),
+                    "step_ms_over_full": extra_ms} if pooled else {})})
     spread = f" [min, max] over {args.repeats} rounds" if args.repeats > 1 else ""
     print(f"\nlong caches: decode tokens/s (prefill excluded) relative to the full cache, paired by round "
           f"(median{spread}); eviction share of each run's time; slack {args.slack}\n")
@@ -398,8 +400,8 @@ def long_table(model, tok, names, args) -> list[dict]:
         print("each round's decodes of a setting took turns with a full-cache decode, one step each; pooled: the "
               "rounds' summed step times, 95% interval over 16-step blocks (bench/turns.py)\n")
     print("| batch | cache (prompt + new) | policy | budget | decode tok/s | vs full | eviction share |"
-          + (" pooled [95%] |" if turns else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|" if turns else ""))
+          + (" pooled [95%] | ms/step over full |" if turns else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if turns else ""))
     for r in records:
         s = r["speed_vs_full_rounds"]
         rng = f" [{min(s):.2f}, {max(s):.2f}]" if len(s) > 1 else ""
@@ -408,7 +410,8 @@ def long_table(model, tok, names, args) -> list[dict]:
         print(f"| {r['batch_size']} | {min(r['prompt_tokens'])}-{max(r['prompt_tokens'])} + {r['new_tokens']} | "
               f"{r['policy']} | {budget} | {r['decode_tokens_per_s']:.1f} | {r['speed_vs_full']:.2f}x{rng} | "
               f"{r['eviction_share']:.0%} |"
-              + (f" {r['speed_vs_full_pooled']:.3f}x [{lo:.3f}, {hi:.3f}] |" if turns else ""))
+              + (f" {r['speed_vs_full_pooled']:.3f}x [{lo:.3f}, {hi:.3f}] | {r['step_ms_over_full']:+.1f} |"
+                 if turns else ""))
     return records
 
 

@@ -155,7 +155,8 @@ def test_turns_stop_every_decode_when_interrupted():
 
 def test_decode_benchmark_long_mode_in_turns(small, tmp_path):
     """`--long --interleave`: each round's decodes of a setting take turns with a full-cache decode; each speed is
-    divided by its turn-mate's, the records hold the pooled ratio and its block interval, the table prints them."""
+    divided by its turn-mate's, the records hold the pooled ratio, its block interval and the extra milliseconds a
+    step costs, the table prints them."""
     res, out = _run_long(small, tmp_path, "0.5", "full,h2o,knorm", "--interleave")
     assert res.returncode == 0, res.stderr[-2000:]
     records = json.loads(out.read_text())
@@ -169,9 +170,11 @@ def test_decode_benchmark_long_mode_in_turns(small, tmp_path):
             [e["decode_tokens_per_s"] / e["paired_full_decode_tokens_per_s"] for e in entries])
         low, high = r["speed_vs_full_pooled_ci95"]
         assert low <= r["speed_vs_full_pooled"] <= high
+        # the same pooled steps: a step that costs more than its turn-mate's is a ratio below 1
+        assert (r["step_ms_over_full"] > 0) == (r["speed_vs_full_pooled"] < 1)
         if r["policy"] == "full":
-            assert r["speed_vs_full_pooled"] == 1.0
-    assert "pooled [95%]" in res.stdout and "| knorm | 50% (" in res.stdout
+            assert r["speed_vs_full_pooled"] == 1.0 and r["step_ms_over_full"] == 0.0
+    assert "pooled [95%]" in res.stdout and "ms/step over full" in res.stdout and "| knorm | 50% (" in res.stdout
 
 
 def _bench_decode():
