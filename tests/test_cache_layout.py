@@ -232,3 +232,52 @@ def test_stacked_layers_decide_as_layer_by_layer(tiny, monkeypatch, policy, slac
                 # NaN marks a content term not computed yet (the learned policy's `CONTENT`): equal where both are
                 assert torch.allclose(sa[layer][name], sb[layer][name], rtol=0, atol=0, equal_nan=True), \
                     f"step {step}, layer {layer}: {name} differs"
+
+
+def _roco_update_before(self, view: LayerView) -> None:
+    """RoCo's update as it was before its in-place decode step (every step: new tensors for its three statistics)."""
+    st = view.state
+    if "s1" not in st:
+        zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.positions.device)
+        st["s1"], st["s2"], st["count"] = zeros, zeros.clone(), zeros.clone()
+    q_pos = view.positions[..., -view.n_new :]
+    k_pos = view.positions
+    seen = (q_pos[..., None, :] >= k_pos[..., :, None]) & (q_pos[..., None, :] >= 0) & (k_pos[..., :, None] >= 0)
+    st["s1"] = st["s1"] + view.attn_sum
+    st["s2"] = st["s2"] + view.attn_sq_sum
+    st["count"] = st["count"] + seen.sum(-1)
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("slack, prefill", [(0, None), (4, None), (3, "snapkv")])
+def test_roco_in_place_decode_steps_keep_the_state_and_slots(tiny, monkeypatch, stacked, slack, prefill):
+    """RoCo's decode steps update its statistics in place: after every step of a padded batch the same tokens,
+    every layer's live positions and its statistics bit for bit those of the update before (new tensors each
+    step), stacked (every layer at once) and layer by layer."""
+    from learnkv.policies.roco import RoCo
+
+    if not stacked:
+        _layer_by_layer(monkeypatch, "roco")
+    ids, mask = padded_batch()
+    runs = []
+    for before in (False, True):
+        if before:
+            monkeypatch.setattr(RoCo, "update", _roco_update_before)
+        live, states = [], []
+
+        def observe(cache):
+            live.append([live_positions(layer) for layer in cache.layers])
+            states.append([{k: v.clone() for k, v in layer.state.items()} for layer in cache.layers])
+
+        result = generate(tiny, input_ids=ids, attention_mask=mask, policy="roco", budget=12, max_new_tokens=16,
+                          stop_at_eos=False, observer=observe, slack=slack, prefill_policy=prefill)
+        runs.append((result.tokens.tolist(), live, states))
+    (tokens, live, states), (tokens_before, live_before, states_before) = runs
+    assert tokens == tokens_before and len(live) == len(live_before) == 16
+    for step, (a, b, sa, sb) in enumerate(zip(live, live_before, states, states_before)):
+        for layer in range(len(a)):
+            assert torch.equal(a[layer], b[layer]), f"step {step}, layer {layer}: other tokens kept"
+            assert sa[layer].keys() == sb[layer].keys()
+            for name in sa[layer]:
+                assert torch.equal(sa[layer][name], sb[layer][name]), f"step {step}, layer {layer}: {name} differs"
+    assert all("s1" in layer for layer in states[-1])  # its statistics were compared

@@ -54,6 +54,14 @@ class RoCo(Policy):
             kernels.update_token_state(view.attn_sum, None, view.positions, view.step, 1, 0.0,
                                        s1=st["s1"], s2=st["s2"], count=st["count"])  # fmt: skip
             return
+        if "s1" in st and view.n_new == 1:
+            # a decode step, in place (a cache that preallocates the state never copies it): its one query is the
+            # newest slot, so it sees every valid slot if it is valid itself; the same values as the general path
+            valid = view.positions >= 0
+            st["s1"].add_(view.attn_sum)
+            st["s2"].add_(view.attn_sq_sum)
+            st["count"].add_(valid & valid[..., -1:])
+            return
         if "s1" not in st:
             zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.positions.device)
             st["s1"], st["s2"], st["count"] = zeros, zeros.clone(), zeros.clone()
