@@ -234,27 +234,13 @@ def test_stacked_layers_decide_as_layer_by_layer(tiny, monkeypatch, policy, slac
                     f"step {step}, layer {layer}: {name} differs"
 
 
-def _roco_update_before(self, view: LayerView) -> None:
-    """RoCo's update as it was before its in-place decode step (every step: new tensors for its three statistics)."""
-    st = view.state
-    if "s1" not in st:
-        zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.positions.device)
-        st["s1"], st["s2"], st["count"] = zeros, zeros.clone(), zeros.clone()
-    q_pos = view.positions[..., -view.n_new :]
-    k_pos = view.positions
-    seen = (q_pos[..., None, :] >= k_pos[..., :, None]) & (q_pos[..., None, :] >= 0) & (k_pos[..., :, None] >= 0)
-    st["s1"] = st["s1"] + view.attn_sum
-    st["s2"] = st["s2"] + view.attn_sq_sum
-    st["count"] = st["count"] + seen.sum(-1)
-
-
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("slack, prefill", [(0, None), (4, None), (3, "snapkv")])
 def test_roco_in_place_decode_steps_keep_the_state_and_slots(tiny, monkeypatch, stacked, slack, prefill):
     """RoCo's decode steps update its statistics in place: after every step of a padded batch the same tokens,
-    every layer's live positions and its statistics bit for bit those of the update before (new tensors each
-    step), stacked (every layer at once) and layer by layer."""
-    from learnkv.policies.roco import RoCo
+    every layer's live positions and its statistics bit for bit those of its general update at every step
+    (`roco.accumulate`, new tensors each step: the code before), stacked (every layer at once) and layer by layer."""
+    from learnkv.policies import roco
 
     if not stacked:
         _layer_by_layer(monkeypatch, "roco")
@@ -262,7 +248,7 @@ def test_roco_in_place_decode_steps_keep_the_state_and_slots(tiny, monkeypatch, 
     runs = []
     for before in (False, True):
         if before:
-            monkeypatch.setattr(RoCo, "update", _roco_update_before)
+            monkeypatch.setattr(roco.RoCo, "update", lambda self, view: roco.accumulate(view))
         live, states = [], []
 
         def observe(cache):

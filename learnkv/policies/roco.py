@@ -56,22 +56,13 @@ class RoCo(Policy):
             return
         if "s1" in st and view.n_new == 1:
             # a decode step, in place (a cache that preallocates the state never copies it): its one query is the
-            # newest slot, so it sees every valid slot if it is valid itself; the same values as the general path
+            # newest slot, so it sees every valid slot if it is valid itself; the same values as `accumulate`
             valid = view.positions >= 0
             st["s1"].add_(view.attn_sum)
             st["s2"].add_(view.attn_sq_sum)
             st["count"].add_(valid & valid[..., -1:])
             return
-        if "s1" not in st:
-            zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.positions.device)
-            st["s1"], st["s2"], st["count"] = zeros, zeros.clone(), zeros.clone()
-        # the step's queries are its new slots: each valid query sees every valid key at or before its position
-        q_pos = view.positions[..., -view.n_new :]
-        k_pos = view.positions
-        seen = (q_pos[..., None, :] >= k_pos[..., :, None]) & (q_pos[..., None, :] >= 0) & (k_pos[..., :, None] >= 0)
-        st["s1"] = st["s1"] + view.attn_sum
-        st["s2"] = st["s2"] + view.attn_sq_sum
-        st["count"] = st["count"] + seen.sum(-1)
+        accumulate(view)
 
     def score(self, view: LayerView) -> Tensor:
         st = view.state
@@ -85,6 +76,21 @@ class RoCo(Policy):
         std = std.masked_fill(out_of_scope, float("inf"))
         in_scope = lowest_first(std, scope_size) & ~out_of_scope
         return mean.masked_fill(~in_scope, float("inf"))
+
+
+def accumulate(view: LayerView) -> None:
+    """RoCo's statistics after any step (a prefill, several queries, the state's first step): each entry rebound."""
+    st = view.state
+    if "s1" not in st:
+        zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.positions.device)
+        st["s1"], st["s2"], st["count"] = zeros, zeros.clone(), zeros.clone()
+    # the step's queries are its new slots: each valid query sees every valid key at or before its position
+    q_pos = view.positions[..., -view.n_new :]
+    k_pos = view.positions
+    seen = (q_pos[..., None, :] >= k_pos[..., :, None]) & (q_pos[..., None, :] >= 0) & (k_pos[..., :, None] >= 0)
+    st["s1"] = st["s1"] + view.attn_sum
+    st["s2"] = st["s2"] + view.attn_sq_sum
+    st["count"] = st["count"] + seen.sum(-1)
 
 
 def lowest_first(values: Tensor, sizes: list[int]) -> Tensor:
