@@ -11,6 +11,7 @@ wide, so treat a borderline interval from 4-8 prompts as no evidence.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import numpy as np
@@ -63,8 +64,6 @@ def ratio_of_sums(pairs: Sequence[tuple[float, float]], level: float = LEVEL, n_
     """``sum(a) / sum(b)`` over paired units ``(a, b)`` and its percentile-bootstrap interval over the units:
     ``(ratio, low, high)``. For a ratio of totals (two decodes' summed step times, blocks of steps as the units),
     where a mean of per-unit ratios would weight a fast unit like a slow one."""
-    import random
-
     total = sum(a for a, _ in pairs) / sum(b for _, b in pairs)
     rng = random.Random(seed)
     drawn = []
