@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from learnkv.eval.stats import ratio_of_sums
+
 
 class _Stopped(Exception):
     """Raised in a decode's ``on_step`` when the caller was interrupted: its `generate` unwinds, its thread ends."""
@@ -125,8 +127,6 @@ def block_ratio_interval(base_s: list[float], other_s: list[float], block: int =
     """Speed of ``other`` relative to ``base`` (the ratio of their summed step times, base / other) and its 95%
     bootstrap interval over blocks of ``block`` consecutive steps, the two decodes' step ``k`` paired (they ran in
     turns): (ratio, low, high). A block keeps a compaction's step with the steps it serves (slack 16: one in 17)."""
-    from learnkv.eval.stats import ratio_of_sums
-
     n = min(len(base_s), len(other_s))
     blocks = [(sum(base_s[j:j + block]), sum(other_s[j:j + block])) for j in range(0, n, block)]
     return ratio_of_sums(blocks, n_resamples=draws, seed=seed)

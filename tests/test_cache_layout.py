@@ -191,9 +191,8 @@ def test_stacked_layers_decide_as_layer_by_layer(tiny, monkeypatch, policy, slac
     the same live positions in every layer after every step, and the same policy state as layer by layer. On a
     padded batch of two prompts over the budget, with and without dead slots, and with a prefill policy (the
     decode policy then starts its state inside a stacked step). ``learned:refresh=1`` scores at every eviction, one
-    layer at a time (it reads each layer's keys and scorer) within the stacked step; at its refreshes the default
-    ``learned`` reads every layer's features at once (`Learned.score_layers`), with a scorer that reads the values
-    too (``learned:content``)."""
+    layer at a time (it reads each layer's keys and scorer) within the stacked step; ``learned:content`` with a
+    scorer that reads the values too (its content term kept per token, `learned.CONTENT`)."""
     policy, _, refresh = policy.partition(":refresh=")
     extra = {"refresh": int(refresh)} if refresh else {}
     if policy == "learned:content":

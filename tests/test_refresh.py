@@ -15,7 +15,7 @@ computed once (no padding or filler slot is left unknown, to be recomputed at ev
 import pytest
 import torch
 
-from conftest import params_for, random_ids
+from conftest import params_for, random_ids, scorer_for
 from learnkv import generate
 from learnkv.features import NORMS, SPARE_ROWS, STATE, WINDOW, FeatureTracker, group_mean_max, token_norms
 from learnkv.policies import learned
@@ -291,8 +291,6 @@ def test_cached_content_keeps_the_same_scores_and_slots(tiny, monkeypatch, slack
     first score): every score the scorer gives and every layer's slots after every step of a padded decode are bit
     for bit those of the scorer's content term of every slot at every score (the code before), and after every step
     each live slot's cached term is its value vector's."""
-    from conftest import scorer_for
-
     scorer = scorer_for(2, content_dim=tiny.config.head_dim)
     runs = []
     for cached in (True, False):
