@@ -31,10 +31,12 @@ G query heads per KV head and S slots held (budget + slack / 2 on average: dead 
   (`kernels.scorer_mlp`) reads to write a score, 80: (8 + 76 + 80) / REFRESH per step (before 2026-11-28 the
   features were written at every step: 8 + 76 + 80 / REFRESH); the latest refresh's scores cloned at every
   eviction, 8.
-- selection (`kernels.select_keep`, every step once over the budget): priorities from scores and positions (read
-  twice) written as int64 keys, 4 + 16 + 8; a radix select reading the keys once per 4-bit digit of
+- eviction without compaction, every step once over the budget with slack (`kernels.mark_one_drop`): scores and
+  positions (read twice) for each row's lowest-ranked live slot, 4 + 16; before 2026-11-30 a selection (below) and
+  ~45 bytes of index, mask and position passes (`kernels.reference.mark_dead`).
+- selection (`kernels.select_keep`, at each compaction; every step without slack): priorities from scores and
+  positions (read twice) written as int64 keys, 4 + 16 + 8; a radix select reading the keys once per 4-bit digit of
   (32 + index bits) and once more to write the kept indices: 8 * (passes + 1) + 8.
-- eviction without compaction (`learnkv.cache.mark_dead`): ~45 bytes of index, mask and position passes.
 - compaction, once every ``slack`` evictions (`kernels.gather_tokens` of K, V, positions and the policy's fp32 state
   channels): each kept slot read and written, 2 * (2 * 2D + 8 + 4 * channels) / slack per step.
 
@@ -105,7 +107,9 @@ def per_slot_bytes(policy: str, m: Model, slots: int, slack: int, fixed: bool = 
         return {"attention": kv}
     if policy == "full":
         return {"attention": kv + 8}
-    evict = {"select": select_bytes(slots, 8 if fixed else 4), "mark dead": 45}
+    select = select_bytes(slots, 8 if fixed else 4)
+    # with slack a step marks its one victim, and a selection comes with each compaction; without, every step
+    evict = {"mark one drop": 4 + 16, "select": select / slack} if slack else {"select": select}
     if policy == "streaming":
         return {"attention": kv + 8, "score": 12, **evict, "compaction": 2 * (kv + 8) / slack}
     if policy == "h2o":

@@ -20,7 +20,7 @@ window). Seven
 rounds, the side that goes first alternating; per round after / before, median [min, max]. One thread.
 
 ``--step``: the per-step work of a long decode (batch 8, 3 KV heads, 790 slots; 30 layers stacked for the first two):
-marking one dead slot per row (`kernels.cpu.select_keep_one_drop` + `learnkv.slots.mark_dead` before, the victims'
+marking one dead slot per row (`kernels.cpu.select_keep_one_drop` + `kernels.reference.mark_dead` before, the victims'
 argmin and one scatter after), the learned tracker's window shift ([240, 3, 16, 790], a temporary copy before, row by
 row after; tests/test_fast_paths.py keeps the replaced code), the tracker's whole decode update with its window
 shifted (before) or kept among `learnkv.features.SPARE_ROWS` spare rows (after), and SnapKV's 64-row window
@@ -76,8 +76,7 @@ from test_scoring_speed import avg_pool_before, near_keys, redundancy_before, re
 
 import learnkv.features as features  # noqa: E402
 
-from kernels.cpu import one_drop_victims, select_keep_one_drop  # noqa: E402
-from learnkv.cache import mark_victims  # noqa: E402
+from kernels.cpu import mark_victims, one_drop_victims, select_keep_one_drop  # noqa: E402
 from learnkv.eval.stats import bootstrap_ci  # noqa: E402
 from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker, group_mean_max  # noqa: E402
 from learnkv.features import SPARE_ROWS as FEATURE_SPARE_ROWS  # noqa: E402
@@ -85,7 +84,7 @@ from learnkv.scorer.model import Scorer  # noqa: E402
 from learnkv.policies.snapkv import SPARE_ROWS, SnapKV  # noqa: E402
 from learnkv.policies import rkv  # noqa: E402
 from learnkv.policies.snapkv import avg_pool  # noqa: E402
-from learnkv.slots import mark_dead  # noqa: E402
+from kernels.reference import mark_dead  # noqa: E402
 
 
 def clock(fn, n: int) -> float:

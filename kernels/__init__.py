@@ -4,10 +4,11 @@ Keep this file cheap and free of side effects: `kernels` is also the name of a H
 transformers probes for at import time, so nothing heavy (torch, triton) is imported here at module level.
 The public functions import their implementation on first call.
 
-Every public function has a reference with the same signature in `kernels.reference` (the spec and the CPU path)
-and a Triton launcher in its own module (`kernels.select`, `kernels.compact`, `kernels.decode_attn`,
-`kernels.block_score`, `kernels.state_update`, `kernels.scorer`, `kernels.features`); `kernels.cpu` holds shortcuts
-of the references for common cases of the CPU decode loop, bit-equal to them. No module may be named after
+Every public function has a reference with the same signature in `kernels.reference` (the spec and the CPU
+path; `mark_one_drop` also takes the rows' live counts, which its reference needs not) and a Triton launcher in
+its own module (`kernels.select`, `kernels.compact`, `kernels.decode_attn`, `kernels.block_score`,
+`kernels.state_update`, `kernels.scorer`, `kernels.features`); `kernels.cpu` holds shortcuts of the references for
+common cases of the CPU decode loop, bit-equal to them. No module may be named after
 a public function: importing `kernels.<name>` binds the attribute `kernels.<name>` to the module and would shadow
 the function.
 
@@ -27,6 +28,7 @@ import os
 
 __all__ = [
     "select_keep",
+    "mark_one_drop",
     "gather_tokens",
     "decode_attention",
     "block_scores",
@@ -128,6 +130,26 @@ def select_keep(scores, positions, keep, n_sink, n_recent, block_size=1, live=No
                 return index
         from kernels.reference import select_keep_reference as impl
     return impl(scores, positions, keep, n_sink, n_recent, block_size)
+
+
+def mark_one_drop(scores, positions, keep, n_sink, n_recent, live) -> bool:
+    """Mark every slot `select_keep` (token granularity) would drop dead, in place, where no row drops more than
+    one of its ``live`` slots (one int, or one per row: the caller's host-side counts); see
+    `kernels.reference.mark_one_drop_reference`. Returns False, marking nothing, outside that case, or on the
+    torch path where its argmin leaves the case to the reference (`kernels.cpu.mark_one_drop`)."""
+    from kernels.cpu import one_drop_rows
+
+    B, H, T = scores.shape
+    if one_drop_rows(keep, live, B, H, T) is None:
+        return False
+    if _use_triton(scores, positions):
+        from kernels.select import mark_one_drop as impl
+
+        impl(scores, positions, keep, n_sink, n_recent)
+        return True
+    from kernels.cpu import mark_one_drop as impl
+
+    return impl(scores, positions, keep, n_sink, n_recent, live)
 
 
 def gather_tokens(x, index, dim, out=None):

@@ -12,6 +12,37 @@ from torch import Tensor
 from kernels.reference import per_row, protected_slots
 
 
+def one_drop_rows(keep, live, B: int, H: int, T: int) -> list[int] | None:
+    """Each row's drop (0 or 1) from its ``keep`` and ``live`` slots (one int, or one per row; host values), or None
+    where a row drops more than one live slot, keeps more slots than it has, or there is no row."""
+    keeps = [keep] * B if isinstance(keep, int) else list(keep)
+    lives = [live] * B if isinstance(live, int) else list(live)
+    drops = [n - k for n, k in zip(lives, keeps)]
+    if B * H == 0 or any(d not in (0, 1) for d in drops) or max(keeps) > T:
+        return None
+    return drops
+
+
+def mark_victims(positions: Tensor, victim: Tensor, drops: list[int]) -> None:
+    """Mark the slot ``victim [B, H, 1]`` of every row whose drop is 1 dead (position -1), in place."""
+    if all(drops):
+        positions.scatter_(-1, victim, -1)
+    elif any(drops):
+        dropping = torch.tensor(drops, dtype=torch.bool, device=victim.device).view(-1, 1, 1)
+        positions.scatter_(-1, victim, positions.gather(-1, victim).masked_fill(dropping, -1))
+
+
+def mark_one_drop(scores: Tensor, positions: Tensor, keep, n_sink, n_recent, live) -> bool:
+    """`kernels.reference.mark_one_drop_reference` where no row drops more than one live slot: each dropping row's
+    victim (`one_drop_victims`) marked dead in place; False, marking nothing, where the argmin leaves the case to
+    the reference."""
+    found = one_drop_victims(scores, positions, keep, n_sink, n_recent, live)
+    if found is None:
+        return False
+    mark_victims(positions, *found)
+    return True
+
+
 def one_drop_victims(scores: Tensor, positions: Tensor, keep, n_sink, n_recent,
                      live) -> tuple[Tensor, list[int]] | None:
     """The slot each ``(b, h)`` row drops when no row drops more than one live slot: ``victim [B, H, 1]`` and each
@@ -25,10 +56,8 @@ def one_drop_victims(scores: Tensor, positions: Tensor, keep, n_sink, n_recent,
     the mask made back from it cost ~3x this argmin.
     """
     B, H, T = scores.shape
-    keeps = [keep] * B if isinstance(keep, int) else list(keep)
-    lives = [live] * B if isinstance(live, int) else list(live)
-    drops = [n - k for n, k in zip(lives, keeps)]
-    if B * H == 0 or any(d not in (0, 1) for d in drops) or max(keeps) > T:
+    drops = one_drop_rows(keep, live, B, H, T)
+    if drops is None:
         return None
     valid = positions >= 0
     # the reference's priorities on live slots (protected ones +inf; a protected slot is never dead), dead ones +inf

@@ -164,6 +164,22 @@ def select_keep_reference(
     return torch.where(key >= T, key - T, torch.full_like(key, -1))
 
 
+def mark_dead(positions: Tensor, index: Tensor) -> None:
+    """Set the position of every slot not in ``index [B, H, K]`` (kept slots, -1 = none) to -1, in place."""
+    T = positions.shape[-1]
+    slot = torch.where(index >= 0, index, T)  # -1 entries mark the extra column, dropped below
+    kept = torch.zeros((*index.shape[:2], T + 1), dtype=torch.bool, device=index.device)
+    positions.masked_fill_(~kept.scatter_(-1, slot, True)[..., :T], -1)  # writes through to the buffer
+
+
+def mark_one_drop_reference(scores: Tensor, positions: Tensor, keep, n_sink, n_recent) -> None:
+    """Mark every slot `select_keep_reference` (token granularity) drops dead (position -1), in place.
+
+    The cache's eviction without compaction; its kernel is exact where no row drops more than one live slot (the
+    decode step of a policy that evicts at each overflow), which the caller knows on the host."""
+    mark_dead(positions, select_keep_reference(scores, positions, keep, n_sink, n_recent))
+
+
 def gather_tokens_reference(x: Tensor, index: Tensor, dim: int, out: Tensor | None = None) -> Tensor:
     """Gather kept slots along the token axis.
 

@@ -64,13 +64,12 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 import kernels
-from kernels.cpu import one_drop_victims
-from kernels.reference import protected_slots
+from kernels.reference import mark_dead, protected_slots
 from learnkv.allocation import (Allocation, allocate, as_allocation, head_budgets, keep_slots, normalisation_for,
                                 normalise_scores)
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import shared_keep_slots
-from learnkv.slots import BudgetLayer, Link, link_layers, mark_dead
+from learnkv.slots import BudgetLayer, Link, link_layers
 
 
 def blind_prefill_error(policy: Policy, prompt_tokens: int, budget: int) -> str | None:
@@ -117,15 +116,6 @@ def _gather_slots(stat: Tensor, index: Tensor) -> Tensor:
     idx = index.clamp(min=0).view(B, H, *([1] * (stat.dim() - 3)), K).expand(*stat.shape[:-1], K)
     filler = (index < 0).view(B, H, *([1] * (stat.dim() - 3)), K)
     return stat.gather(-1, idx).masked_fill(filler, 0)
-
-
-def mark_victims(positions: Tensor, victim: Tensor, drops: list[int]) -> None:
-    """Mark the slot ``victim [B, H, 1]`` of every row whose drop is 1 dead (position -1), in place."""
-    if all(drops):
-        positions.scatter_(-1, victim, -1)
-    elif any(drops):
-        dropping = torch.tensor(drops, dtype=torch.bool, device=victim.device).view(-1, 1, 1)
-        positions.scatter_(-1, victim, positions.gather(-1, victim).masked_fill(dropping, -1))
 
 
 #: the state entry a refreshing policy's latest scores are kept in (`Policy.refresh`)
@@ -549,17 +539,16 @@ class BudgetCache(Cache):
     def _mark_one_drop(self, layers: list[BudgetLayer], positions: Tensor, scores: Tensor, keep: list[int],
                        sinks: list[int], recents: list[int]) -> bool:
         """A token eviction that drops at most one live slot per row and does not compact (`_compacts`): mark each
-        dropping row's victim dead in place (`kernels.cpu.one_drop_victims`), without the kept index
-        `kernels.select_keep` would build and `mark_dead` turn back into a mask; the same live slots, bit for bit.
-        Returns whether it did (else the caller selects and keeps slots as usual)."""
+        dropping row's victim dead in place (`kernels.mark_one_drop`), without the kept index `kernels.select_keep`
+        would build and `mark_dead` turn back into a mask; the same live slots, bit for bit. Returns whether it did
+        (else the caller selects and keeps slots as usual)."""
         L, first = len(layers), layers[0]
-        if max(keep) > first.n_slots or self._compacts(first, max(keep)) or kernels.use_triton(scores, positions):
+        if max(keep) > first.n_slots or self._compacts(first, max(keep)):
             return False
-        found = one_drop_victims(scores, positions, _one_or_rows(keep * L), _one_or_rows(sinks * L),
-                                 _one_or_rows(recents * L), first.live * L)
-        if found is None:
+        # a stacked view writes through to every layer's positions
+        if not kernels.mark_one_drop(scores, positions, _one_or_rows(keep * L), _one_or_rows(sinks * L),
+                                     _one_or_rows(recents * L), first.live * L):  # fmt: skip
             return False
-        mark_victims(positions, *found)  # a stacked view writes through to every layer's positions
         for layer in layers:
             layer.live = list(keep)
         return True

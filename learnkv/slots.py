@@ -2,13 +2,14 @@
 
 A `BudgetLayer` stores; it does not decide. `learnkv.cache.BudgetCache` decides which slots each row keeps (scores ->
 kept slots) and then has its layers compact to them (`BudgetLayer.keep_slots`) or marks the others dead in place
-(`mark_dead`). `link_layers` makes every layer's positions and state rows of one buffer each, so that one op
-updates or marks the whole model (the cache's stacked decode steps).
+(`kernels.reference.mark_dead`). `link_layers` makes every layer's positions and state rows of one buffer each, so
+that one op updates or marks the whole model (the cache's stacked decode steps).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Protocol
 
 import torch
@@ -29,14 +30,6 @@ class SlotOwner(Protocol):
     windows: dict[int, int | None]  # per layer: its sliding window (None: full attention)
 
     def slots_to_allocate(self, need: int, current: int, window: int | None = None) -> int: ...
-
-
-def mark_dead(positions: Tensor, index: Tensor) -> None:
-    """Set the position of every slot not in ``index [B, H, K]`` (kept slots, -1 = none) to -1, in place."""
-    T = positions.shape[-1]
-    slot = torch.where(index >= 0, index, T)  # -1 entries mark the extra column, dropped below
-    kept = torch.zeros((*index.shape[:2], T + 1), dtype=torch.bool, device=index.device)
-    positions.masked_fill_(~kept.scatter_(-1, slot, True)[..., :T], -1)  # writes through to the buffer
 
 
 def _channel_view(packed: Tensor, first: int, extra: tuple[int, ...], axis: int) -> Tensor:
@@ -67,7 +60,9 @@ class BudgetLayer(DynamicLayer):
     def __init__(self, layer_idx: int, owner: SlotOwner):
         super().__init__()
         self.layer_idx = layer_idx
-        self.owner = owner
+        # a weak reference: the cache holds its layers, so a strong one back would make a cycle that only the garbage
+        # collector frees, and a decode's KV (GBs on a GPU) would outlive it until a collection
+        self.owner = weakref.proxy(owner)
         self.positions: Tensor | None = None  # [B, H, T] int64, -1 = padding or a dead slot
         self.state: dict[str, Tensor] = {}
         self.n_new = 0

@@ -1,5 +1,5 @@
-"""What the kernel tests share: per-case seeded inputs, poisoned allocations, and a close-enough check that names
-the failing output."""
+"""What the kernel tests share: per-case seeded inputs (a one-drop decode step's among them), poisoned allocations,
+and a close-enough check that names the failing output."""
 
 import contextlib
 import zlib
@@ -28,6 +28,33 @@ def poisoned():
         mp.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
         mp.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
         yield
+
+
+def one_drop_case(B, H, T, g, kind):
+    """Scores, positions, per-row keep and live counts of a decode step: rows left-padded or with dead slots, every
+    (b, h) of a row with the same number of live slots, each row over its budget by one or not at all."""
+    pos = torch.full((B, H, T), -1, dtype=torch.int64)
+    lives = []
+    for b in range(B):
+        n_live = int(torch.randint(max(1, T // 2), T + 1, (1,), generator=g))  # a row near its budget
+        lives.append(n_live)
+        for h in range(H):  # a random ascending set of live slots per head (dead ones anywhere: slack, padding)
+            slots = torch.randperm(T, generator=g)[:n_live].sort().values
+            pos[b, h, slots] = torch.arange(n_live) * 2 + int(torch.randint(0, 3, (1,), generator=g))
+    if kind == "ties":
+        scores = torch.randint(0, 3, (B, H, T), generator=g).float()
+    elif kind == "special":  # inf on live slots ties with the protected ones; -inf and NaN force the fallback
+        scores = torch.randn(B, H, T, generator=g)
+        pick = torch.rand(B, H, T, generator=g)
+        scores[pick < 0.05] = float("inf")
+        scores[(pick > 0.05) & (pick < 0.07)] = float("-inf")
+        scores[(pick > 0.07) & (pick < 0.08)] = float("nan")
+    else:
+        scores = torch.randn(B, H, T, generator=g)
+    keeps = [n - int(torch.rand(1, generator=g) < 0.7) for n in lives]
+    if kind == "over":  # one row drops two: not this shortcut's case
+        keeps[0] = lives[0] - 2
+    return scores, pos, keeps, lives
 
 
 def assert_close(name, expected, actual, atol, rtol):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import params_for, random_ids
+from kernel_checks import one_drop_case
 from kernels import reference as ref
 from learnkv import generate
 from learnkv.features import FeatureTracker, group_mean_max, window_std
@@ -49,33 +50,6 @@ def test_select_keep_token_path_equals_the_rank_formulation(B, H, T, ties, per_r
         n_sink, n_recent = trial % 3, trial % 5
         expected = rank_select(scores, pos, keep, n_sink, n_recent)
         assert torch.equal(ref.select_keep_reference(scores, pos, keep, n_sink, n_recent), expected), f"trial {trial}"
-
-
-def one_drop_case(B, H, T, g, kind):
-    """Scores, positions, per-row keep and live counts of a decode step: rows left-padded or with dead slots, every
-    (b, h) of a row with the same number of live slots, each row over its budget by one or not at all."""
-    pos = torch.full((B, H, T), -1, dtype=torch.int64)
-    lives = []
-    for b in range(B):
-        n_live = int(torch.randint(max(1, T // 2), T + 1, (1,), generator=g))  # a row near its budget
-        lives.append(n_live)
-        for h in range(H):  # a random ascending set of live slots per head (dead ones anywhere: slack, padding)
-            slots = torch.randperm(T, generator=g)[:n_live].sort().values
-            pos[b, h, slots] = torch.arange(n_live) * 2 + int(torch.randint(0, 3, (1,), generator=g))
-    if kind == "ties":
-        scores = torch.randint(0, 3, (B, H, T), generator=g).float()
-    elif kind == "special":  # inf on live slots ties with the protected ones; -inf and NaN force the fallback
-        scores = torch.randn(B, H, T, generator=g)
-        pick = torch.rand(B, H, T, generator=g)
-        scores[pick < 0.05] = float("inf")
-        scores[(pick > 0.05) & (pick < 0.07)] = float("-inf")
-        scores[(pick > 0.07) & (pick < 0.08)] = float("nan")
-    else:
-        scores = torch.randn(B, H, T, generator=g)
-    keeps = [n - int(torch.rand(1, generator=g) < 0.7) for n in lives]
-    if kind == "over":  # one row drops two: not this shortcut's case
-        keeps[0] = lives[0] - 2
-    return scores, pos, keeps, lives
 
 
 @pytest.mark.parametrize("B, H, T", [(1, 1, 1), (1, 3, 17), (2, 2, 33), (4, 3, 129), (16, 3, 40)])
@@ -209,11 +183,10 @@ def test_state_buffers_are_zero_past_the_slots_in_use(tiny, policy, slack):
 @pytest.mark.parametrize("one_keep", [False, True])
 def test_marking_the_victims_leaves_the_reference_slots(B, H, T, kind, one_keep):
     """A one-drop step that does not compact marks each dropping row's victim dead (`kernels.cpu.one_drop_victims`,
-    `learnkv.cache.mark_victims`) instead of listing the kept slots and marking the rest: the same positions as
+    `kernels.cpu.mark_victims`) instead of listing the kept slots and marking the rest: the same positions as
     `mark_dead` of the reference's kept slots, and no decision where the shortcut of the selection has none."""
-    from kernels.cpu import one_drop_victims, select_keep_one_drop
-    from learnkv.cache import mark_victims
-    from learnkv.slots import mark_dead
+    from kernels.cpu import mark_victims, one_drop_victims, select_keep_one_drop
+    from kernels.reference import mark_dead
 
     g = torch.Generator().manual_seed(B * 1000 + T + 7)
     taken = 0
@@ -247,7 +220,7 @@ def test_marking_the_victims_leaves_the_reference_slots(B, H, T, kind, one_keep)
 def test_decode_marks_the_same_slots_without_a_kept_index(tiny, monkeypatch, policy, slack):
     """The cache's one-drop marking (`BudgetCache._mark_one_drop`) leaves every layer's slot positions after every
     step of a padded batch-2 decode as selecting the kept slots and marking the rest did (the shortcut off)."""
-    import learnkv.cache
+    import kernels.cpu
 
     ids = torch.cat([random_ids(30, seed=11), random_ids(30, seed=12)])
     mask = torch.ones_like(ids)
@@ -261,10 +234,10 @@ def test_decode_marks_the_same_slots_without_a_kept_index(tiny, monkeypatch, pol
         return seen
 
     calls = []
-    real = learnkv.cache.one_drop_victims
-    monkeypatch.setattr(learnkv.cache, "one_drop_victims", lambda *a: calls.append(1) or real(*a))
+    real = kernels.cpu.mark_one_drop
+    monkeypatch.setattr(kernels.cpu, "mark_one_drop", lambda *a: calls.append(1) or real(*a))
     fast = run()
-    monkeypatch.setattr(learnkv.cache, "one_drop_victims", lambda *a: None)
+    monkeypatch.setattr(kernels.cpu, "mark_one_drop", lambda *a: False)
     before = run()
     assert len(fast) == len(before) == 24
     assert all(torch.equal(a, b) for step_a, step_b in zip(fast, before) for a, b in zip(step_a, step_b))
@@ -431,3 +404,15 @@ def test_knorm_cached_norms_keep_what_every_keys_norm_kept(tiny, monkeypatch, sl
     assert torch.equal(cached[0], before[0])
     assert len(cached[1]) == len(before[1]) == 20  # the prefill and 19 decode steps
     assert all(torch.equal(a, b) for step_a, step_b in zip(cached[1], before[1]) for a, b in zip(step_a, step_b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 3, 17, 64), (8, 3, 800, 64), (4, 8, 300, 128)])
+def test_token_norms_upcast_in_the_reduction_as_after_a_copy(dtype, shape):
+    """`learnkv.features.token_norms` upcasts inside the reduction (no fp32 copy of the keys): the norms of the
+    fp32 copy it replaced, bit for bit, contiguous or not."""
+    from learnkv.features import token_norms
+
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))) * 3).to(dtype)
+    for view in (x, x.transpose(-1, -2).contiguous().transpose(-1, -2)):
+        assert torch.equal(token_norms(view), view.float().norm(dim=-1))

@@ -30,6 +30,7 @@ interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="tests the interpr
 LAUNCHERS = {
     "decode_attention": ("kernels.decode_attn", "decode_attention"),
     "select_keep": ("kernels.select", "select_keep"),
+    "mark_one_drop": ("kernels.select", "mark_one_drop"),
     "gather_tokens": ("kernels.compact", "gather_tokens"),
     "update_token_state": ("kernels.state_update", "update_token_state"),
     "scorer_mlp": ("kernels.scorer", "scorer_mlp"),
@@ -52,9 +53,10 @@ POLICY_CASES = [  # policy, extra generate arguments, launchers that must run
     pytest.param("h2o", {"granularity": "block", "block_size": 4}, EVICTION + ("update_token_state",),
                  id="h2o-shared-blocks"),
     # dead slots (position -1) stay in the cache between compactions: every kernel must mask them as padding
-    pytest.param("h2o", {"slack": 3}, EVICTION + ("update_token_state",), id="h2o-slack"),
+    # (and a decode step that evicts one slot without compacting marks it dead in place: `mark_one_drop`)
+    pytest.param("h2o", {"slack": 3}, EVICTION + ("update_token_state", "mark_one_drop"), id="h2o-slack"),
     pytest.param("learned", {"policy_params": {"n_sink": 1, "n_recent": 2, "refresh": 2}, "slack": 3},
-                 EVICTION + ("scorer_mlp", "decode_features"), id="learned-slack-refresh2"),
+                 EVICTION + ("scorer_mlp", "decode_features", "mark_one_drop"), id="learned-slack-refresh2"),
 ]
 
 
@@ -257,6 +259,8 @@ def _specialization(fn, args: dict) -> tuple[tuple, dict]:
 @pytest.mark.parametrize("policy, extra", [
     pytest.param("learned", {"policy_params": {"n_sink": 1, "n_recent": 2}}, id="learned"),
     pytest.param("h2o", {}, id="h2o"),
+    pytest.param("tova", {}, id="tova"),
+    pytest.param("knorm", {}, id="knorm"),
     pytest.param("paged", {"policy_params": {"block_size": 4}}, id="paged"),
 ])  # fmt: skip
 def test_a_decode_never_recompiles_a_kernel(tiny, monkeypatch, policy, extra):
@@ -293,8 +297,9 @@ def test_a_decode_never_recompiles_a_kernel(tiny, monkeypatch, policy, extra):
 
 def test_step_profiler_runs(monkeypatch, capsys):
     """`bench/profile_step.py` (what a GPU lease runs to find host time and syncs) prints each policy's step and
-    its launches."""
-    monkeypatch.setenv("LEARNKV_KERNELS", "torch")
+    its launches; on a GPU, with the kernels it would run there, no device-to-host sync in a step (the torch
+    references sync: `select_keep_reference`'s per-row budget, the CPU argmin shortcut's fallback check)."""
+    monkeypatch.setenv("LEARNKV_KERNELS", "auto" if torch.cuda.is_available() else "torch")
     with torch.random.fork_rng():  # the script seeds the global generator
         _bench_script("profile_step").main(["--policies", "h2o,learned", "--batch", "1", "--context", "64", "--steps",
                                             "2", "--layers", "1", "--top", "3"])  # fmt: skip

@@ -18,13 +18,13 @@ import torch
 
 from conftest import prefill_for
 from kernels import reference as ref
-from kernel_checks import assert_close, assert_compiles_for_h100, assert_nan_parity, gen, poisoned
+from kernel_checks import assert_close, assert_compiles_for_h100, assert_nan_parity, gen, one_drop_case, poisoned
 
 pytest.importorskip("triton")
 from kernels.block_score import block_scores  # noqa: E402
 from kernels.compact import gather_tokens  # noqa: E402
 from kernels.decode_attn import decode_attention  # noqa: E402
-from kernels.select import select_keep  # noqa: E402
+from kernels.select import mark_one_drop, select_keep  # noqa: E402
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
@@ -92,6 +92,59 @@ def test_select_keep_special_values():
         with poisoned():
             actual = select_keep(s.to(DEVICE), pos.to(DEVICE), keep, 1, 1)
         assert torch.equal(actual.cpu(), expected), f"keep {keep}: {actual.tolist()} != {expected.tolist()}"
+
+
+@pytest.mark.parametrize("B, H, T", [(1, 1, 1), (1, 3, 17), (2, 2, 33), (4, 3, 129), (16, 3, 40)])
+@pytest.mark.parametrize("kind", ["randn", "ties", "special", "bf16"])
+@pytest.mark.parametrize("block_t", [None, 16])
+def test_mark_one_drop(request, B, H, T, kind, block_t):
+    """The one-drop kernel (the cache's eviction without compaction at a decode step) marks dead exactly the slots
+    the reference's selection drops, in place, in rows that drop one live slot or none: one keep or one per row,
+    per-row sinks and windows, ties, inf, -inf on live slots (tied with the dead ones, the oldest of the tie go),
+    NaN, bf16 scores, positions a strided view of a larger buffer, rows in one chunk or several."""
+    g = gen(request.node.callspec.id)
+    for trial in range(6):
+        scores, pos, keeps, lives = one_drop_case(B, H, T, g, "ties" if kind == "ties" else "special" if kind ==
+                                                  "special" else "randn")  # fmt: skip
+        scores = scores.to(torch.bfloat16) if kind == "bf16" else scores
+        if trial % 2:  # one keep for every row
+            keeps, lives = [keeps[0]] * B, [lives[0]] * B
+            pos[:] = pos[:1]
+        keep = keeps[0] if trial % 2 else keeps
+        per_row = trial >= 4  # per-row sinks and windows
+        n_sink, n_recent = ([b % 3 for b in range(B)], [b % 4 for b in range(B)]) if per_row else (trial % 3, trial % 5)
+        expected = pos.clone()
+        ref.mark_one_drop_reference(scores, expected, keep, n_sink, n_recent)
+        buffer = torch.full((B, H, T + 5), -7, dtype=torch.int64)  # the cache's positions: a view of its buffer
+        buffer[..., :T] = pos
+        buffer = buffer.to(DEVICE)
+        mark_one_drop(scores.to(DEVICE), buffer[..., :T], keep, n_sink, n_recent, block_t=block_t)
+        assert torch.equal(buffer[..., :T].cpu(), expected), f"trial {trial}:\n{buffer[..., :T]}\n{expected}"
+        assert (buffer[..., T:] == -7).all(), "wrote past the view"
+
+
+def test_mark_one_drop_special_values():
+    """Padding, protected slots, inf, -inf, NaN and -0.0 rank exactly as in the reference, every keep that drops
+    one live slot or none; -inf on live slots in every place of the tie with the dead ones."""
+    s = torch.tensor([[[0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.0, -0.0, 0.0, 2.0, float("nan")]]])
+    for dead in ([0, 1], [3], [0, 9], []):
+        pos = torch.arange(10).view(1, 1, 10).clone()
+        pos[..., dead] = -1
+        live = 10 - len(dead)
+        for keep in (live - 1, live, live + 1):
+            for n_sink, n_recent in ((1, 1), (0, 0), (0, 3)):
+                expected = pos.clone()
+                ref.mark_one_drop_reference(s, expected, keep, n_sink, n_recent)
+                actual = pos.clone().to(DEVICE)
+                mark_one_drop(s.to(DEVICE), actual, keep, n_sink, n_recent)
+                assert torch.equal(actual.cpu(), expected), f"dead {dead}, keep {keep}: {actual.tolist()}"
+
+
+def test_mark_one_drop_launcher_syncs():
+    """The launcher reads nothing back from the device (host keep, sinks and windows go over in one copy)."""
+    s, pos = torch.randn(2, 2, 40).to(DEVICE), torch.arange(40).expand(2, 2, 40).clone().to(DEVICE)
+    assert count_readbacks(lambda: mark_one_drop(s, pos, 39, 4, 8)) == []
+    assert count_readbacks(lambda: mark_one_drop(s, pos, [38, 39], [4, 0], [8, 8])) == []
 
 
 def count_readbacks(fn):
@@ -505,6 +558,10 @@ for bs in (1, 16):
     build(select._select_kernel, dict(N_PASSES=12, RADIX_BITS=4, BLOCK_N=1024 // bs, BLOCK_S=bs),
           select.CUDA_WARPS_SELECT,
           key_ptr="*i64", out_ptr="*i64", keep_ptr="*i64", first_ptr="*i64", nfull_ptr="*i64")
+for dt in ("*bf16", "*fp32"):
+    build(select._one_drop_kernel, dict(IDX_BITS=select.ONE_DROP_IDX_BITS, NO_KEY=select.NO_KEY, BLOCK_T=1024),
+          select.CUDA_WARPS_ONE_DROP, scores_ptr=dt, pos_ptr="*i64", keep_ptr="*i64", sink_ptr="*i64",
+          recent_ptr="*i64")
 build(compact._gather_kernel, dict(BLOCK_K=16, BLOCK_R=128), x_ptr="*i16", idx_ptr="*i64", out_ptr="*i16")
 build(compact._gather_kernel, dict(BLOCK_K=1024, BLOCK_R=1), x_ptr="*i64", idx_ptr="*i64", out_ptr="*i64")
 for bs in (1, 16, 32, 64, 256):  # block 1: the paged policy's token scores; from 32 x D 128 on, chunked over D

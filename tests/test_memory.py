@@ -47,3 +47,29 @@ def test_the_decode_loop_hands_back_free_pages_every_few_steps(tiny, monkeypatch
     monkeypatch.setattr(decode, "release_free_heap", lambda: calls.append(1) or True)
     decode.generate(tiny, input_ids=random_ids(8), policy="h2o", budget=6, max_new_tokens=3 * decode.TRIM_EVERY)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o", "snapkv", "learned"])
+def test_a_decode_s_cache_is_freed_when_it_returns_not_at_a_garbage_collection(tiny, policy):
+    """No reference cycle holds a cache: its KV (GBs on a GPU) goes when the decode returns, as a GPU benchmark's
+    next row needs it to (the 2026-11-30 lease ran out of memory when each layer's strong link back to its cache
+    kept every earlier row's cache alive until a collection)."""
+    import gc
+
+    from conftest import params_for, prefill_for, random_ids, scorer_for
+
+    from learnkv import decode
+    from learnkv.cache import BudgetCache
+
+    params = params_for(policy, len(tiny.model.layers))
+    if policy == "learned":
+        params["scorer"] = scorer_for(len(tiny.model.layers))
+    gc.collect()
+    gc.disable()
+    try:
+        decode.generate(tiny, input_ids=random_ids(24, batch=2), policy=policy, budget=None if policy == "full" else 16,
+                        max_new_tokens=6, slack=2, policy_params=params, **prefill_for(policy))  # fmt: skip
+        alive = sum(isinstance(o, BudgetCache) for o in gc.get_objects())
+    finally:
+        gc.enable()
+    assert alive == 0
