@@ -57,6 +57,8 @@ POLICY_CASES = [  # policy, extra generate arguments, launchers that must run
     pytest.param("h2o", {"slack": 3}, EVICTION + ("update_token_state", "mark_one_drop"), id="h2o-slack"),
     pytest.param("learned", {"policy_params": {"n_sink": 1, "n_recent": 2, "refresh": 2}, "slack": 3},
                  EVICTION + ("scorer_mlp", "decode_features", "mark_one_drop"), id="learned-slack-refresh2"),
+    # key norms computed by the update on the kernel path, looked up at the score on the torch path
+    pytest.param("knorm", {"slack": 3}, EVICTION + ("mark_one_drop",), id="knorm-slack"),
 ]
 
 
