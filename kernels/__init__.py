@@ -137,17 +137,15 @@ def mark_one_drop(scores, positions, keep, n_sink, n_recent, live) -> bool:
     one of its ``live`` slots (one int, or one per row: the caller's host-side counts); see
     `kernels.reference.mark_one_drop_reference`. Returns False, marking nothing, outside that case, or on the
     torch path where its argmin leaves the case to the reference (`kernels.cpu.mark_one_drop`)."""
-    from kernels.cpu import one_drop_rows
-
-    B, H, T = scores.shape
-    if one_drop_rows(keep, live, B, H, T) is None:
-        return False
     if _use_triton(scores, positions):
+        from kernels.cpu import one_drop_rows
         from kernels.select import mark_one_drop as impl
 
+        if one_drop_rows(keep, live, *scores.shape) is None:
+            return False
         impl(scores, positions, keep, n_sink, n_recent)
         return True
-    from kernels.cpu import mark_one_drop as impl
+    from kernels.cpu import mark_one_drop as impl  # checks the case itself (`one_drop_victims`)
 
     return impl(scores, positions, keep, n_sink, n_recent, live)
 
