@@ -187,6 +187,42 @@ def test_a_retrained_global_scorer_changes_only_what_its_config_says(config, kep
     assert kept_config == new  # the kept scorer is this config's
 
 
+def test_the_10_percent_round_changes_only_the_budgets_of_the_on_policy_pipeline():
+    """configs/train-global-onpolicy-10-smollm2.yaml is the on-policy global pipeline with the tight states added:
+    traces at 10% too and the membership loss at 10% of the pool too, nothing else; its kept scorer is that
+    pipeline's round 2 (traces under round 1's scorer at `allocation=global`)."""
+    from learnkv.config import load_config, to_dict
+
+    base = _flat(to_dict(load_config(ROOT / "configs" / "train-global-onpolicy-smollm2.yaml")))
+    new = _flat(to_dict(load_config(ROOT / "configs" / "train-global-onpolicy-10-smollm2.yaml")))
+    differ = {k for k in set(new) | set(base) if new.get(k) != base.get(k)}
+    assert differ - {"out_dir", "trace_dir"} == {"collect.budgets", "train.membership_budget"}
+    assert new["collect.budgets"] == [0.1, *base["collect.budgets"]]
+    assert new["train.membership_budget"] == [0.1, *base["train.membership_budget"]]
+    kept = _flat(yaml.safe_load((ROOT / "docs" / "results" / "allocation-decode-smollm2" / "scorer-global-onpolicy-10"
+                                 / "train-config.yaml").read_text()))
+    assert kept["collect.policy"] == "learned" and kept["collect.policy_params.allocation"] == "global"
+    assert {k: v for k, v in kept.items() if not k.startswith("collect.policy") and k != "trace_dir"} == \
+        {k: v for k, v in new.items() if not k.startswith("collect.policy") and k != "trace_dir"}
+
+
+def test_the_long_allocation_columns_at_25_and_50_percent_ask_what_point_5_asks():
+    """configs/allocation-long-chain-25-50-smollm2.yaml: the 10% column's prompts, length and regime at 25% and 50%,
+    the best learned row of the 10% column under `global` (the baseline) and `uniform`, the heuristics under
+    `uniform`, `head` and `global`, and the oracle under both; each policy compresses its own prompt."""
+    ten = spec_of(parse_args(["--config", str(ROOT / "configs" / "allocation-long-chain-smollm2.yaml")]))
+    args = parse_args(["--config", str(ROOT / "configs" / "allocation-long-chain-25-50-smollm2.yaml")])
+    spec = spec_of(args)
+    assert args.source == "chain" and args.prefill_policy is None and list(spec.budgets) == [0.25, 0.5]
+    assert spec.tasks == ten.tasks and spec.limit == ten.limit == 16 and spec.seed == ten.seed
+    labels = args.policy.split(",")
+    scorer = "learned:scorer=docs/results/allocation-decode-smollm2/scorer-global-chain"
+    assert args.compare == f"{scorer}:allocation=global" and {args.compare, scorer} <= set(labels)
+    for name in ("h2o", "snapkv"):
+        assert {name, f"{name}:allocation=head", f"{name}:allocation=global"} <= set(labels)
+    assert {"tova", "tova:allocation=global", "oracle", "oracle:allocation=global"} <= set(labels)
+
+
 def test_the_unseen_source_is_the_decode_tables_prompts():
     """configs/allocation-unseen-smollm2.yaml runs the mix scorer on the decode table's own gsm_symbolic prompts, a
     source it never saw (the mix has none of it)."""
@@ -219,7 +255,8 @@ def test_the_long_allocation_column_asks_what_issue_42_point_5_asks():
 
 @pytest.mark.parametrize("name", ["long-chain-smollm2.yaml", "chain-accuracy-qwen.yaml", "gsm8k-accuracy-qwen.yaml",
                                   "chain-fidelity-qwen.yaml", "ablation-qwen.yaml",
-                                  "allocation-unseen-smollm2.yaml", "allocation-long-chain-smollm2.yaml"])
+                                  "allocation-unseen-smollm2.yaml", "allocation-long-chain-smollm2.yaml",
+                                  "allocation-long-chain-25-50-smollm2.yaml", "allocation-qwen-chain.yaml"])
 def test_a_long_table_keeps_its_records_in_git_and_they_are_a_run_of_its_config(name):
     """The long tables outlive a machine (runs/ is not kept between sessions): their configs write into docs/results/,
     whose records git keeps and whose batch references (~1 GB a prompt) it ignores. Committed records must be a run of
