@@ -4,6 +4,7 @@
     python bench/kvpress_parity.py --json runs/kvpress-parity.json
     python bench/kvpress_parity.py --rounds 1 --new-tokens 32   # a quick check that both sides run
     python bench/kvpress_parity.py --profile knorm --new-tokens 256 # cProfile of learnkv's side alone (no kvpress)
+    python bench/kvpress_parity.py --ops full,knorm,h2o         # torch operators a decode step, learnkv's side
 
 The setting (issue 43's held-out peer setting): the bundled SmolLM2-135M-Instruct in fp32, batch 1, the README
 prompt (74 tokens with the chat template), ``--new-tokens`` (1,024) greedy tokens with no stop at EOS, budget
@@ -76,6 +77,10 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, metavar="POLICY",
                    help="instead: cProfile one learnkv decode of POLICY in this setting, print the top functions")
     p.add_argument("--top", type=int, default=30, help="--profile: functions printed")
+    p.add_argument("--ops", default=None, metavar="POLICIES",
+                   help="instead: the torch operators a decode step of each learnkv policy runs once it evicts (the "
+                        "steps from --budget + 32 to + 64 new tokens; counts are exact under any load), the most "
+                        "frequent named")
     return p.parse_args(argv)
 
 
@@ -124,6 +129,27 @@ def profile(model, ids, mask, args) -> None:
         pstats.Stats(prof).sort_stats(key).print_stats(args.top)
 
 
+def count_ops(model, ids, mask, args) -> None:
+    """The torch operators per decode step of each policy in ``args.ops``, over the steps from ``budget + 32`` to
+    ``budget + 64`` new tokens (every evicting policy evicts at each of them): the counts of two decodes, one 32 steps
+    longer, subtracted (the prefill and the steps before cancel out)."""
+    from profile_step import LaunchCount  # only this mode counts (bench/profile_step.py)
+
+    def counted(policy: str, n: int):
+        budget = {} if policy == "full" else {"budget": args.budget, "slack": args.slack}
+        with LaunchCount() as c:
+            generate(model, input_ids=ids, attention_mask=mask, policy=policy, max_new_tokens=n, stop_at_eos=False,
+                     **budget)
+        return c.ops
+
+    start = args.budget + 32 - ids.shape[1]
+    for policy in args.ops.split(","):
+        short, long = counted(policy, start), counted(policy, start + 32)
+        per_step = {name: (long[name] - short[name]) / 32 for name in long if long[name] != short[name]}
+        top = ", ".join(f"{name} {n:g}" for name, n in sorted(per_step.items(), key=lambda x: -x[1])[: args.top])
+        print(f"{policy}: {sum(per_step.values()):.1f} operators a decode step; {top}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -132,6 +158,8 @@ def main(argv=None) -> None:
     ids, mask = encode_prompts(tok, [PROMPT])
     if args.profile:
         return profile(model, ids, mask, args)
+    if args.ops:
+        return count_ops(model, ids, mask, args)
     plain = None  # transformers' own model (SDPA attention) for `generate` in this venv, loaded when asked for
     peer = Peer(args.venv, model_dir, args.threads)
     labels = args.pairs.split(",")

@@ -14,8 +14,9 @@ The cache is anything with ``policy`` (the policy deciding in this step: its ``n
 (told each layer's sliding window before its attention).
 
 The mask comes from the cache's slot positions (key position <= query position, padding excluded), so
-transformers builds no mask for this implementation; a decode step over a layer whose every slot is live (the cache
-says so on the host, `BudgetCache.every_slot_live`) needs none and builds none. Without a BudgetCache (the
+transformers builds no mask for this implementation; a decode step, whose one query comes after every cached
+position, masks only the dead and padding slots (position -1), and over a layer whose every slot is live (the cache
+says so on the host, `BudgetCache.every_slot_live`) needs no mask and builds none. Without a BudgetCache (the
 `learnkv_cache` kwarg, or the one `active_cache` holds for the forward pass in progress) it falls back to plain
 causal attention by index.
 
@@ -105,16 +106,20 @@ def learnkv_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
 
+    hidden = None  # the keys each query may not see, where some are hidden
     if learnkv_cache is not None:
         query_pos = learnkv_cache.step_positions.to(key.device)  # [B, q]
-        if q == 1 and sliding_window is None and _every_slot_visible(learnkv_cache, module.layer_idx):
-            allowed = None  # a decode step's one query sees every cached token: masking would change nothing
+        key_pos = learnkv_cache.layer_positions(module.layer_idx)[:, :, None, None, :]  # [B, Hc, 1, 1, T], Hc = H or 1
+        if q == 1 and sliding_window is None and _queries_are_tokens(learnkv_cache):
+            # a decode step's one query comes after every cached position: only dead and padding slots (position -1)
+            # are hidden, 2 operators a layer instead of 5 (batch 1 on a CPU), none where every slot is live
+            if not _every_slot_visible(learnkv_cache, module.layer_idx):
+                hidden = key_pos < 0
         else:
-            key_pos = learnkv_cache.layer_positions(module.layer_idx)  # [B, Hc, T], Hc = H or 1 (one latent)
-            key_pos = key_pos[:, :, None, None, :]
             allowed = (key_pos >= 0) & (key_pos <= query_pos[:, None, None, :, None])
             if sliding_window is not None:
                 allowed = allowed & (key_pos > query_pos[:, None, None, :, None] - sliding_window)
+            hidden = ~allowed
     else:
         allowed = torch.ones(q, T, dtype=torch.bool, device=key.device).tril(T - q)
         if attention_mask is not None:  # a user-supplied 4D additive mask [B, 1 or Hq, q, T] replaces causality
@@ -123,8 +128,9 @@ def learnkv_attention(
             allowed = torch.ones_like(allowed)
         elif sliding_window is not None:  # query i (index T - q + i) sees keys j > T - q + i - window
             allowed = allowed & torch.ones_like(allowed).triu(T - q - sliding_window + 1)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        hidden = ~allowed
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
     if s_aux is None:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     else:  # the sink joins the normaliser and is dropped: the probabilities sum to less than 1
@@ -138,10 +144,18 @@ def learnkv_attention(
     return out, None
 
 
+def _queries_are_tokens(cache) -> bool:
+    """Whether the cache says every row's query of this step is a token (no padding row), asked on the host
+    (`BudgetCache.every_query_a_token`): then a one-query step sees every live cached position (each is at most the
+    query's), so its mask is the dead and padding slots alone, bit for bit the same scores as the causal mask."""
+    every_query_a_token = getattr(cache, "every_query_a_token", None)
+    return every_query_a_token is not None and every_query_a_token()
+
+
 def _every_slot_visible(cache, layer_idx: int) -> bool:
-    """Whether the cache says every slot of the layer holds a live token (no dead or padding slot) and every row's
-    query is a token (no padding row), asked on the host (`BudgetCache.every_slot_live`): then a one-query step's
-    mask is all true (every cached position is at most the query's) and is skipped, bit for bit the same scores."""
+    """Whether the cache says every slot of the layer holds a live token (no dead or padding slot), asked on the host
+    (`BudgetCache.every_slot_live`): then a one-query step of tokens (`_queries_are_tokens`) hides nothing and its
+    mask is skipped, bit for bit the same scores."""
     every_slot_live = getattr(cache, "every_slot_live", None)
     return every_slot_live is not None and every_slot_live(layer_idx)
 

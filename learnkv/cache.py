@@ -310,14 +310,18 @@ class BudgetCache(Cache):
     def layer_positions(self, layer_idx: int) -> Tensor:
         return self.layers[layer_idx].positions
 
+    def every_query_a_token(self) -> bool:
+        """Every row's step has all its tokens (none is padding), known on the host: a decode step's query then sees
+        every live slot, so the attention masks the dead and padding slots alone (`learnkv.attention`)."""
+        return all(valid == self.step_positions.shape[1] for valid in self.step_valid)
+
     def every_slot_live(self, layer_idx: int) -> bool:
-        """Every slot of the layer, in every row and KV head, holds a live token, and every row's step has all its
-        tokens (none is padding), known on the host (`BudgetLayer.live`): the attention may skip a mask that would
-        exclude nothing (`learnkv.attention`)."""
+        """Every slot of the layer, in every row and KV head, holds a live token, known on the host
+        (`BudgetLayer.live`): a decode step of tokens (`every_query_a_token`) may skip a mask that would exclude
+        nothing (`learnkv.attention`)."""
         layer = self.layers[layer_idx]
         n = layer.n_slots
-        return (layer.live_heads is None and layer.heads_alike and all(live == n for live in layer.live)
-                and all(valid == self.step_positions.shape[1] for valid in self.step_valid))
+        return layer.live_heads is None and layer.heads_alike and all(live == n for live in layer.live)
 
     def attended(self, layer_idx: int, window: int | None) -> None:
         """Called by the attention function before each layer's attention: the layer's sliding window (None: full

@@ -38,6 +38,26 @@ def test_decode_benchmark_batch_sizes_and_json(smollm2, tmp_path):
     assert "over 2 rounds" in res.stdout
 
 
+@pytest.mark.slow
+def test_kvpress_parity_counts_operators_a_decode_step(smollm2):
+    """`bench/kvpress_parity.py --ops` (no kvpress venv needed): each policy's torch operators a decode step once it
+    evicts, from two decodes subtracted. SmolLM2's 30 layers run 7 projections each and the LM head one: 211 linear
+    operators a step, whatever the policy; an evicting policy runs more operators than the full cache."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "bench/kvpress_parity.py", "--ops", "full,h2o", "--budget", "80",
+                          "--top", "40"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    counts = {}
+    for line in res.stdout.splitlines():
+        policy, _, rest = line.partition(": ")
+        if rest.endswith(tuple("0123456789")) and " operators a decode step; " in rest:
+            total, _, top = rest.partition(" operators a decode step; ")
+            counts[policy] = (float(total), dict(item.rsplit(" ", 1) for item in top.split(", ")))
+    assert set(counts) == {"full", "h2o"}, res.stdout
+    assert counts["full"][1]["linear"] == counts["h2o"][1]["linear"] == "211"
+    assert counts["h2o"][0] > counts["full"][0] > 211
+
+
 def _run_long(small, tmp_path, fractions: str, policies: str, *extra: str):
     """`bench/decode.py --long` on the tiny model saved with SmolLM2's tokenizer: batch 2 to 1,040 tokens, two
     rounds, slack 4, one thread; (the finished process, the records' path)."""
