@@ -57,6 +57,7 @@ from learnkv import POLICIES, attention, generate, load_model  # noqa: E402
 from learnkv.cli import Interruptible, thread_count  # noqa: E402
 from learnkv.eval.checkpoint import differing_keys, scorer_identity  # noqa: E402
 from learnkv.eval.metrics import agreement_length  # noqa: E402
+from learnkv.policies.params import parse_policy  # noqa: E402
 from learnkv.progress import redraw_seconds  # noqa: E402
 from turns import block_ratio_interval, take_turns  # noqa: E402 - bench/turns.py
 
@@ -71,7 +72,9 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--budget", default="96", help="tokens (holds the 74-token prompt: decode-time eviction)")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--policies", default=None, help="comma-separated (default: every policy; learned needs --scorer)")
+    parser.add_argument("--policies", default=None,
+                        help="comma-separated (default: every policy; learned needs --scorer); with --long an item may "
+                             "carry settings, NAME:key=value (e.g. snapkv:running_sum=true)")
     parser.add_argument("--scorer", default=None, help="exported scorer for the learned policy")
     parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--batch-sizes", default=None, help="B[,B...]: the throughput table (e.g. 1,4,16)")
@@ -126,7 +129,7 @@ def batch_prompts(tokenizer, n: int) -> list[str]:
 def prefill(name: str, args) -> dict:
     """`generate`'s slack and prefill policy for an evicting policy (the prefill policy acts only on rows whose
     prompt exceeds the budget)."""
-    if not POLICIES[name].evicts:
+    if not POLICIES[parse_policy(name)[0]].evicts:
         return {}
     return {"slack": args.slack, **({"prefill_policy": args.prefill_policy} if args.prefill_policy != "none" else {})}
 
@@ -224,7 +227,7 @@ def long_identity(model, args) -> dict:
 def long_key(i: int, batch: int, length: int, name: str, fraction: float | None, scorer: str | None) -> tuple:
     """A decode's key: (round, batch, length, policy, fraction), and for the learned policy its scorer's weights
     digest, so a run may add ``learned`` to decodes timed without a scorer, and another scorer is another decode."""
-    return (i, batch, length, name, fraction) + ((scorer,) if name == "learned" else ())
+    return (i, batch, length, name, fraction) + ((scorer,) if parse_policy(name)[0] == "learned" else ())
 
 
 def read_long_state(path: Path, identity: dict) -> dict[tuple, dict]:
@@ -266,8 +269,10 @@ def _whole_blocks(steps: list[float], block: int = 16) -> list[float]:
     return steps[: len(steps) - len(steps) % block]
 
 
-def long_params(name: str, args) -> dict:
-    return {"scorer": args.scorer} if name == "learned" else {}
+def long_params(item: str, args) -> dict:
+    """The settings of a ``--policies`` item (``NAME[:key=value]...``), and the learned policy's scorer."""
+    name, params = parse_policy(item)
+    return {**params, **({"scorer": args.scorer} if name == "learned" else {})}
 
 
 def long_turns(model, keys: list[tuple], plan: tuple, args) -> dict[tuple, dict]:
@@ -278,8 +283,8 @@ def long_turns(model, keys: list[tuple], plan: tuple, args) -> dict[tuple, dict]
     names = [("full", None)] + [(k[3], k[4]) for k in keys if k[3] != "full"]
 
     def job(name, frac):
-        return lambda on_step: generate(model, input_ids=ids, attention_mask=mask, policy=name, budget=frac,
-                                        policy_params=long_params(name, args), max_new_tokens=new,
+        return lambda on_step: generate(model, input_ids=ids, attention_mask=mask, policy=parse_policy(name)[0],
+                                        budget=frac, policy_params=long_params(name, args), max_new_tokens=new,
                                         stop_at_eos=False, on_step=on_step, **prefill(name, args))
 
     attention.install(model)  # once for all: each `generate` then leaves the model's attention as it found it
@@ -343,7 +348,7 @@ def long_table(model, tok, names, args) -> list[dict]:
                             append_long_state(state, identity, k, kept[k])
                 elif key not in kept:
                     ids, mask, _, new = plan[b, length]
-                    r = generate(model, input_ids=ids, attention_mask=mask, policy=name, budget=frac,
+                    r = generate(model, input_ids=ids, attention_mask=mask, policy=parse_policy(name)[0], budget=frac,
                                  policy_params=long_params(name, args), max_new_tokens=new, stop_at_eos=False,
                                  **prefill(name, args))
                     kept[key] = {"decode_tokens_per_s": sum(r.new_tokens) / max(r.decode_s, 1e-9),
@@ -417,21 +422,23 @@ def long_table(model, tok, names, args) -> list[dict]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    names = args.policies.split(",") if args.policies else [n for n in POLICIES if n != "learned" or args.scorer]
+    unknown = [n for n in names if parse_policy(n)[0] not in POLICIES]
+    if unknown:
+        raise SystemExit(f"error: unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    if not args.long and any(":" in n for n in names):
+        raise SystemExit("error: policy settings (NAME:key=value) are taken by --long only")
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     load = random_weight_model if args.random_weights else load_model
     model, tok = load(args.model, dtype=getattr(torch, args.dtype), device=device)
     generate(model, tok, PROMPT, policy="full", max_new_tokens=4)  # warm-up
-    names = args.policies.split(",") if args.policies else [n for n in POLICIES if n != "learned" or args.scorer]
-    unknown = [n for n in names if n not in POLICIES]
-    if unknown:
-        raise SystemExit(f"error: unknown policies {unknown}; known: {', '.join(POLICIES)}")
     print(f"device: {device}, threads: {args.threads}, model: {args.model} ({args.dtype}"
           f"{', random weights: timing only' if args.random_weights else ''}), "
           f"{time.strftime('%Y-%m-%d')}\n")
     records = None
     if args.long:
-        records = long_table(model, tok, [n for n in names if not POLICIES[n].needs_future], args)
+        records = long_table(model, tok, [n for n in names if not POLICIES[parse_policy(n)[0]].needs_future], args)
     else:
         if args.batch_sizes is None or "1" in args.batch_sizes.split(","):
             single_table(model, tok, names, args)

@@ -177,12 +177,12 @@ def test_decode_benchmark_long_mode_in_turns(small, tmp_path):
     """`--long --interleave`: each round's decodes of a setting take turns with a full-cache decode; each speed is
     divided by its turn-mate's, the records hold the pooled ratio, its block interval and the extra milliseconds a
     step costs, the table prints them."""
-    res, out = _run_long(small, tmp_path, "0.5", "full,h2o,knorm", "--interleave")
+    res, out = _run_long(small, tmp_path, "0.5", "full,h2o,knorm,snapkv:running_sum=true", "--interleave")
     assert res.returncode == 0, res.stderr[-2000:]
     records = json.loads(out.read_text())
-    assert [r["policy"] for r in records] == ["full", "h2o", "knorm"]
+    assert [r["policy"] for r in records] == ["full", "h2o", "knorm", "snapkv:running_sum=true"]
     kept = [json.loads(line) for line in Path(str(out) + ".decodes.jsonl").read_text().splitlines()]
-    assert kept[0]["identity"]["interleave"] is True and len(kept) == 1 + 6
+    assert kept[0]["identity"]["interleave"] is True and len(kept) == 1 + 8
     for r in records:
         entries = [e["result"] for e in kept[1:] if e["key"][3] == r["policy"]]
         assert len(entries) == 2 and all(len(e["step_s"]) == r["new_tokens"] - 1 for e in entries)
@@ -195,6 +195,23 @@ def test_decode_benchmark_long_mode_in_turns(small, tmp_path):
         if r["policy"] == "full":
             assert r["speed_vs_full_pooled"] == 1.0 and r["step_ms_over_full"] == 0.0
     assert "pooled [95%]" in res.stdout and "ms/step over full" in res.stdout and "| knorm | 50% (" in res.stdout
+
+
+def test_decode_benchmark_policy_items_carry_settings():
+    """`bench/decode.py --long` takes ``NAME:key=value`` items: the settings reach `generate`, the learned policy's
+    scorer is added; the other modes refuse them in one line."""
+    import argparse
+
+    bench = _bench_decode()
+    args = argparse.Namespace(scorer="runs/x")
+    assert bench.long_params("snapkv:running_sum=true:window=8", args) == {"running_sum": True, "window": 8}
+    assert bench.long_params("learned:refresh=16", args) == {"refresh": 16, "scorer": "runs/x"}
+    assert bench.long_params("h2o", args) == {}
+    assert bench.long_key(0, 8, 1536, "learned:refresh=16", 0.5, "abc")[-1] == "abc"
+    res = subprocess.run([sys.executable, "bench/decode.py", "--policies", "snapkv:running_sum=true",
+                          "--batch-sizes", "1", "--model", "no-such-model"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode != 0 and res.stderr.strip().splitlines()[-1] == (
+        "error: policy settings (NAME:key=value) are taken by --long only")
 
 
 def _bench_decode():

@@ -184,7 +184,7 @@ def _layer_by_layer(monkeypatch, policy: str) -> None:
 
 
 @pytest.mark.parametrize("policy", ["h2o", "tova", "roco", "streaming", "learned", "knorm", "snapkv", "random",
-                                    "learned:refresh=1", "learned:content"])
+                                    "learned:refresh=1", "learned:content", "snapkv:running_sum"])
 @pytest.mark.parametrize("slack, prefill", [(0, None), (4, None), (3, "snapkv")])
 def test_stacked_layers_decide_as_layer_by_layer(tiny, monkeypatch, policy, slack, prefill):
     """A rowwise policy updates and evicts every layer of a decode step at once: the same tokens,
@@ -197,6 +197,8 @@ def test_stacked_layers_decide_as_layer_by_layer(tiny, monkeypatch, policy, slac
     extra = {"refresh": int(refresh)} if refresh else {}
     if policy == "learned:content":
         policy, extra = "learned", {"scorer": scorer_for(2, content_dim=tiny.config.head_dim)}
+    if policy == "snapkv:running_sum":
+        policy, extra = "snapkv", {"running_sum": True}
     ids, mask = padded_batch()
     runs = []
     for stacked in (True, False):

@@ -260,7 +260,7 @@ def test_snapkv_scores_live_slots_as_in_the_compacted_cache(B, H, T, window, k, 
     pos = torch.arange(T).expand(B, H, T).clone()
     pos[0, :, : T // 4] = -1  # left padding
     attn[0, :, :, : T // 4] = 0.0  # as the cache holds it: no attention to a padding slot
-    assert same_bits(policy._score(attn, window, pos), snapkv_score_before(attn, window, k))
+    assert same_bits(policy._score(attn.mean(dim=2), window, pos), snapkv_score_before(attn, window, k))
     # the GPU's path (no dense shortcut, whose check would sync): the same scores for every live slot
     dense, dest = snapkv.live_order(attn.mean(dim=2), pos, shortcut=False)
     live0 = pos >= 0
@@ -273,11 +273,11 @@ def test_snapkv_scores_live_slots_as_in_the_compacted_cache(B, H, T, window, k, 
     die[..., max(T - window, 0) :] = False
     pos = pos.masked_fill(die, -1)
     attn = attn.masked_fill(die[:, :, None], 0.5)  # a dead slot's old attention must not reach its neighbours
-    ours = policy._score(attn, window, pos)
+    ours = policy._score(attn.mean(dim=2), window, pos)
     packed, packed_pos = compacted(attn.mean(dim=2), pos)
     if packed.shape[-1] <= window:  # no row over its window: SnapKV would not score it
         return
-    expected = policy._score(packed[:, :, None], window, packed_pos)  # a one-row window whose mean is the row
+    expected = policy._score(packed, window, packed_pos)  # the compacted cache's window means
     live = pos >= 0
     for b in range(B):
         for h in range(H):
@@ -315,3 +315,46 @@ def test_snapkv_with_dead_slots_keeps_the_compacted_tokens(tiny, params, slack):
     assert not snapkv.SnapKV.needs_dense_slots and max(dead) > 0  # slots did stay dead between compactions
     assert dead_slots[0] == compacting[0]
     assert dead_slots[1] == compacting[1]
+
+
+@pytest.mark.parametrize("window", [3, 8])
+@pytest.mark.parametrize("slack, prefill", [(0, None), (4, None), (3, "snapkv")])
+def test_snapkv_running_sum_is_the_window_mean(tiny, monkeypatch, window, slack, prefill):
+    """`SnapKV(running_sum=True)`: after every decode step each slot's kept sum (`snapkv.WINDOW_SUM`, float64) is its
+    window rows' sum within float64 rounding (a slot's rows summed exactly would differ by ~1e-16 of the largest
+    row), every score within float32 rounding of averaging the rows, and the decode keeps the same tokens in every
+    layer at every step (padded batch, slack 0 and 4, and a prefill policy)."""
+    ids = torch.cat([random_ids(40, seed=21), random_ids(40, seed=22)])
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    runs, scores, real_score = {}, {False: [], True: []}, snapkv.SnapKV.score
+    for running in (False, True):
+        kept, sums = [], []
+        monkeypatch.setattr(snapkv.SnapKV, "score",
+                            lambda self, view: scores[running].append(real_score(self, view)) or scores[running][-1])
+
+        def observe(cache):
+            kept.append([layer.positions.clone() for layer in cache.layers])
+            for layer in cache.layers:
+                total = layer.state.get(snapkv.WINDOW_SUM)
+                if total is not None:
+                    rows = snapkv.window_view(layer.state["window_attn"], window, snapkv.SPARE_ROWS, cache.step)
+                    sums.append((total.clone(), rows.double().sum(dim=2), layer.positions >= 0))  # updated in place
+
+        generate(tiny, input_ids=ids, attention_mask=mask, policy="snapkv", budget=24, max_new_tokens=40,
+                 stop_at_eos=False, slack=slack, prefill_policy=prefill, observer=observe,
+                 policy_params={"window": window, "running_sum": running})  # fmt: skip
+        runs[running] = kept
+        if running:
+            assert len(sums) >= 20 * len(tiny.model.layers), "the sum must be kept over most of the decode"
+            for total, exact, live in sums:
+                assert total.dtype == torch.float64
+                assert torch.allclose(total[live], exact[live], rtol=0, atol=1e-12)
+        else:
+            assert not sums
+    assert len(runs[True]) == len(runs[False]) == 40
+    assert len(scores[True]) == len(scores[False]) > 40
+    for a, b in zip(scores[True], scores[False]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-12)
+    for step, (a, b) in enumerate(zip(runs[True], runs[False])):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: other slots kept"

@@ -15,6 +15,8 @@ from learnkv.sliding_rows import appended, push_row, window_view
 DEFAULT_WINDOW = 64
 #: the window's state holds this many rows beyond the window (`learnkv.sliding_rows`): a decode step writes one row
 SPARE_ROWS = 16
+#: with ``running_sum``, the window's sum of each slot's attention, float64 per-token state
+WINDOW_SUM = "window_sum"
 
 
 @dataclass
@@ -38,6 +40,13 @@ class SnapKV(Policy):
         (`for_batch`) keeps the largest window's attention rows and scores each row over its own.
     kernel_size : int
         Average-pooling kernel, 5 as in kvpress.
+    running_sum : bool
+        Decode steps score from the window's sum kept as per-token state in float64 (`WINDOW_SUM`: plus the row
+        that enters, minus the row that leaves, 24 bytes a slot a step) instead of averaging the window's ``window``
+        rows (4 bytes each) at every step; the same mean within float64 rounding, not bit for bit: torch's mean
+        sums the rows in a cascade. Off by default, so the tables measured before it stay reproducible. The prefill
+        and a window still filling (after a prefill policy's state is dropped) average the rows as without it; so do
+        rows of one batch with windows of their own.
     """
 
     name = "snapkv"
@@ -46,6 +55,7 @@ class SnapKV(Policy):
     per_row_fields = ("n_sink", "n_recent", "interval", "window")  # the window: see `for_batch`
     window: int | None = setting(None, ge=1)
     kernel_size: int = setting(5, ge=1)
+    running_sum: bool = setting(False)
     #: each row's window when the rows of a batch differ (set by `for_batch`; not a parameter)
     row_windows: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
 
@@ -74,23 +84,32 @@ class SnapKV(Policy):
         rows = view.attn  # [B, H, W, T]; the cache zero-padded old rows for new slots (causally exact)
         W, buf = self.obs_window, view.state.get("window_attn")
         if buf is not None and buf.shape[2] == W + SPARE_ROWS and rows.shape[2] == 1:
+            if self.running_sum and not self.row_windows:
+                window = window_view(buf, W, SPARE_ROWS, view.step - 1)  # before the push moves or overwrites it
+                total = view.state.get(WINDOW_SUM)
+                if total is None:  # the first decode step on a full window
+                    total = view.state[WINDOW_SUM] = window.sum(dim=2, dtype=torch.float64)
+                total.add_(rows[:, :, 0].double().sub_(window[:, :, 0]))
             push_row(buf, rows[:, :, 0], W, SPARE_ROWS, view.step)  # a decode step on a full window, in place
             return
+        view.state.pop(WINDOW_SUM, None)  # a window laid out anew: averaged from its rows until it slides again
         view.state["window_attn"] = appended(buf, rows, W, SPARE_ROWS, view.step)
 
     def score(self, view: LayerView) -> Tensor:
         attn = window_view(view.state["window_attn"], self.obs_window, SPARE_ROWS, view.step)
         positions = view.positions
         if not self.row_windows:
-            return self._score(attn, self.obs_window, positions)
+            total = view.state.get(WINDOW_SUM)
+            mean = attn.mean(dim=2) if total is None else total.div(self.obs_window).float()
+            return self._score(mean, self.obs_window, positions)
         scores = attn.new_empty(attn.shape[0], attn.shape[1], attn.shape[3])
         for w in sorted(set(self.row_windows)):  # each row exactly as alone: its own last w query rows
             rows = [b for b, x in enumerate(self.row_windows) if x == w]
-            scores[rows] = self._score(attn[rows][:, :, -w:], w, positions[rows])
+            scores[rows] = self._score(attn[rows][:, :, -w:].mean(dim=2), w, positions[rows])
         return scores
 
-    def _score(self, window_attn: Tensor, window: int, positions: Tensor) -> Tensor:
-        s = window_attn.mean(dim=2)  # [B, H, T]
+    def _score(self, s: Tensor, window: int, positions: Tensor) -> Tensor:
+        """Scores from ``s [B, H, T]``, the window's mean attention to each slot."""
         B, H, T = s.shape
         s, dest = live_order(s, positions)
         n_prefix = T - min(window, T)  # the window's own keys are kept, and not pooled into neighbours
