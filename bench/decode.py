@@ -35,6 +35,13 @@ completed later pairs runs timed apart). Remove the file to time everything agai
 (`bench/turns.py`), so each ratio pairs decodes that ran on the same machine state (this CPU's speed drifts 10-20%
 over minutes); the records add each policy's pooled ratio (the rounds' summed step times) and its 95% interval over
 16-step blocks. Such a round is kept when all its decodes end (the caches of a round live together).
+
+``--pair BASE,OTHER`` (with ``--json``, after such a run): two policies of the same turns paired with each other,
+step by step, from their kept decodes (``<json>.decodes.jsonl``): OTHER's speed over BASE's with its 95% interval over
+16-step blocks, each one's against its turn-mate full cache, and mean milliseconds a step; ``--from-step N`` leaves
+out the first N decode steps (e.g. a window still filling):
+
+    python bench/decode.py --pair snapkv,snapkv:running_sum=true --json runs/bench-long-b8-snap-running.json
 """
 
 from __future__ import annotations
@@ -94,6 +101,9 @@ def parse_args(argv=None):
     parser.add_argument("--long-settings", default="8:1536,16:2560",
                         help="B:L[,B:L...]: batch size and the cache length each row ends near (prompt + new tokens)")
     parser.add_argument("--long-fractions", default="0.25,0.5", help="budgets as fractions of each row's final length")
+    parser.add_argument("--pair", default=None, metavar="BASE,OTHER",
+                        help="instead: pair two policies' kept decodes of --json's turns step by step (see above)")
+    parser.add_argument("--from-step", type=int, default=0, help="--pair: leave out the first N decode steps")
     parser.add_argument("--interleave", action="store_true",
                         help="--long: a round's decodes of a setting take turns, one step each, with a full-cache "
                              "decode (bench/turns.py): each ratio pairs decodes that ran on the same machine state")
@@ -420,8 +430,36 @@ def long_table(model, tok, names, args) -> list[dict]:
     return records
 
 
+def pair_table(args) -> None:
+    """``--pair BASE,OTHER``: every round and setting where both ran in turns, OTHER against BASE step by step."""
+    base, other = args.pair.split(",")
+    kept = [json.loads(line) for line in Path(args.json + ".decodes.jsonl").read_text().splitlines()]
+    runs = {tuple(e["key"][:4]): e["result"] for e in kept if "key" in e}
+    found = False
+    for (i, b, length, name), r in runs.items():
+        mate = runs.get((i, b, length, other))
+        if name != base or mate is None or "paired_full_step_s" not in r:
+            continue
+        found = True
+        n = args.from_step
+        a, o, full = r["step_s"][n:], mate["step_s"][n:], r["paired_full_step_s"][n:]
+        ratio, lo, hi = block_ratio_interval(a, o)
+        ms = " / ".join(f"{1e3 * sum(x) / len(x):.1f}" for x in (full, a, o))
+        print(f"round {i + 1}, batch {b} to {length}, decode steps {n}-{n + len(a) - 1}: {other} / {base} speed "
+              f"{ratio:.3f}x [{lo:.3f}, {hi:.3f}]; ms a step full / {base} / {other}: {ms}")
+        for label, x in ((base, a), (other, o)):
+            ratio, lo, hi = block_ratio_interval(full, x)
+            print(f"  {label} / full {ratio:.3f}x [{lo:.3f}, {hi:.3f}]")
+    if not found:
+        raise SystemExit(f"error: no round of {args.json}.decodes.jsonl has {base} and {other} in turns")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.pair:
+        if not args.json or args.pair.count(",") != 1:
+            raise SystemExit("error: --pair takes BASE,OTHER and the --json of a run in turns (--interleave)")
+        return pair_table(args)
     names = args.policies.split(",") if args.policies else [n for n in POLICIES if n != "learned" or args.scorer]
     unknown = [n for n in names if parse_policy(n)[0] not in POLICIES]
     if unknown:

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from learnkv import generate, load_model  # noqa: E402
 from learnkv.cli import thread_count  # noqa: E402
 from learnkv.decode import encode_prompts  # noqa: E402
+from learnkv.policies.params import parse_policy  # noqa: E402
 from learnkv.prompts import load_prompts  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def random_scorer(model, name: str) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--policies", default="learned,snapkv,rkv")
+    p.add_argument("--policies", default="learned,snapkv,rkv", help="NAME[:key=value]... items, comma-separated")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--fraction", type=float, default=0.5)
@@ -60,8 +61,9 @@ def main(argv=None) -> None:
     lengths = mask.sum(-1).tolist()
     print(f"model {args.model}, batch {args.batch}, prompts {min(lengths)}-{max(lengths)} tokens + {args.new_tokens} "
           f"new, budget {args.fraction:.0%} of the final length, slack {args.slack}, threads {args.threads}")
-    for name in args.policies.split(","):
-        params = {"scorer": random_scorer(model, args.model)} if name == "learned" else {}
+    for item in args.policies.split(","):
+        name, params = parse_policy(item)  # NAME[:key=value]...
+        params.update({"scorer": random_scorer(model, args.model)} if name == "learned" else {})
         run = dict(input_ids=ids, attention_mask=mask, policy=name, budget=args.fraction, policy_params=params,
                    max_new_tokens=args.new_tokens, stop_at_eos=False, slack=args.slack, prefill_policy="snapkv")
         generate(model, **dict(run, max_new_tokens=2))  # warm-up (loads the scorer)
@@ -72,7 +74,7 @@ def main(argv=None) -> None:
         stats = pstats.Stats(prof)
         total = r.prefill_s + r.decode_s
         held = "the full cache" if r.budgets is None else f"budgets {min(r.budgets)}-{max(r.budgets)}"
-        print(f"\n## {name}: {held}, decode {r.decode_s:.1f} s, prefill "
+        print(f"\n## {item}: {held}, decode {r.decode_s:.1f} s, prefill "
               f"{r.prefill_s:.1f} s, eviction share {r.eviction_share:.0%} (of prefill + decode)\n")
         print("| cumulative s | share of prefill + decode | calls | function |")
         print("|---|---|---|---|")

@@ -195,6 +195,18 @@ def test_decode_benchmark_long_mode_in_turns(small, tmp_path):
         if r["policy"] == "full":
             assert r["speed_vs_full_pooled"] == 1.0 and r["step_ms_over_full"] == 0.0
     assert "pooled [95%]" in res.stdout and "ms/step over full" in res.stdout and "| knorm | 50% (" in res.stdout
+    # two policies of the same turns paired with each other, step by step
+    pair = subprocess.run([sys.executable, "bench/decode.py", "--pair", "knorm,snapkv:running_sum=true", "--json",
+                           str(out), "--from-step", "3"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert pair.returncode == 0, pair.stderr[-2000:]
+    lines = pair.stdout.splitlines()
+    assert len(lines) == 6 and lines[0].startswith("round 1, batch 2 to 1040, decode steps 3-")
+    knorm = next(e["result"] for e in kept[1:] if e["key"][3] == "knorm" and e["key"][0] == 0)
+    steps = knorm["step_s"][3:]
+    assert f"knorm / full {sum(knorm['paired_full_step_s'][3:]) / sum(steps):.3f}x" in lines[1]
+    missing = subprocess.run([sys.executable, "bench/decode.py", "--pair", "knorm,rkv", "--json", str(out)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert missing.returncode != 0 and "no round" in missing.stderr
 
 
 def test_decode_benchmark_policy_items_carry_settings():
