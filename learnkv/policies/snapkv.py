@@ -10,7 +10,7 @@ from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
 from learnkv.fields import setting
-from learnkv.sliding_rows import appended, push_row, window_view
+from learnkv.sliding_rows import appended, in_rows, laid_out, push_row, window_view
 
 DEFAULT_WINDOW = 64
 #: the window's state holds this many rows beyond the window (`learnkv.sliding_rows`): a decode step writes one row
@@ -45,8 +45,9 @@ class SnapKV(Policy):
         that enters, minus the row that leaves, 24 bytes a slot a step) instead of averaging the window's ``window``
         rows (4 bytes each) at every step; the same mean within float64 rounding, not bit for bit: torch's mean
         sums the rows in a cascade. Off by default, so the tables measured before it stay reproducible. The prefill
-        and a window still filling (after a prefill policy's state is dropped) average the rows as without it; so do
-        rows of one batch with windows of their own.
+        averages the rows as without it, and so do rows of one batch with windows of their own; a window still
+        filling (a prefill policy's state dropped, a prompt shorter than the window) is kept at its full size, zero
+        rows standing for the steps not seen, its sum divided by the rows seen.
     """
 
     name = "snapkv"
@@ -58,6 +59,9 @@ class SnapKV(Policy):
     running_sum: bool = setting(False)
     #: each row's window when the rows of a batch differ (set by `for_batch`; not a parameter)
     row_windows: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+    #: with ``running_sum``: (decode step, query rows in the window after it), the mean's divisor (every layer sees
+    #: the same steps); not a parameter
+    _window_rows: tuple[int, int] = field(default=(-1, 0), init=False, compare=False, repr=False)
 
     @property
     def rowwise(self) -> bool:
@@ -83,24 +87,47 @@ class SnapKV(Policy):
     def update(self, view: LayerView) -> None:
         rows = view.attn  # [B, H, W, T]; the cache zero-padded old rows for new slots (causally exact)
         W, buf = self.obs_window, view.state.get("window_attn")
+        if self.running_sum and not self.row_windows and rows.shape[2] == 1 and view.step >= 1:
+            self._running_update(view, buf, rows[:, :, 0])
+            return
         if buf is not None and buf.shape[2] == W + SPARE_ROWS and rows.shape[2] == 1:
-            if self.running_sum and not self.row_windows:
-                window = window_view(buf, W, SPARE_ROWS, view.step - 1)  # before the push moves or overwrites it
-                total = view.state.get(WINDOW_SUM)
-                if total is None:  # the first decode step on a full window
-                    total = view.state[WINDOW_SUM] = window.sum(dim=2, dtype=torch.float64)
-                total.add_(rows[:, :, 0].double().sub_(window[:, :, 0]))
             push_row(buf, rows[:, :, 0], W, SPARE_ROWS, view.step)  # a decode step on a full window, in place
             return
-        view.state.pop(WINDOW_SUM, None)  # a window laid out anew: averaged from its rows until it slides again
+        view.state.pop(WINDOW_SUM, None)  # a window laid out anew: averaged from its rows
         view.state["window_attn"] = appended(buf, rows, W, SPARE_ROWS, view.step)
+
+    def _running_update(self, view: LayerView, buf: Tensor | None, row: Tensor) -> None:
+        """A decode step with ``running_sum``: ``row [B, H, T]`` pushed into the window, in place, and into its sum
+        (plus the row, minus the row that leaves). Where the sum starts, the window so far (none where the state
+        starts at this step) is laid out at its full size, zero rows before its rows seen, so it never changes shape
+        (a window growing a row a step would be laid out anew, and every layer's state relinked, at each step)."""
+        W, step, state = self.obs_window, view.step, view.state
+        total = state.get(WINDOW_SUM)
+        if total is None:
+            seen = buf[:, :, -W:] if buf is not None and buf.shape[2] != W + SPARE_ROWS else buf
+            if seen is None or seen.shape[2] < W:  # a window still filling: zero rows stand for the steps not seen
+                B, H, T = row.shape
+                n_seen = 0 if seen is None else seen.shape[2]
+                zeros = row.new_zeros(B, H, W - n_seen, T)
+                buf = state["window_attn"] = laid_out(zeros if seen is None else torch.cat([zeros, seen], 2),
+                                                      SPARE_ROWS, step - 1)  # fmt: skip
+            else:
+                n_seen = W
+                buf = state["window_attn"] = in_rows(buf, W, SPARE_ROWS, step - 1)
+            total = state[WINDOW_SUM] = window_view(buf, W, SPARE_ROWS, step - 1).sum(dim=2, dtype=torch.float64)
+            self._window_rows = (step - 1, n_seen)
+        leaving = window_view(buf, W, SPARE_ROWS, step - 1)[:, :, 0]  # before the push moves or overwrites it
+        total.add_(row.double().sub_(leaving))
+        push_row(buf, row, W, SPARE_ROWS, step)
+        if self._window_rows[0] != step:  # once per step, whether the cache updates layer by layer or all at once
+            self._window_rows = (step, min(self._window_rows[1] + 1, W))
 
     def score(self, view: LayerView) -> Tensor:
         attn = window_view(view.state["window_attn"], self.obs_window, SPARE_ROWS, view.step)
         positions = view.positions
         if not self.row_windows:
             total = view.state.get(WINDOW_SUM)
-            mean = attn.mean(dim=2) if total is None else total.div(self.obs_window).float()
+            mean = attn.mean(dim=2) if total is None else total.div(self._window_rows[1]).float()
             return self._score(mean, self.obs_window, positions)
         scores = attn.new_empty(attn.shape[0], attn.shape[1], attn.shape[3])
         for w in sorted(set(self.row_windows)):  # each row exactly as alone: its own last w query rows
