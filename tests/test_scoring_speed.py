@@ -361,3 +361,9 @@ def test_snapkv_running_sum_is_the_window_mean(tiny, monkeypatch, window, slack,
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-12)
     for step, (a, b) in enumerate(zip(runs[True], runs[False])):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: other slots kept"
+
+
+def test_snapkv_params_hold_its_settings_not_its_decode_state():
+    """The records' parameters (`Policy.params`) name `running_sum`, not the divisor SnapKV keeps while it decodes."""
+    params = snapkv.SnapKV(running_sum=True).params()
+    assert params["running_sum"] is True and "_window_rows" not in params

@@ -326,8 +326,9 @@ class Policy:
         return p
 
     def params(self) -> dict:
-        """The policy's hyperparameters, for logs and results."""
-        return dataclasses.asdict(self)
+        """The policy's hyperparameters, for logs and results (not its decode-time state: the fields it does not take
+        as arguments)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if self.__dataclass_fields__[k].init}
 
 
 def shared_fields(policy: Policy) -> tuple[tuple[str, Any], ...]:
