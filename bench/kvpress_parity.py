@@ -111,13 +111,18 @@ class Peer:
         self.proc.wait(timeout=60)
 
 
+def budget_of(policy: str, args) -> dict:
+    """`generate`'s budget and slack for a learnkv policy of this setting (none for the full cache)."""
+    return {} if policy == "full" else {"budget": args.budget, "slack": args.slack}
+
+
 def profile(model, ids, mask, args) -> None:
     """Where a batch-1 decode of ``args.profile`` spends its time: cProfile, by own time and by cumulative time."""
     import cProfile  # only this mode profiles
     import pstats
 
     run = dict(input_ids=ids, attention_mask=mask, policy=args.profile, max_new_tokens=args.new_tokens,
-               stop_at_eos=False, **({} if args.profile == "full" else {"budget": args.budget, "slack": args.slack}))
+               stop_at_eos=False, **budget_of(args.profile, args))
     generate(model, **dict(run, max_new_tokens=4))
     prof = cProfile.Profile()
     prof.enable()
@@ -136,10 +141,9 @@ def count_ops(model, ids, mask, args) -> None:
     from profile_step import LaunchCount  # only this mode counts (bench/profile_step.py)
 
     def counted(policy: str, n: int):
-        budget = {} if policy == "full" else {"budget": args.budget, "slack": args.slack}
         with LaunchCount() as c:
             generate(model, input_ids=ids, attention_mask=mask, policy=policy, max_new_tokens=n, stop_at_eos=False,
-                     **budget)
+                     **budget_of(policy, args))
         return c.ops
 
     start = args.budget + 32 - ids.shape[1]
@@ -179,10 +183,9 @@ def main(argv=None) -> None:
                                      pad_token_id=plain.config.eos_token_id)
                 return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
         start = time.perf_counter()
-        budget = {} if policy == "full" else {"budget": args.budget, "slack": args.slack}
         params = {"policy_params": {"interval": args.slack}} if lagged else {}
         r = generate(model, input_ids=ids, attention_mask=mask, policy=policy, max_new_tokens=n, stop_at_eos=False,
-                     **budget, **params)
+                     **budget_of(policy, args), **params)
         return time.perf_counter() - start, r.tokens[0].tolist()
 
     def learnkv_run(label, policy, n):

@@ -109,13 +109,14 @@ def learnkv_attention(
     hidden = None  # the keys each query may not see, where some are hidden
     if learnkv_cache is not None:
         query_pos = learnkv_cache.step_positions.to(key.device)  # [B, q]
-        key_pos = learnkv_cache.layer_positions(module.layer_idx)[:, :, None, None, :]  # [B, Hc, 1, 1, T], Hc = H or 1
+        key_pos = learnkv_cache.layer_positions(module.layer_idx)  # [B, Hc, T], Hc = H or 1 (one latent)
         if q == 1 and sliding_window is None and _queries_are_tokens(learnkv_cache):
             # a decode step's one query comes after every cached position: only dead and padding slots (position -1)
             # are hidden, 2 operators a layer instead of 5 (batch 1 on a CPU), none where every slot is live
             if not _every_slot_visible(learnkv_cache, module.layer_idx):
-                hidden = key_pos < 0
+                hidden = (key_pos < 0)[:, :, None, None, :]
         else:
+            key_pos = key_pos[:, :, None, None, :]
             allowed = (key_pos >= 0) & (key_pos <= query_pos[:, None, None, :, None])
             if sliding_window is not None:
                 allowed = allowed & (key_pos > query_pos[:, None, None, :, None] - sliding_window)

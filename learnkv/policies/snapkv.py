@@ -10,7 +10,7 @@ from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
 from learnkv.fields import setting
-from learnkv.sliding_rows import appended, in_rows, laid_out, push_row, window_view
+from learnkv.sliding_rows import appended, laid_out, push_row, window_view
 
 DEFAULT_WINDOW = 64
 #: the window's state holds this many rows beyond the window (`learnkv.sliding_rows`): a decode step writes one row
@@ -104,16 +104,14 @@ class SnapKV(Policy):
         W, step, state = self.obs_window, view.step, view.state
         total = state.get(WINDOW_SUM)
         if total is None:
-            seen = buf[:, :, -W:] if buf is not None and buf.shape[2] != W + SPARE_ROWS else buf
-            if seen is None or seen.shape[2] < W:  # a window still filling: zero rows stand for the steps not seen
-                B, H, T = row.shape
-                n_seen = 0 if seen is None else seen.shape[2]
-                zeros = row.new_zeros(B, H, W - n_seen, T)
-                buf = state["window_attn"] = laid_out(zeros if seen is None else torch.cat([zeros, seen], 2),
-                                                      SPARE_ROWS, step - 1)  # fmt: skip
-            else:
+            if buf is not None and buf.shape[2] == W + SPARE_ROWS:  # a full window, laid out already
                 n_seen = W
-                buf = state["window_attn"] = in_rows(buf, W, SPARE_ROWS, step - 1)
+            else:  # its rows so far in order (none, or at most W), zero rows standing for the steps not seen
+                B, H, T = row.shape
+                n_seen = 0 if buf is None else buf.shape[2]
+                zeros = row.new_zeros(B, H, W - n_seen, T)
+                rows = zeros if buf is None else torch.cat([zeros, buf], dim=2)
+                buf = state["window_attn"] = laid_out(rows, SPARE_ROWS, step - 1)
             total = state[WINDOW_SUM] = window_view(buf, W, SPARE_ROWS, step - 1).sum(dim=2, dtype=torch.float64)
             self._window_rows = (step - 1, n_seen)
         leaving = window_view(buf, W, SPARE_ROWS, step - 1)[:, :, 0]  # before the push moves or overwrites it
