@@ -197,15 +197,24 @@ def gather_tokens_reference(x: Tensor, index: Tensor, dim: int, out: Tensor | No
     dim = dim % x.ndim
     shape = list(x.shape)
     shape[dim] = index.shape[-1]
+    # an ``out`` of exactly the gathered shape, contiguous, is written directly, with no temporary (on CPU a fresh
+    # buffer of a cache layer's size is fresh pages from the system, each a page fault on first write)
+    direct = out is not None and list(out.shape) == shape and out.is_contiguous()
     if dim == 2 and x.is_contiguous() and x.numel():
         # keys/values [B, H, T, ...]: each slot is a contiguous row, so one index_select of whole rows (on CPU,
         # `gather` with an index expanded over D reads one index per element: 10-15x slower at B 16)
         B, H, T = x.shape[:3]
         rows = (index + torch.arange(B * H, device=index.device).view(B, H, 1) * T).reshape(-1)
-        kept = x.reshape(B * H * T, -1).index_select(0, rows).view(shape)
+        flat = x.reshape(B * H * T, -1)
+        if direct:
+            torch.index_select(flat, 0, rows, out=out.view(rows.shape[0], -1))
+            return out
+        kept = flat.index_select(0, rows).view(shape)
         return kept if out is None else out.narrow(dim, 0, kept.shape[dim]).copy_(kept)
     # index [B, H, K] -> broadcast to x's layout with K on the token axis
     idx = index.reshape(index.shape[0], index.shape[1], *([1] * (dim - 2)), index.shape[-1], *([1] * (x.ndim - dim - 1)))
+    if direct:
+        return torch.gather(x, dim, idx.expand(shape), out=out)
     kept = x.gather(dim, idx.expand(shape))
     if out is None:
         return kept

@@ -69,7 +69,7 @@ from learnkv.allocation import (Allocation, allocate, as_allocation, head_budget
                                 normalise_scores)
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import shared_keep_slots
-from learnkv.slots import BudgetLayer, Link, link_layers
+from learnkv.slots import BudgetLayer, Link, Workspace, link_layers
 
 
 def blind_prefill_error(policy: Policy, prompt_tokens: int, budget: int) -> str | None:
@@ -227,6 +227,7 @@ class BudgetCache(Cache):
         # attention ran learnkv's function with this cache at the prefill (`ungoverned_layers`)
         self.windows: dict[int, int | None] = {}
         self._attended_at_prefill: set[int] = set()
+        self.workspace = Workspace()  # the layers' compactions gather through it (`BudgetLayer.keep_slots`)
 
     @property
     def budget(self) -> int | None:

@@ -27,7 +27,7 @@ from learnkv.model import cache_kwargs
 from learnkv.cache import BudgetCache, kept_per_step, max_kept
 from learnkv.capture import step_attention
 from learnkv.fisher import step_fisher
-from learnkv.memory import TRIM_EVERY, release_free_heap
+from learnkv.memory import TRIM_EVERY, HeapTrim
 from learnkv.policies import Policy, make_policy
 from learnkv.settings import Eviction, resolve_budget
 
@@ -430,10 +430,11 @@ def decode_loop(model, state: DecodeState, max_new_tokens: int, on_step: Callabl
         from tqdm.auto import tqdm  # only when a progress bar is asked for
 
         steps = tqdm(steps, desc=progress, unit="tok", leave=False)
+    trim = HeapTrim()
     for i in steps:
         if i:
             if (i - 1) % TRIM_EVERY == 0:
-                release_free_heap()  # a long decode's memory stays at what is live (learnkv.memory)
+                trim()  # a long decode's memory stays near what is live (learnkv.memory)
             decode_step(model, state)
         if on_step is not None:
             on_step(active)

@@ -5,21 +5,33 @@ cache) between allocations that live on (a recorded decision's snapshot, a refer
 serves such requests from its heap once its mmap threshold has risen past them (it rises to any mmapped chunk
 freed, up to 32 MiB: a prefill's temporaries are such chunks), and each freed step-sized hole, too small for the
 next step's request, stays resident. Trace collection of 8 chain rows at length grew by ~31-34 MB a step (15 GB by
-step 565 of 1,536, 2026-11-26). `generate` hands the free pages back every `TRIM_EVERY` steps (`malloc_trim`).
+step 565 of 1,536, 2026-11-26). `generate` hands the free pages back (`malloc_trim`) when the process grew by more
+than `GROWTH_LIMIT` since it last did, looked at every `TRIM_EVERY` steps (`HeapTrim`).
 
 Measured on that workload (SmolLM2, 8 rows of 1,000 tokens, the trace recorder with 9 teachers, steps 10-69, two
 threads, one run each, 2026-11-26; resident memory at step 69): default 2.30 s a step, 3.5 GB; trimmed every step
 2.02 s, 2.0 GB; every 16 steps 2.15 s, 2.0 GB (the step times are within one run's noise of each other). A fixed
 128 KiB mmap threshold (``MALLOC_MMAP_THRESHOLD_``) also held 2.0 GB but costs a page fault per fresh page: 2.73 s.
+
+Not every `TRIM_EVERY` steps regardless: a decode whose heap is steady (the same buffers freed and taken again,
+step after step) would then get every free page back from the system at its next use, a page fault each. A batch-8
+decode at ~800 slots evicting every step took 2,300-2,500 (H2O) and 4,100-4,300 (learned) page faults a step that
+way, 0-4 once the trim waited for growth and compactions kept the state in its buffers (2026-12-01,
+`python bench/page_faults.py`, bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+from dataclasses import dataclass
 
-#: decode steps between two hand-backs: a trim costs far less than a step, and 16 steps grow the heap by ~0.5 GB
+#: decode steps between two looks at the process's growth: a look (and a trim) costs far less than a step
 TRIM_EVERY = 16
+#: resident bytes a decode may grow by before its free heap pages are handed back: above a steady decode's
+#: churn, and ~8 steps of the trace collection's growth above
+GROWTH_LIMIT = 256 << 20
 
 
 def _malloc_trim():
@@ -37,4 +49,33 @@ def release_free_heap() -> bool:
     return _TRIM is not None and (_TRIM(0) or True)
 
 
-__all__ = ["release_free_heap", "TRIM_EVERY"]
+def resident_bytes() -> int | None:
+    """The process's resident memory in bytes (Linux's ``/proc/self/statm``), None where there is none."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class HeapTrim:
+    """Hands the heap's free pages back (`release_free_heap`) when the process's resident memory grew by more than
+    ``limit`` bytes since the first call or the last hand-back; called every `TRIM_EVERY` decode steps. Where the
+    resident size cannot be read, it hands them back at every call (as before it looked)."""
+
+    limit: int = GROWTH_LIMIT
+    since: int | None = None  # resident bytes after the last hand-back (or at the first call)
+
+    def __call__(self) -> bool:
+        """Whether it handed pages back."""
+        now = resident_bytes()
+        if now is not None and (self.since is None or now - self.since <= self.limit):
+            self.since = now if self.since is None else self.since
+            return False
+        released = release_free_heap()
+        self.since = resident_bytes()
+        return released
+
+
+__all__ = ["release_free_heap", "resident_bytes", "HeapTrim", "TRIM_EVERY", "GROWTH_LIMIT"]

@@ -28,6 +28,7 @@ class SlotOwner(Protocol):
     step_positions: Tensor | None  # [B, q] positions of the forward pass's tokens (-1: padding)
     step_valid: list[int]  # per row: its non-padding tokens in the forward pass
     windows: dict[int, int | None]  # per layer: its sliding window (None: full attention)
+    workspace: Workspace  # scratch memory of its layers' compactions
 
     def slots_to_allocate(self, need: int, current: int, window: int | None = None) -> int: ...
 
@@ -205,30 +206,71 @@ class BudgetLayer(DynamicLayer):
         old = self._buffers
         filler = index < 0
         C = self.owner.slots_to_allocate(K, 0, self.owner.windows.get(self.layer_idx))
-        # gathered into fresh buffers (in place, one program's writes would overwrite slots another still reads),
-        # sized for the steady state, so a long prompt compressed to the budget gives its memory back. The index runs
-        # on past K with slot 0 to the C slots of a buffer, so the gather's output *is* the new buffer: each kept
-        # slot is read once and written once, with no copy into a preallocated one (slots past K are never read as
-        # keys, values or positions). The old buffers are freed (on CUDA, to the caching allocator's pool)
+        # keys and values are gathered into fresh buffers (in place, one program's writes would overwrite slots
+        # another still reads), sized for the steady state, so a long prompt compressed to the budget gives its
+        # memory back. The index runs on past K with slot 0 to the C slots of a buffer, so the gather's output *is*
+        # the new buffer: each kept slot is read once and written once (slots past K are never read as keys, values
+        # or positions). The old buffers are freed (on CUDA, to the caching allocator's pool; on a CPU to the heap,
+        # where the next compaction's buffers find them). Positions and state stay in their buffers where
+        # `_state_in_place`
         index = index.clamp(min=0)
-        if C > K:
-            index = torch.cat([index, index.new_zeros(*index.shape[:2], C - K)], dim=-1)
-        # from the whole buffers: index < n_slots <= capacity
-        self._buffers = tuple(kernels.gather_tokens(src, index, dim) for src, dim in zip(old, (-2, -2, -1)))
+        padded = torch.cat([index, index.new_zeros(*index.shape[:2], C - K)], dim=-1) if C > K else index
+        in_place = self._state_in_place(C)
+        keys, values = (kernels.gather_tokens(src, padded, -2) for src in old[:2])  # from the whole buffers
+        if in_place:
+            _gather_in_place(old[2], index, -1, self.owner.workspace)
+        self._buffers = (keys, values, old[2] if in_place else kernels.gather_tokens(old[2], padded, -1))
         self._view(K)
         has_filler = bool(filler.any())  # a synchronisation, only when compacting
         if has_filler:
             self.positions.masked_fill_(filler, -1)
         if not self.state:
             return
-        for dtype, buf in self._packed.items():
-            new = self._packed[dtype] = kernels.gather_tokens(buf, index, -1)  # every entry of this dtype at once
-            new[..., K:] = 0  # zero past the slots in use, as `_append_state` expects
+        for dtype, buf in self._packed.items():  # every entry of a dtype at once
+            if in_place:
+                _gather_in_place(buf, index, -1, self.owner.workspace)
+            else:
+                buf = self._packed[dtype] = kernels.gather_tokens(buf, padded, -1)
+            buf[..., K:] = 0  # zero past the slots in use, as `_append_state` expects
             if has_filler:  # zero, as the state of a padding slot that was never attended
-                new[..., :K].masked_fill_(filler[:, :, None, :], 0)
-        self._view_channels()
+                buf[..., :K].masked_fill_(filler[:, :, None, :], 0)
+        if not in_place:
+            self._view_channels()
         for name, full in self._channels.items():
             self.state[name] = full[..., :K]
+
+    def _state_in_place(self, capacity: int) -> bool:
+        """Whether a compaction to ``capacity`` slots keeps the positions and state in their buffers (gathered
+        through the owner's `Workspace`, then copied back): on a CPU, at the capacity they have. There the stacked
+        decode step's view of every layer's positions and state (`link_layers`) stays valid, where fresh buffers
+        would be stacked anew (the learned policy's state, ~36 fp32 channels a slot, is ~85 MB at batch 8 and 800
+        slots over 30 layers: a copy, and fresh pages from the system, a page fault each, at every compaction). On
+        CUDA the stack is one copy from the caching allocator's pool, cheaper than the copy back."""
+        return capacity == self.capacity and self._buffers[2].device.type == "cpu"
+
+
+class Workspace:
+    """Scratch memory reused across calls: one flat buffer per dtype and device, grown when a call needs more. A
+    cache's compactions gather into it (`BudgetLayer.keep_slots`); what it returns is valid until the next call."""
+
+    def __init__(self):
+        self._flat: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def __call__(self, shape: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        n = math.prod(shape)
+        flat = self._flat.get((dtype, device))
+        if flat is None or flat.numel() < n:
+            flat = self._flat[(dtype, device)] = torch.empty(n, dtype=dtype, device=device)
+        return flat[:n].view(shape)
+
+
+def _gather_in_place(buf: Tensor, index: Tensor, dim: int, workspace: Workspace) -> None:
+    """``buf``'s slots ``index [B, H, K]`` along its token axis ``dim`` into its own first ``K`` slots, through
+    ``workspace`` (a gather straight into ``buf`` could write a slot before another thread of it read that slot)."""
+    shape = list(buf.shape)
+    shape[dim] = index.shape[-1]
+    kept = kernels.gather_tokens(buf, index, dim, out=workspace(shape, buf.dtype, buf.device))
+    buf.narrow(dim, 0, index.shape[-1]).copy_(kept)
 
 
 def link_layers(layers: list[BudgetLayer], link: Link | None) -> tuple[Link, Tensor, dict[str, Tensor]] | None:

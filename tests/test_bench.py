@@ -58,6 +58,28 @@ def test_kvpress_parity_counts_operators_a_decode_step(smollm2):
     assert counts["h2o"][0] > counts["full"][0] > 211
 
 
+def test_page_faults_benchmark_times_both_variants_and_restores_today(small, tmp_path):
+    """`bench/page_faults.py` on the tiny model with SmolLM2's tokenizer: each policy under both variants, page
+    faults and ms a step in its table (the figures need the real model and an idle machine)."""
+    model, tok = small
+    model_dir = tmp_path / "tiny"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "bench/page_faults.py", "--model", str(model_dir), "--batch", "2",
+                          "--budget", "40", "--new-tokens", "24", "--from-step", "4", "--rounds", "2", "--threads", "1",
+                          "--policies", "h2o,learned"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [line.split(" | ") for line in res.stdout.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert [(r[1], r[2]) for r in rows] == [("h2o", "today"), ("h2o", "before"), ("learned", "today"),
+                                            ("learned", "before"), ("h2o", "before"), ("h2o", "today"),
+                                            ("learned", "before"), ("learned", "today")]
+    assert all(float(r[3].replace(",", "")) >= 0 and float(r[4].rstrip(" |")) > 0 for r in rows)
+    bad = subprocess.run([sys.executable, "bench/page_faults.py", "--new-tokens", "8"], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=600)
+    assert bad.returncode == 2 and "--new-tokens (8) must exceed --from-step + 1 (17)" in bad.stderr
+
+
 def _run_long(small, tmp_path, fractions: str, policies: str, *extra: str):
     """`bench/decode.py --long` on the tiny model saved with SmolLM2's tokenizer: batch 2 to 1,040 tokens, two
     rounds, slack 4, one thread; (the finished process, the records' path)."""

@@ -14,6 +14,8 @@ from learnkv import generate
 from learnkv.cache import BudgetCache
 from learnkv.policies import make_policy
 from learnkv.policies.base import LayerView, Policy
+from learnkv import slots
+from learnkv.slots import BudgetLayer
 
 BIG = torch.iinfo(torch.long).max
 
@@ -87,19 +89,44 @@ def test_decode_steps_write_into_preallocated_slots(tiny):
 
     def observe(cache):
         layer = cache.layers[0]
-        seen.append((layer.keys.data_ptr(), layer.capacity, layer.n_dead, layer.n_slots))
+        seen.append((layer.keys.data_ptr(), layer.capacity, layer.n_dead, layer.n_slots, layer.positions.data_ptr()))
 
     generate(tiny, input_ids=random_ids(8, seed=2), policy="h2o", budget=budget, max_new_tokens=30, slack=slack,
              observer=observe)  # fmt: skip
-    assert {cap for _, cap, _, _ in seen} == {budget + slack + 1}
+    assert {cap for _, cap, _, _, _ in seen} == {budget + slack + 1}
     compactions = 0
-    for (ptr, _, dead, n), (ptr2, _, dead2, n2) in zip(seen, seen[1:]):
+    for (ptr, _, dead, n, pos), (ptr2, _, dead2, n2, pos2) in zip(seen, seen[1:]):
         if n2 == n + 1 or dead2 == dead + 1:  # appended (and maybe marked a slot dead): same buffer
             assert ptr2 == ptr
-        else:  # compacted: the kept slots moved to the front of a fresh buffer
-            assert (dead, dead2, n2) == (slack, 0, budget)
+        else:  # compacted: the kept slots moved to the front of a fresh buffer; on a CPU the positions (and the
+            # state) stay in theirs (`_state_in_place`)
+            assert (dead, dead2, n2) == (slack, 0, budget) and pos2 == pos
             compactions += 1
     assert compactions == (30 - 1 - (budget - 8)) // (slack + 1)  # one per slack + 1 evictions
+
+
+@pytest.mark.parametrize("policy", ["h2o", "learned", "snapkv", "rkv", "tova"])
+@pytest.mark.parametrize("slack", [0, 5])
+def test_compaction_in_place_keeps_the_same_cache(tiny, policy, slack, monkeypatch):
+    """On a CPU a compaction at the layer's capacity gathers the positions and state into their own buffers
+    through the cache's workspace (`BudgetLayer._state_in_place`), not into fresh ones: the same tokens, the same
+    live slots at every step, and at the end the same keys, values, positions and policy state in every layer (a
+    padded batch; learned keeps its stacked state, R-KV compacts at every eviction)."""
+    in_place = []
+    original = slots._gather_in_place
+    monkeypatch.setattr(slots, "_gather_in_place", lambda *a: in_place.append(1) or original(*a))
+    ours, live, _, cache = decode(tiny, policy, slack)
+    monkeypatch.setattr(BudgetLayer, "_state_in_place", lambda self, capacity: False)
+    base, base_live, _, base_cache = decode(tiny, policy, slack)
+    assert in_place  # the path under test ran
+    assert ours.tokens.tolist() == base.tokens.tolist()
+    assert all(torch.equal(x, y) for a, b in zip(live, base_live) for x, y in zip(a, b))
+    for layer, ref in zip(cache.layers, base_cache.layers):
+        for x, y in ((layer.keys, ref.keys), (layer.values, ref.values), (layer.positions, ref.positions)):
+            assert torch.equal(x, y)
+        assert layer.state.keys() == ref.state.keys()
+        for name, value in layer.state.items():  # NaN: a slot not computed yet (the learned content term)
+            torch.testing.assert_close(value, ref.state[name], rtol=0, atol=0, equal_nan=True, msg=name)
 
 
 def test_long_prompt_memory_is_given_back(tiny):

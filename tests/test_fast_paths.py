@@ -87,9 +87,10 @@ def test_select_keep_one_drop_equals_the_reference(B, H, T, kind, one_keep):
 @pytest.mark.parametrize("shape, dim", [((2, 3, 9, 4), -2), ((1, 1, 5, 1), 2), ((3, 2, 7, 4, 2), 2),
                                         ((2, 3, 9), -1), ((2, 3, 16, 9), -1), ((0, 3, 9, 4), -2)])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
-@pytest.mark.parametrize("with_out", [False, True])
+@pytest.mark.parametrize("with_out", [None, "larger", "exact"])
 def test_gather_tokens_reference_equals_gather(shape, dim, layout, with_out):
-    """Whole slots by one index_select of rows (keys and values) == `Tensor.gather` with an expanded index."""
+    """Whole slots by one index_select of rows (keys and values) == `Tensor.gather` with an expanded index; into an
+    ``out`` with more slots, or of exactly the gathered shape (written directly, no temporary)."""
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g)
     if layout == "strided":
@@ -100,11 +101,12 @@ def test_gather_tokens_reference_equals_gather(shape, dim, layout, with_out):
     index = torch.randint(0, T, (B, H, K), generator=g)
     idx = index.reshape(B, H, *([1] * (d - 2)), K, *([1] * (x.ndim - d - 1)))
     expected = x.gather(d, idx.expand(*shape[:d], K, *shape[d + 1 :]))
-    out = torch.full((*shape[:d], K + 3, *shape[d + 1 :]), float("nan")) if with_out else None
+    extra = {None: 0, "larger": 3, "exact": 0}[with_out]
+    out = torch.full((*shape[:d], K + extra, *shape[d + 1 :]), float("nan")) if with_out else None
     actual = ref.gather_tokens_reference(x, index, dim, out=out)
     assert torch.equal(actual, expected)
     if with_out:
-        assert actual.data_ptr() == out.data_ptr() and out.narrow(d, K, 3).isnan().all()
+        assert actual.data_ptr() == out.data_ptr() and out.narrow(d, K, extra).isnan().all()
 
 
 def unique_dim_map(fn, *keys):

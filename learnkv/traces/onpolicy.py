@@ -24,7 +24,7 @@ from torch import Tensor
 from learnkv import attention
 from learnkv.cache import BudgetCache
 from learnkv.decode import forward, generate
-from learnkv.memory import TRIM_EVERY, release_free_heap
+from learnkv.memory import TRIM_EVERY, HeapTrim
 from learnkv.policies.base import LayerView, Policy
 from learnkv.traces.record import (Decision, Riders, Snapshot, add_labels, horizon_fits, label_keep, new_labels,
                                    resident, row_steps, step_labels, take_rows, teacher_view)
@@ -217,9 +217,10 @@ def branch_labels(model, items: list[BranchItem], label_budget: float) -> list[l
     cache.end_step()
     tokens = torch.stack([it.tokens for it in items]).to(device)
     start = torch.tensor([it.start for it in items], device=device)
+    trim = HeapTrim()
     for s in range(horizon):
         if s % TRIM_EVERY == 0:
-            release_free_heap()  # as the decode loop does (learnkv.memory)
+            trim()  # as the decode loop does (learnkv.memory)
         forward(model, cache, tokens[:, s:s + 1], (start + s)[:, None], [1] * R)
     return [[{k: v[i, :, n_max - n_at[layer][i]:].cpu() for k, v in observer.labels[layer].items()}
              for layer in range(n_layers)] for i in range(R)]
