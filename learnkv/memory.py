@@ -70,9 +70,11 @@ class HeapTrim:
     def __call__(self) -> bool:
         """Whether it handed pages back."""
         now = resident_bytes()
-        if now is not None and (self.since is None or now - self.since <= self.limit):
-            self.since = now if self.since is None else self.since
-            return False
+        if now is not None:
+            if self.since is None:
+                self.since = now
+            if now - self.since <= self.limit:
+                return False
         released = release_free_heap()
         self.since = resident_bytes()
         return released
