@@ -42,6 +42,13 @@ step by step, from their kept decodes (``<json>.decodes.jsonl``): OTHER's speed 
 out the first N decode steps (e.g. a window still filling):
 
     python bench/decode.py --pair snapkv,snapkv:running_sum=true --json runs/bench-long-b8-snap-running.json
+
+``--by-residue N`` (with ``--json``, after such a run): where each policy's extra time falls in a periodic schedule
+(a compaction every ``slack + 1`` steps where every row evicts at every step, a refresh every ``refresh``): per
+policy and round, the median over steps of its step time minus its turn-mate full cache's, in milliseconds, by the
+decode step's index modulo N (from ``--from-step``):
+
+    python bench/decode.py --by-residue 17 --from-step 64 --json runs/bench-long-turns.json
 """
 
 from __future__ import annotations
@@ -103,7 +110,11 @@ def parse_args(argv=None):
     parser.add_argument("--long-fractions", default="0.25,0.5", help="budgets as fractions of each row's final length")
     parser.add_argument("--pair", default=None, metavar="BASE,OTHER",
                         help="instead: pair two policies' kept decodes of --json's turns step by step (see above)")
-    parser.add_argument("--from-step", type=int, default=0, help="--pair: leave out the first N decode steps")
+    parser.add_argument("--by-residue", type=int, default=None, metavar="N",
+                        help="instead: each kept decode of --json's turns, its median extra ms a step over its "
+                             "turn-mate full cache by step index modulo N (see above)")
+    parser.add_argument("--from-step", type=int, default=0,
+                        help="--pair, --by-residue: leave out the first N decode steps")
     parser.add_argument("--interleave", action="store_true",
                         help="--long: a round's decodes of a setting take turns, one step each, with a full-cache "
                              "decode (bench/turns.py): each ratio pairs decodes that ran on the same machine state")
@@ -433,8 +444,7 @@ def long_table(model, tok, names, args) -> list[dict]:
 def pair_table(args) -> None:
     """``--pair BASE,OTHER``: every round and setting where both ran in turns, OTHER against BASE step by step."""
     base, other = args.pair.split(",")
-    kept = [json.loads(line) for line in Path(args.json + ".decodes.jsonl").read_text().splitlines()]
-    runs = {tuple(e["key"][:4]): e["result"] for e in kept if "key" in e}
+    runs = kept_turns(args.json)
     found = False
     for (i, b, length, name), r in runs.items():
         mate = runs.get((i, b, length, other))
@@ -454,8 +464,34 @@ def pair_table(args) -> None:
         raise SystemExit(f"error: no round of {args.json}.decodes.jsonl has {base} and {other} in turns")
 
 
+def kept_turns(path: str) -> dict[tuple, dict]:
+    """The decodes kept beside ``path``'s records, by (round, batch, length, policy)."""
+    kept = [json.loads(line) for line in Path(path + ".decodes.jsonl").read_text().splitlines()]
+    return {tuple(e["key"][:4]): e["result"] for e in kept if "key" in e}
+
+
+def residue_table(args) -> None:
+    """``--by-residue N``: per kept decode in turns (the full cache's own left out), the median of its step time
+    minus its turn-mate full cache's, in ms, over the steps of each residue modulo N."""
+    n, first = args.by_residue, args.from_step
+    rows = [(key, r) for key, r in kept_turns(args.json).items() if key[3] != "full" and "paired_full_step_s" in r]
+    if not rows:
+        raise SystemExit(f"error: {args.json}.decodes.jsonl holds no decode in turns with a full cache")
+    print(f"median ms a step over the turn-mate full cache, by decode step modulo {n} (steps {first}-):")
+    print("| round | policy | " + " | ".join(str(k) for k in range(n)) + " |")
+    print("|---|---|" + "---|" * n)
+    for (i, _, _, name), r in rows:
+        extra = [a - f for a, f in zip(r["step_s"], r["paired_full_step_s"])]
+        by_k = [statistics.median(extra[s] for s in range(first, len(extra)) if s % n == k) for k in range(n)]
+        print(f"| {i + 1} | {name} | " + " | ".join(f"{1e3 * x:+.0f}" for x in by_k) + " |")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.by_residue is not None:
+        if not args.json or args.by_residue < 1:
+            raise SystemExit("error: --by-residue takes N >= 1 and the --json of a run in turns (--interleave)")
+        return residue_table(args)
     if args.pair:
         if not args.json or args.pair.count(",") != 1:
             raise SystemExit("error: --pair takes BASE,OTHER and the --json of a run in turns (--interleave)")

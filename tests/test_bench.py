@@ -231,6 +231,28 @@ def test_decode_benchmark_long_mode_in_turns(small, tmp_path):
     assert missing.returncode != 0 and "no round" in missing.stderr
 
 
+def test_decode_benchmark_by_residue(tmp_path):
+    """`--by-residue N`: per kept decode in turns (not the full cache's own), the median of its step time minus its
+    turn-mate full cache's, by step index modulo N, from `--from-step`."""
+    full = [0.100 + 0.001 * s for s in range(6)]
+    extra = [9.0, 9.0, 9.0, 0.0, 0.002, 0.050]  # the first three left out by --from-step 3; a spike at residue 2
+    other = [f + e for f, e in zip(full, extra)]
+    out = tmp_path / "turns.json"
+    kept = [{"identity": {"interleave": True}},
+            {"key": [0, 8, 1536, "full", None], "result": {"step_s": full, "paired_full_step_s": full}},
+            {"key": [0, 8, 1536, "h2o", 0.5], "result": {"step_s": other, "paired_full_step_s": full}}]
+    Path(str(out) + ".decodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in kept))
+    res = subprocess.run([sys.executable, "bench/decode.py", "--by-residue", "3", "--from-step", "3", "--json",
+                          str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert [line for line in res.stdout.splitlines() if line.startswith("| 1 ")] == ["| 1 | h2o | +0 | +2 | +50 |"]
+    empty = tmp_path / "none.json"
+    Path(str(empty) + ".decodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in kept[:2]))
+    res = subprocess.run([sys.executable, "bench/decode.py", "--by-residue", "3", "--json", str(empty)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode != 0 and "no decode in turns" in res.stderr
+
+
 def test_decode_benchmark_policy_items_carry_settings():
     """`bench/decode.py --long` takes ``NAME:key=value`` items: the settings reach `generate`, the learned policy's
     scorer is added; the other modes refuse them in one line."""
