@@ -482,15 +482,17 @@ def residue_table(args) -> None:
     print("|---|---|" + "---|" * n)
     for (i, _, _, name), r in rows:
         extra = [a - f for a, f in zip(r["step_s"], r["paired_full_step_s"])]
-        by_k = [statistics.median(extra[s] for s in range(first, len(extra)) if s % n == k) for k in range(n)]
-        print(f"| {i + 1} | {name} | " + " | ".join(f"{1e3 * x:+.0f}" for x in by_k) + " |")
+        by_k = [[extra[s] for s in range(first, len(extra)) if s % n == k] for k in range(n)]
+        cells = (f"{1e3 * statistics.median(x):+.0f}" if x else "-" for x in by_k)  # "-": no step of that residue
+        print(f"| {i + 1} | {name} | " + " | ".join(cells) + " |")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.by_residue is not None:
-        if not args.json or args.by_residue < 1:
-            raise SystemExit("error: --by-residue takes N >= 1 and the --json of a run in turns (--interleave)")
+        if not args.json or args.by_residue < 1 or args.from_step < 0:
+            raise SystemExit("error: --by-residue takes N >= 1, --from-step >= 0 and the --json of a run in turns "
+                             "(--interleave)")
         return residue_table(args)
     if args.pair:
         if not args.json or args.pair.count(",") != 1:

@@ -246,6 +246,12 @@ def test_decode_benchmark_by_residue(tmp_path):
                           str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert [line for line in res.stdout.splitlines() if line.startswith("| 1 ")] == ["| 1 | h2o | +0 | +2 | +50 |"]
+    res = subprocess.run([sys.executable, "bench/decode.py", "--by-residue", "3", "--from-step", "5", "--json",
+                          str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert [line for line in res.stdout.splitlines() if line.startswith("| 1 ")] == ["| 1 | h2o | - | - | +50 |"]
+    res = subprocess.run([sys.executable, "bench/decode.py", "--by-residue", "3", "--from-step", "-1", "--json",
+                          str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode != 0 and res.stderr.strip().startswith("error: --by-residue takes")
     empty = tmp_path / "none.json"
     Path(str(empty) + ".decodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in kept[:2]))
     res = subprocess.run([sys.executable, "bench/decode.py", "--by-residue", "3", "--json", str(empty)],
