@@ -63,12 +63,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-# the repo root must come before this script's folder, or `import kernels` would find bench/kernels.py
+# the repo root first: learnkv from this checkout, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parent))  # after the root: bench/turns.py, when loaded by path too
 
 from learnkv import POLICIES, attention, generate, load_model  # noqa: E402
-from learnkv.cli import Interruptible, thread_count  # noqa: E402
+from learnkv.cli import Interruptible, OneLineParser, thread_count  # noqa: E402
 from learnkv.eval.checkpoint import differing_keys, scorer_identity  # noqa: E402
 from learnkv.eval.metrics import agreement_length  # noqa: E402
 from learnkv.policies.params import parse_policy  # noqa: E402
@@ -81,8 +81,22 @@ PROMPT = (
 )
 
 
+def int_at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum``, else one line naming the bound (a negative ``--from-step`` would
+    silently slice from the end of every decode)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
+        return n
+    return parse
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--budget", default="96", help="tokens (holds the 74-token prompt: decode-time eviction)")
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -110,10 +124,10 @@ def parse_args(argv=None):
     parser.add_argument("--long-fractions", default="0.25,0.5", help="budgets as fractions of each row's final length")
     parser.add_argument("--pair", default=None, metavar="BASE,OTHER",
                         help="instead: pair two policies' kept decodes of --json's turns step by step (see above)")
-    parser.add_argument("--by-residue", type=int, default=None, metavar="N",
+    parser.add_argument("--by-residue", type=int_at_least(1), default=None, metavar="N",
                         help="instead: each kept decode of --json's turns, its median extra ms a step over its "
                              "turn-mate full cache by step index modulo N (see above)")
-    parser.add_argument("--from-step", type=int, default=0,
+    parser.add_argument("--from-step", type=int_at_least(0), default=0,
                         help="--pair, --by-residue: leave out the first N decode steps")
     parser.add_argument("--interleave", action="store_true",
                         help="--long: a round's decodes of a setting take turns, one step each, with a full-cache "
@@ -490,9 +504,8 @@ def residue_table(args) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.by_residue is not None:
-        if not args.json or args.by_residue < 1 or args.from_step < 0:
-            raise SystemExit("error: --by-residue takes N >= 1, --from-step >= 0 and the --json of a run in turns "
-                             "(--interleave)")
+        if not args.json:
+            raise SystemExit("error: --by-residue takes the --json of a run in turns (--interleave)")
         return residue_table(args)
     if args.pair:
         if not args.json or args.pair.count(",") != 1:

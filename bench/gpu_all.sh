@@ -8,7 +8,7 @@
 #
 # 1. the kernel tests compiled on the GPU (TRITON_INTERPRET=0: the same tests that run in the interpreter on CPU,
 #    plus the GPU-only large shapes, the no-sync selection and the decode loop's kept sets with and without kernels);
-# 2. bench/kernels.py: every kernel against its torch reference (do_bench, GB/s against copy bandwidth), then
+# 2. bench/kernel_bench.py: every kernel against its torch reference (do_bench, GB/s against copy bandwidth), then
 #    whole decode steps;
 # 3. bench/decode.py --long on CUDA in bf16: every policy at 25% and 50% of the final length against the full cache.
 # A step that fails is reported and the next one still runs; the exit status is 1 if any failed.
@@ -55,17 +55,17 @@ if [ -n "${QUICK:-}" ]; then
     # where the KV read outweighs the host's launches by far (the 2026-11-30 lease: eager launches cost a 2-layer step
     # ~2.5 ms of host time, as much as batch 32 at 32k tokens reads): batch 128 and 64 at 32k, slack 64
     for budget in 0.25 0.5; do
-        run "bench-steps-b128-$budget" timeout 140 "$PY" bench/kernels.py --skip-kernels --batches 128,64 \
+        run "bench-steps-b128-$budget" timeout 140 "$PY" bench/kernel_bench.py --skip-kernels --batches 128,64 \
             --contexts 32768 --budget $budget --slacks 64 --policies learned,h2o,tova,knorm,lazy,paged,snapkv
     done
     # twice: run-to-run spread of each kernel's time (one run cannot tell a 7% change from noise)
-    run bench-kernels timeout 70 "$PY" bench/kernels.py --quick --skip-steps
-    run bench-kernels-again timeout 40 "$PY" bench/kernels.py --quick --skip-steps
+    run bench-kernels timeout 70 "$PY" bench/kernel_bench.py --quick --skip-steps
+    run bench-kernels-again timeout 40 "$PY" bench/kernel_bench.py --quick --skip-steps
     # 2 layers of a 7B-like attention at batch 32 and 8, 32k and 8k tokens (host-bound since the one-pass attention:
     # the 2026-11-30 lease): every policy that scores per token, the learned one with a seeded untrained scorer
     # (timing only), at 25% and 50%
     for budget in 0.25 0.5; do
-        run "bench-steps-$budget" timeout $([ $budget = 0.25 ] && echo 120 || echo 100) "$PY" bench/kernels.py \
+        run "bench-steps-$budget" timeout $([ $budget = 0.25 ] && echo 120 || echo 100) "$PY" bench/kernel_bench.py \
             --skip-kernels --batches 32,8 --contexts 32768,8192 --budget $budget --slacks 0,64 \
             --policies learned,h2o,snapkv,tova,knorm,lazy,paged
     done
@@ -80,7 +80,7 @@ if [ -n "${QUICK:-}" ]; then
 else
     run kernel-tests env TRITON_INTERPRET=0 "$PY" -m pytest -q "${xdist[@]}" tests/test_kernels.py \
         tests/test_kernels_features.py tests/test_kernels_state.py tests/test_kernel_path.py
-    run bench-kernels "$PY" bench/kernels.py
+    run bench-kernels "$PY" bench/kernel_bench.py
     run bench-decode-long "$PY" bench/decode.py --long --dtype bfloat16 "${model_args[@]}" \
         ${SCORER:+--scorer "$SCORER"} --slack 16 --repeats 3 --json "$OUT/bench-decode-long.json"
 fi

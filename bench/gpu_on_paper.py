@@ -6,7 +6,7 @@ writes as learnkv's kernels and decode loop make them, turned into time at HBM b
 
 A decode step of a memory-bound model takes at least (bytes it moves) / (HBM bandwidth). This counts, per step,
 every byte the step reads or writes in HBM (caches ignored, so each pass over a tensor counts), from the access
-patterns of the code as it is (`kernels/*.py`, `learnkv/attention.py`, `learnkv/cache.py`), and nothing else: no
+patterns of the code as it is (`learnkv/kernels/*.py`, `learnkv/attention.py`, `learnkv/cache.py`), and nothing else: no
 launch latency (each layer's eviction adds ~10 small launches, ~0.3-1 ms per step over 28 layers, which bounds
 batch 1 more than bandwidth does), no compute, no overlap. So the times are lower bounds and the speedups are what
 bandwidth alone predicts. Per (layer, batch row, KV head) and slot, with D the head dim (bf16 K/V: 2D bytes each),

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# the repo root must come before this script's folder, or `import kernels` would find bench/kernels.py
+# the repo root first: learnkv from this checkout, installed or not
 sys.path.insert(0, str(ROOT))
 
 from decode import PROMPT  # noqa: E402  (bench/decode.py: the README prompt)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-# the repo root must come before this script's folder, or `import kernels` would find bench/kernels.py
+# the repo root first: learnkv from this checkout, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learnkv import generate, load_model  # noqa: E402

@@ -1,4 +1,4 @@
-"""Where a budgeted decode step spends its host time: cProfile of `bench/kernels.py`'s decode steps, per policy.
+"""Where a budgeted decode step spends its host time: cProfile of `bench/kernel_bench.py`'s decode steps, per policy.
 
     python bench/profile_step.py --policies learned,h2o --batch 8 --context 8192 --budget 0.25 --slack 64
 
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# the repo root first, or `import kernels` would find bench/kernels.py; that script is loaded under its own name
+# the repo root first (learnkv from this checkout); bench/kernel_bench.py is loaded under its own name
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-_spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
+_spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernel_bench.py"))
 bench_kernels = importlib.util.module_from_spec(_spec)  # the step model and the decode step
 _spec.loader.exec_module(bench_kernels)
 

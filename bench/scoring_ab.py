@@ -68,7 +68,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo root before bench/ (`import kernels`); tests: the references
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo root first (learnkv from this checkout); tests: the references
 
 from test_fast_paths import update_decode_before  # noqa: E402
 from test_refresh import scorer_before  # noqa: E402
@@ -76,7 +76,7 @@ from test_scoring_speed import avg_pool_before, near_keys, redundancy_before, re
 
 import learnkv.features as features  # noqa: E402
 
-from kernels.cpu import mark_victims, one_drop_victims, select_keep_one_drop  # noqa: E402
+from learnkv.kernels.cpu import mark_victims, one_drop_victims, select_keep_one_drop  # noqa: E402
 from learnkv.eval.stats import bootstrap_ci  # noqa: E402
 from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker, group_mean_max  # noqa: E402
 from learnkv.features import SPARE_ROWS as FEATURE_SPARE_ROWS  # noqa: E402
@@ -84,7 +84,7 @@ from learnkv.scorer.model import Scorer  # noqa: E402
 from learnkv.policies.snapkv import SPARE_ROWS, SnapKV  # noqa: E402
 from learnkv.policies import rkv  # noqa: E402
 from learnkv.policies.snapkv import avg_pool  # noqa: E402
-from kernels.reference import mark_dead  # noqa: E402
+from learnkv.kernels.reference import mark_dead  # noqa: E402
 
 
 def clock(fn, n: int) -> float:

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repository's `kernels` package, not bench/kernels.py beside this script
+sys.path.insert(0, str(ROOT))  # the repo root first: learnkv from this checkout, installed or not
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips "
     "did Natalia sell altogether in April and May?",

@@ -54,7 +54,7 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
-from kernels.reference import per_row, rank_prefer_recent
+from learnkv.kernels.reference import per_row, rank_prefer_recent
 from learnkv.fields import check_fields, setting
 from learnkv.pooling import rank_percentiles
 

@@ -39,8 +39,8 @@ import contextvars
 import torch
 from torch import Tensor, nn
 
-import kernels
-from kernels.reference import REDUCE as FUSED_REDUCE  # the group reductions the fused decode kernel computes itself
+from learnkv import kernels
+from learnkv.kernels.reference import REDUCE as FUSED_REDUCE  # the group reductions the fused decode kernel computes
 from learnkv.features import group_mean_max
 
 NAME = "learnkv"

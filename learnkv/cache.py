@@ -63,8 +63,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-import kernels
-from kernels.reference import mark_dead, protected_slots
+from learnkv import kernels
+from learnkv.kernels.reference import mark_dead, protected_slots
 from learnkv.allocation import (Allocation, allocate, as_allocation, head_budgets, keep_slots, normalisation_for,
                                 normalise_scores)
 from learnkv.policies.base import LayerView, Policy

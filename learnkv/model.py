@@ -185,7 +185,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention.NAME)
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if isinstance(e, KeyError) and attention.NAME in e.args:  # e.g. Falcon picks its attention class by name
+        if isinstance(e, KeyError) and attention.NAME in e.args:  # e.g. Falcon before transformers 5.25
             first = "its attention does not take a custom attention function, so no budget could be enforced"
         raise ModelLoadError(f"cannot load model {name_or_path!r}: {first}") from None
     return model.to(device).eval(), tokenizer

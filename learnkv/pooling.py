@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-import kernels
+from learnkv import kernels
 
 POOLING_RULES = ("mean_rank", "mean_mass")
 POOLING = "mean_rank"  # the learned scorer's rule, which its exported artifact records

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-import kernels
+from learnkv import kernels
 
 #: every layer's slot positions ``[L, B, H, C]`` and packed state ``{dtype: [L, B, H, S, C]}``, stacked
 Link = tuple[Tensor, dict[torch.dtype, Tensor]]

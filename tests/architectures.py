@@ -3,7 +3,8 @@
 Each family is built from the installed transformers' own config class: 2 layers, fp32, 4 query heads over 2 KV
 heads where the family allows GQA, a small vocabulary, large initial weights (peaked attention, so a wrong mask or a
 missing term moves the logits far past the tolerance), and a sliding window of `WINDOW` tokens where the config has
-one. ``refused`` names the families learnkv refuses, with a pattern of the one-line reason.
+one. ``refused`` names the families learnkv refuses, with a pattern of the one-line reason (Bloom always; Falcon
+with a transformers older than 5.25).
 """
 
 from __future__ import annotations
@@ -42,6 +43,17 @@ class Family:
                                                 dtype=torch.float32).eval()
 
 
+def falcon_refusal() -> str | None:
+    """Falcon computed its attention itself, bypassing transformers' attention interface, before transformers 5.25
+    (refused: no eviction would reach its layers); from 5.25 it goes through the interface (supported). Decided by
+    what the installed modelling code does, not by a version number."""
+    from transformers.models.falcon import modeling_falcon
+
+    if hasattr(modeling_falcon, "ALL_ATTENTION_FUNCTIONS"):
+        return None
+    return r"FalconForCausalLM cannot decode under a learnkv budget: learnkv's attention never ran"
+
+
 FAMILIES = {
     "llama": Family("LlamaConfig"),
     "mistral": Family("MistralConfig", {"sliding_window": None}),
@@ -63,8 +75,9 @@ FAMILIES = {
     "cohere": Family("CohereConfig"),
     "granite": Family("GraniteConfig"),
     "falcon": Family("FalconConfig", {"head_dim": None, "num_key_value_heads": None, "new_decoder_architecture": True,
-                                      "num_kv_heads": 2},
-                     refused=r"FalconForCausalLM cannot decode under a learnkv budget: learnkv's attention never ran"),
+                                      "num_kv_heads": 2}, refused=falcon_refusal()),
+    "bloom": Family("BloomConfig", {"head_dim": None, "num_key_value_heads": None, "n_layer": 2, "n_head": 4},
+                    refused=r"BloomForCausalLM cannot decode under a learnkv budget: learnkv's attention never ran"),
     "stablelm": Family("StableLmConfig"),  # its decoder layer passes no kwargs on: the cache reaches it by context
     "deepseek-v2": Family("DeepseekV2Config", MLA),
     "deepseek-v3": Family("DeepseekV3Config", MLA),

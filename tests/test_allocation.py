@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import params_for, prefill_for
-from kernels.reference import protected_slots, select_keep_reference
+from learnkv.kernels.reference import protected_slots, select_keep_reference
 from learnkv.allocation import (
     ALLOCATIONS, Allocation, allocate, keep_slots, normalise_scores, pyramid_budgets, slot_totals,
 )

@@ -87,13 +87,13 @@ def test_mla_content_traces_are_refused_in_one_line(models, smollm2_tokenizer, t
 
 
 def test_a_model_the_cache_cannot_govern_is_refused_before_any_trace(smollm2_tokenizer, tmp_path):
-    """Falcon's attention bypasses transformers' interface: collection (full cache or on-policy, so train.py too)
+    """Bloom's attention bypasses transformers' interface: collection (full cache or on-policy, so train.py too)
     stops in `generate`'s one line after the first prefill, and writes no shard or manifest."""
-    fam = FAMILIES["falcon"]
+    fam = FAMILIES["bloom"]
     model = dataclasses.replace(fam, overrides={**fam.overrides, "vocab_size": len(smollm2_tokenizer)}).build()
     for policy in ("full", "h2o"):
         cfg = CollectConfig(prompts=2, val_prompts=1, max_new_tokens=24, horizon=6, chat=False, policy=policy)
-        with pytest.raises(ValueError, match=r"^FalconForCausalLM cannot decode under a learnkv budget: ") as err:
+        with pytest.raises(ValueError, match=r"^BloomForCausalLM cannot decode under a learnkv budget: ") as err:
             collect(tmp_path / policy, cfg, model=model, tokenizer=smollm2_tokenizer, prompts=PROMPTS, progress=False)
         assert "\n" not in str(err.value)
         assert not [p for p in (tmp_path / policy).iterdir() if not p.name.startswith(".lock")]

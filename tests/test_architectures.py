@@ -165,14 +165,15 @@ def test_triton_decode_path_equals_torch_path(models, monkeypatch, name, policy)
     """The fused decode kernel (the Triton interpreter here) honours the window, softcap and sinks: the same logits,
     kept positions and tokens as the torch path, with the launcher actually run."""
     pytest.importorskip("triton")
-    import kernels.decode_attn
+    import learnkv.kernels.decode_attn
 
     _, ours = models(name)
     ids, mask = batch()
     runs = {}
     calls = []
-    real = kernels.decode_attn.decode_attention
-    monkeypatch.setattr(kernels.decode_attn, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = learnkv.kernels.decode_attn.decode_attention
+    monkeypatch.setattr(learnkv.kernels.decode_attn, "decode_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     for mode in ("torch", "triton"):
         monkeypatch.setenv("LEARNKV_KERNELS", mode)
         kept = []

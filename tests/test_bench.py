@@ -249,9 +249,13 @@ def test_decode_benchmark_by_residue(tmp_path):
     res = subprocess.run([sys.executable, "bench/decode.py", "--by-residue", "3", "--from-step", "5", "--json",
                           str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert [line for line in res.stdout.splitlines() if line.startswith("| 1 ")] == ["| 1 | h2o | - | - | +50 |"]
-    res = subprocess.run([sys.executable, "bench/decode.py", "--by-residue", "3", "--from-step", "-1", "--json",
-                          str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert res.returncode != 0 and res.stderr.strip().startswith("error: --by-residue takes")
+    for mode in (["--by-residue", "3"], ["--pair", "full,h2o"]):  # a negative start would slice from the end
+        res = subprocess.run([sys.executable, "bench/decode.py", *mode, "--from-step", "-1", "--json", str(out)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert res.returncode == 2 and "--from-step: must be >= 0, got -1" in res.stderr, res.stderr[-2000:]
+    res = subprocess.run([sys.executable, "bench/decode.py", "--by-residue", "0", "--json", str(out)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 2 and "--by-residue: must be >= 1, got 0" in res.stderr, res.stderr[-2000:]
     empty = tmp_path / "none.json"
     Path(str(empty) + ".decodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in kept[:2]))
     res = subprocess.run([sys.executable, "bench/decode.py", "--by-residue", "3", "--json", str(empty)],
@@ -374,7 +378,7 @@ def test_gpu_on_paper_counts():
     finally:
         sys.path.remove(str(ROOT / "bench"))
     pytest.importorskip("triton")
-    from kernels import select
+    from learnkv.kernels import select
 
     m = paper.Model()
     assert m.weight_bytes() / 2 == pytest.approx(6.53e9 + 152064 * 3584, rel=2e-3)
@@ -383,7 +387,7 @@ def test_gpu_on_paper_counts():
         idx_bits = max(slots - 1, 0).bit_length()
         passes = -(-(32 + idx_bits) // select.RADIX_BITS)
         assert paper.select_bytes(slots) == 4 + 16 + 8 + 8 * (passes + 1) + 8
-    from kernels.decode_attn import one_pass
+    from learnkv.kernels.decode_attn import one_pass
 
     G, kv = m.q_heads // m.kv_heads, m.kv_slot_bytes()
     assert one_pass(G, m.head_dim, m.bytes, "mean")  # the schedule the paper counts is the launcher's for this model

@@ -11,7 +11,7 @@ import torch
 
 from conftest import params_for, random_ids
 from kernel_checks import one_drop_case
-from kernels import reference as ref
+from learnkv.kernels import reference as ref
 from learnkv import generate
 from learnkv.features import FeatureTracker, group_mean_max, window_std
 from learnkv.policies import make_policy
@@ -58,8 +58,8 @@ def test_select_keep_token_path_equals_the_rank_formulation(B, H, T, ties, per_r
 def test_select_keep_one_drop_equals_the_reference(B, H, T, kind, one_keep):
     """The decode step's shortcut (`kernels.cpu.select_keep_one_drop`, one argmin instead of two sorts) keeps
     exactly the reference's slots, and `kernels.select_keep(live=...)` falls back to the reference where it cannot."""
-    import kernels
-    from kernels.cpu import select_keep_one_drop
+    from learnkv import kernels
+    from learnkv.kernels.cpu import select_keep_one_drop
 
     g = torch.Generator().manual_seed(B * 1000 + T)
     taken = 0
@@ -187,8 +187,8 @@ def test_marking_the_victims_leaves_the_reference_slots(B, H, T, kind, one_keep)
     """A one-drop step that does not compact marks each dropping row's victim dead (`kernels.cpu.one_drop_victims`,
     `kernels.cpu.mark_victims`) instead of listing the kept slots and marking the rest: the same positions as
     `mark_dead` of the reference's kept slots, and no decision where the shortcut of the selection has none."""
-    from kernels.cpu import mark_victims, one_drop_victims, select_keep_one_drop
-    from kernels.reference import mark_dead
+    from learnkv.kernels.cpu import mark_victims, one_drop_victims, select_keep_one_drop
+    from learnkv.kernels.reference import mark_dead
 
     g = torch.Generator().manual_seed(B * 1000 + T + 7)
     taken = 0
@@ -222,7 +222,7 @@ def test_marking_the_victims_leaves_the_reference_slots(B, H, T, kind, one_keep)
 def test_decode_marks_the_same_slots_without_a_kept_index(tiny, monkeypatch, policy, slack):
     """The cache's one-drop marking (`BudgetCache._mark_one_drop`) leaves every layer's slot positions after every
     step of a padded batch-2 decode as selecting the kept slots and marking the rest did (the shortcut off)."""
-    import kernels.cpu
+    import learnkv.kernels.cpu
 
     ids = torch.cat([random_ids(30, seed=11), random_ids(30, seed=12)])
     mask = torch.ones_like(ids)
@@ -236,10 +236,10 @@ def test_decode_marks_the_same_slots_without_a_kept_index(tiny, monkeypatch, pol
         return seen
 
     calls = []
-    real = kernels.cpu.mark_one_drop
-    monkeypatch.setattr(kernels.cpu, "mark_one_drop", lambda *a: calls.append(1) or real(*a))
+    real = learnkv.kernels.cpu.mark_one_drop
+    monkeypatch.setattr(learnkv.kernels.cpu, "mark_one_drop", lambda *a: calls.append(1) or real(*a))
     fast = run()
-    monkeypatch.setattr(kernels.cpu, "mark_one_drop", lambda *a: False)
+    monkeypatch.setattr(learnkv.kernels.cpu, "mark_one_drop", lambda *a: False)
     before = run()
     assert len(fast) == len(before) == 24
     assert all(torch.equal(a, b) for step_a, step_b in zip(fast, before) for a, b in zip(step_a, step_b))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
+from learnkv import kernels
 from conftest import params_for, prefill_for, random_ids
 
 pytest.importorskip("triton")
@@ -28,14 +28,14 @@ interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="tests the interpr
 
 #: policy -> the Triton launchers its decode steps must go through (module, function)
 LAUNCHERS = {
-    "decode_attention": ("kernels.decode_attn", "decode_attention"),
-    "select_keep": ("kernels.select", "select_keep"),
-    "mark_one_drop": ("kernels.select", "mark_one_drop"),
-    "gather_tokens": ("kernels.compact", "gather_tokens"),
-    "update_token_state": ("kernels.state_update", "update_token_state"),
-    "scorer_mlp": ("kernels.scorer", "scorer_mlp"),
-    "block_scores": ("kernels.block_score", "block_scores"),
-    "decode_features": ("kernels.features", "decode_features"),
+    "decode_attention": ("learnkv.kernels.decode_attn", "decode_attention"),
+    "select_keep": ("learnkv.kernels.select", "select_keep"),
+    "mark_one_drop": ("learnkv.kernels.select", "mark_one_drop"),
+    "gather_tokens": ("learnkv.kernels.compact", "gather_tokens"),
+    "update_token_state": ("learnkv.kernels.state_update", "update_token_state"),
+    "scorer_mlp": ("learnkv.kernels.scorer", "scorer_mlp"),
+    "block_scores": ("learnkv.kernels.block_score", "block_scores"),
+    "decode_features": ("learnkv.kernels.features", "decode_features"),
 }
 EVICTION = ("decode_attention", "select_keep", "gather_tokens")
 POLICY_CASES = [  # policy, extra generate arguments, launchers that must run
@@ -165,13 +165,14 @@ def test_benchmark_and_decode_path_import_neither_wandb_nor_datasets():
     root = Path(__file__).resolve().parents[1]
     code = (
         "import runpy, sys\n"
-        "sys.argv = ['kernels.py', '--help']\n"
+        "sys.argv = ['kernel_bench.py', '--help']\n"
         "try:\n"
-        "    runpy.run_path('bench/kernels.py', run_name='__main__')\n"
+        "    runpy.run_path('bench/kernel_bench.py', run_name='__main__')\n"
         "except SystemExit:\n"
         "    pass\n"
-        "import kernels, kernels.reference, kernels.select, kernels.compact, kernels.decode_attn, kernels.block_score\n"
-        "import kernels.state_update, kernels.scorer, kernels.features, kernels.reference\n"
+        "import learnkv.kernels.reference, learnkv.kernels.select, learnkv.kernels.compact\n"
+        "import learnkv.kernels.decode_attn, learnkv.kernels.block_score, learnkv.kernels.state_update\n"
+        "import learnkv.kernels.scorer, learnkv.kernels.features\n"
         "from learnkv import generate, POLICIES\n"
         "from learnkv.model import tiny_model\n"
         "import torch\n"
@@ -191,11 +192,11 @@ def test_benchmark_and_decode_path_import_neither_wandb_nor_datasets():
 
 @interpreter_only
 def test_benchmark_triton_rows_match_their_references_in_the_interpreter():
-    """`bench/kernels.py` on the Triton path (the interpreter here, compiled on a GPU) runs every kernel row and
+    """`bench/kernel_bench.py` on the Triton path (the interpreter here, compiled on a GPU) runs every kernel row and
     checks it against its reference, so a GPU session does not find a broken benchmark."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "LEARNKV_KERNELS": "triton"}
-    res = subprocess.run([sys.executable, "bench/kernels.py", "--batches", "1", "--contexts", "80", "--skip-steps"],
+    res = subprocess.run([sys.executable, "bench/kernel_bench.py", "--batches", "1", "--contexts", "80", "--skip-steps"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [line.split("|") for line in res.stdout.splitlines() if "| triton |" in line]
@@ -207,7 +208,7 @@ def test_benchmark_triton_rows_match_their_references_in_the_interpreter():
 
 
 def _bench_script(name: str):
-    """A `bench/` script loaded as a module under its own name (bench/kernels.py would shadow the package)."""
+    """A `bench/` script loaded as a module named ``bench_<name>`` (no top-level name another import could take)."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
@@ -221,10 +222,10 @@ def test_benchmark_decode_step_table_times_the_learned_policy(monkeypatch, capsy
     """The decode-step table's learned row runs the real path with an untrained scorer of the step model's shape
     (so a GPU session can time it without a trained artifact of that shape)."""
     monkeypatch.setenv("LEARNKV_KERNELS", "torch")
-    monkeypatch.setattr(sys, "argv", ["kernels.py", "--skip-kernels", "--batches", "1", "--contexts", "64",
+    monkeypatch.setattr(sys, "argv", ["kernel_bench.py", "--skip-kernels", "--batches", "1", "--contexts", "64",
                                       "--policies", "learned", "--slacks", "0", "--steps", "2", "--layers", "1"])
     with torch.random.fork_rng():  # the script seeds the global generator
-        _bench_script("kernels").main()
+        _bench_script("kernel_bench").main()
     out = capsys.readouterr().out
     rows = [line.split("|") for line in out.splitlines() if "| learned |" in line]
     assert len(rows) == 1 and float(rows[0][8]) > 0, out

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from kernel_checks import assert_close, assert_compiles_for_h100, assert_nan_parity, gen, poisoned
-from kernels import reference as ref
+from learnkv.kernels import reference as ref
 from learnkv.features import FEATURES, NORMS, SPARE_ROWS, STATE, WINDOW, FeatureTracker, group_mean_max
 from learnkv.sliding_rows import laid_out, window_view
 
 pytest.importorskip("triton")
-from kernels.features import decode_features  # noqa: E402
+from learnkv.kernels.features import decode_features  # noqa: E402
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
@@ -339,7 +339,7 @@ def test_decode_features_rejects_bad_arguments():
 
 
 COMPILE = """
-from kernels import features
+from learnkv.kernels import features
 
 fn = features._decode_features_kernel
 floats = ("n_win_f", "step_f", "layer_f")

@@ -13,12 +13,12 @@ import os
 import pytest
 import torch
 
-from kernels import reference as ref
+from learnkv.kernels import reference as ref
 from kernel_checks import assert_close, assert_compiles_for_h100, assert_nan_parity, gen, poisoned
 
 pytest.importorskip("triton")
-from kernels.scorer import scorer_mlp  # noqa: E402
-from kernels.state_update import update_token_state  # noqa: E402
+from learnkv.kernels.scorer import scorer_mlp  # noqa: E402
+from learnkv.kernels.state_update import update_token_state  # noqa: E402
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
@@ -139,7 +139,7 @@ def test_update_token_state_nan_parity():
 @pytest.mark.parametrize("x", [0.0, 1e-4, 0.1, 1 / 3, 2 / 29, 0.999, 1.0, 3.4e38, -0.7])
 def test_launchers_round_scalars_to_fp32_as_torch_does(x):
     """The launchers' fp32 rounding of a float scalar (``alpha``, the ``layer`` feature) without a torch tensor."""
-    from kernels.specialize import fp32
+    from learnkv.kernels.specialize import fp32
 
     assert fp32(x) == float(torch.tensor(x, dtype=torch.float32))
 
@@ -297,7 +297,7 @@ def test_scorer_mlp_rejects_bad_shapes():
 
 def test_public_dispatch_on_cpu_is_the_reference():
     """`kernels.update_token_state` / `kernels.scorer_mlp` on CPU tensors run the references."""
-    import kernels
+    from learnkv import kernels
 
     g = gen("dispatch")
     attn_mean, attn_max, pos, state = state_inputs(g, 2, 3, 17, 4, 1, "contiguous")
@@ -311,7 +311,7 @@ def test_public_dispatch_on_cpu_is_the_reference():
 
 
 COMPILE = """
-from kernels import scorer, state_update
+from learnkv.kernels import scorer, state_update
 
 ptrs = {n: "*fp32" for n in ("mean_ptr", "max_ptr", "acc_ptr", "s1_ptr", "s2_ptr", "count_ptr", "ts_ptr", "mri_ptr")}
 opts = state_update.LAUNCH_OPTIONS

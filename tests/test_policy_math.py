@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from kernels.reference import gather_tokens_reference, select_keep_reference
+from learnkv.kernels.reference import gather_tokens_reference, select_keep_reference
 from learnkv.attention import learnkv_attention
 from learnkv.policies import make_policy
 from learnkv.policies.base import LayerView

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import eos_token, params_for, random_ids
-from kernels.reference import select_keep_reference
+from learnkv.kernels.reference import select_keep_reference
 from learnkv import generate
 from learnkv.policies import POLICIES, make_policy
 from learnkv.policies.base import LayerView, exact_map

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import kernels
+from learnkv import kernels
 from conftest import random_ids
 from learnkv import generate
 from learnkv.policies import rkv, snapkv

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import kernels
+from learnkv import kernels
 from learnkv.policies.base import LayerView, Policy
 from learnkv.fields import setting
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import kernels
+from learnkv import kernels
 from learnkv.features import fill_unknown_norms, token_norms
 from learnkv.policies.base import LayerView, Policy
 

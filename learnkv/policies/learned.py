@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-import kernels
+from learnkv import kernels
 from learnkv.features import NORMS, SPARE_ROWS, FeatureTracker, fill_unknown
 from learnkv.fields import setting
 from learnkv.policies.base import LayerView, Policy

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-import kernels
+from learnkv import kernels
 from learnkv.policies.base import LayerView, Policy, reduce_heads
 from learnkv.fields import setting
 

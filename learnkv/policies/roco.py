@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import kernels
-from kernels.reference import protected_slots
+from learnkv import kernels
+from learnkv.kernels.reference import protected_slots
 from learnkv.policies.base import LayerView, Policy
 from learnkv.fields import setting
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-import kernels
+from learnkv import kernels
 from learnkv.features import N_FEATURES
 
 

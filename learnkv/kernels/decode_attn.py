@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nanmax import fmax, rmax
-from kernels.reference import REDUCE
-from kernels.specialize import STEP_VARYING
+from learnkv.kernels.nanmax import fmax, rmax
+from learnkv.kernels.reference import REDUCE
+from learnkv.kernels.specialize import STEP_VARYING
 
 
 def cuda_warps(block_d: int) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.reference import per_row, protected_slots
+from learnkv.kernels.reference import per_row, protected_slots
 
 
 def one_drop_rows(keep, live, B: int, H: int, T: int) -> list[int] | None:

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.nanmax import fmax
-from kernels.specialize import STEP_VARYING, fp32
+from learnkv.kernels.nanmax import fmax
+from learnkv.kernels.specialize import STEP_VARYING, fp32
 from learnkv.features import FEATURES, NORMS, SINKS, STATE, WINDOW
 from learnkv.sliding_rows import first_row, in_rows
 

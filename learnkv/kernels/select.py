@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import block_layout, per_row
-from kernels.specialize import STEP_VARYING
+from learnkv.kernels.reference import block_layout, per_row
+from learnkv.kernels.specialize import STEP_VARYING
 
 RADIX_BITS = 4
 #: warps of the two kernels on CUDA (`_select_kernel` at 8 warps spills: ptxas caps it at 64 registers)

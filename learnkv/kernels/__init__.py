@@ -1,16 +1,16 @@
 """Eviction kernels: Triton for CUDA tensors, plain-torch references everywhere else.
 
-Keep this file cheap and free of side effects: `kernels` is also the name of a Hugging Face package that
-transformers probes for at import time, so nothing heavy (torch, triton) is imported here at module level.
-The public functions import their implementation on first call.
+Keep this file cheap and free of side effects: the cache and every policy import it and triton is optional, so
+nothing heavy (torch, triton) is imported here at module level; the public functions import their implementation
+on first call. The package lives inside learnkv, not at the top level: a top-level ``kernels`` would shadow Hugging
+Face's ``kernels``, which transformers 5.25 requires and imports.
 
-Every public function has a reference with the same signature in `kernels.reference` (the spec and the CPU
-path; `mark_one_drop` also takes the rows' live counts, which its reference needs not) and a Triton launcher in
-its own module (`kernels.select`, `kernels.compact`, `kernels.decode_attn`, `kernels.block_score`,
-`kernels.state_update`, `kernels.scorer`, `kernels.features`); `kernels.cpu` holds shortcuts of the references for
-common cases of the CPU decode loop, bit-equal to them. No module may be named after
-a public function: importing `kernels.<name>` binds the attribute `kernels.<name>` to the module and would shadow
-the function.
+Every public function has a reference with the same signature in `reference` (the spec and the CPU path;
+`mark_one_drop` also takes the rows' live counts, which its reference needs not) and a Triton launcher in its own
+module (`select`, `compact`, `decode_attn`, `block_score`, `state_update`, `scorer`, `features`); `cpu` holds
+shortcuts of the references for common cases of the CPU decode loop, bit-equal to them. No module may be named
+after a public function: importing ``kernels.<name>`` binds the attribute ``<name>`` of this package to the
+module and would shadow the function.
 
 The one switch is the environment variable ``LEARNKV_KERNELS``, read at every call (so tests can flip it):
 
@@ -120,15 +120,15 @@ def select_keep(scores, positions, keep, n_sink, n_recent, block_size=1, live=No
     ``live``: each row's live slots (one int, or one per row), if the caller knows them; on the torch path it lets
     a step that drops at most one live slot per row take `kernels.cpu.select_keep_one_drop` (the same result)."""
     if _use_triton(scores, positions):
-        from kernels.select import select_keep as impl
+        from learnkv.kernels.select import select_keep as impl
     else:
         if live is not None and block_size == 1:
-            from kernels.cpu import select_keep_one_drop
+            from learnkv.kernels.cpu import select_keep_one_drop
 
             index = select_keep_one_drop(scores, positions, keep, n_sink, n_recent, live)
             if index is not None:
                 return index
-        from kernels.reference import select_keep_reference as impl
+        from learnkv.kernels.reference import select_keep_reference as impl
     return impl(scores, positions, keep, n_sink, n_recent, block_size)
 
 
@@ -138,14 +138,14 @@ def mark_one_drop(scores, positions, keep, n_sink, n_recent, live) -> bool:
     `kernels.reference.mark_one_drop_reference`. Returns False, marking nothing, outside that case, or on the
     torch path where its argmin leaves the case to the reference (`kernels.cpu.mark_one_drop`)."""
     if _use_triton(scores, positions):
-        from kernels.cpu import one_drop_rows
-        from kernels.select import mark_one_drop as impl
+        from learnkv.kernels.cpu import one_drop_rows
+        from learnkv.kernels.select import mark_one_drop as impl
 
         if one_drop_rows(keep, live, *scores.shape) is None:
             return False
         impl(scores, positions, keep, n_sink, n_recent)
         return True
-    from kernels.cpu import mark_one_drop as impl  # checks the case itself (`one_drop_victims`)
+    from learnkv.kernels.cpu import mark_one_drop as impl  # checks the case itself (`one_drop_victims`)
 
     return impl(scores, positions, keep, n_sink, n_recent, live)
 
@@ -154,9 +154,9 @@ def gather_tokens(x, index, dim, out=None):
     """Gather the slots ``index [B, H, K]`` of ``x`` along its token axis ``dim`` (into the first ``K`` slots of
     ``out`` if given); see `kernels.reference`."""
     if _use_triton(x, index):
-        from kernels.compact import gather_tokens as impl
+        from learnkv.kernels.compact import gather_tokens as impl
     else:
-        from kernels.reference import gather_tokens_reference as impl
+        from learnkv.kernels.reference import gather_tokens_reference as impl
     return impl(x, index, dim, out)
 
 
@@ -166,9 +166,9 @@ def decode_attention(query, key, value, key_positions, query_positions, scaling=
     ``window``, ``softcap`` and ``sinks``: a sliding window, logit softcapping, per-head sink logits); see
     `kernels.reference`."""
     if _use_triton(query, key, value, key_positions, query_positions):
-        from kernels.decode_attn import decode_attention as impl
+        from learnkv.kernels.decode_attn import decode_attention as impl
     else:
-        from kernels.reference import decode_attention_reference as impl
+        from learnkv.kernels.reference import decode_attention_reference as impl
     return impl(query, key, value, key_positions, query_positions, scaling, reduce, window=window, softcap=softcap,
                 sinks=sinks)
 
@@ -176,9 +176,9 @@ def decode_attention(query, key, value, key_positions, query_positions, scaling=
 def block_scores(keys, values, block_size):
     """PagedEviction scores ``[B, T // block_size]`` from keys/values ``[B, H, T, D]``; see `kernels.reference`."""
     if _use_triton(keys, values):
-        from kernels.block_score import block_scores as impl
+        from learnkv.kernels.block_score import block_scores as impl
     else:
-        from kernels.reference import block_scores_reference as impl
+        from learnkv.kernels.reference import block_scores_reference as impl
     return impl(keys, values, block_size)
 
 
@@ -187,18 +187,18 @@ def update_token_state(attn_mean, attn_max, positions, step, n_new, alpha,
     """Update H2O/RoCo/LazyEviction per-token state ``[B, H, T]`` in place for one step; see `kernels.reference`."""
     tensors = [t for t in (attn_mean, attn_max, positions, acc, s1, s2, count, ts, mri) if t is not None]
     if _use_triton(*tensors):
-        from kernels.state_update import update_token_state as impl
+        from learnkv.kernels.state_update import update_token_state as impl
     else:
-        from kernels.reference import update_token_state_reference as impl
+        from learnkv.kernels.reference import update_token_state_reference as impl
     impl(attn_mean, attn_max, positions, step, n_new, alpha, acc, s1, s2, count, ts, mri)
 
 
 def scorer_mlp(features, mean, std, w1, b1, w2, b2):
     """One layer's scorer MLP on token features ``[N, F]`` -> ``[N]`` fp32; see `kernels.reference`."""
     if _use_triton(features, mean, std, w1, b1, w2):
-        from kernels.scorer import scorer_mlp as impl
+        from learnkv.kernels.scorer import scorer_mlp as impl
     else:
-        from kernels.reference import scorer_mlp_reference as impl
+        from learnkv.kernels.reference import scorer_mlp_reference as impl
     return impl(features, mean, std, w1, b1, w2, b2)
 
 
@@ -206,7 +206,7 @@ def decode_features(attn, keys, values, positions, layer, n_layers, step, state,
     """One decode step of the learned policy's feature tracker (state in place, ``[B, H, T, F]`` features out, or
     None without ``read_out``; its window among ``spare`` spare rows); see `kernels.reference`."""
     if _use_triton(attn, keys, values, positions, *state.values()):
-        from kernels.features import decode_features as impl
+        from learnkv.kernels.features import decode_features as impl
     else:
-        from kernels.reference import decode_features_reference as impl
+        from learnkv.kernels.reference import decode_features_reference as impl
     return impl(attn, keys, values, positions, layer, n_layers, step, state, spare, read_out=read_out)

@@ -1,7 +1,7 @@
 """Kernel benchmark: each eviction kernel against its torch reference, then whole decode steps, as markdown tables.
 
-    python bench/kernels.py            # CUDA: bf16, Hq 32, H 8, D 128, B in {1, 8, 32}, T in {4k, 16k, 32k}
-    python bench/kernels.py --quick    # fewer shapes (on CPU: the reference path only, small fp32 shapes)
+    python bench/kernel_bench.py            # CUDA: bf16, Hq 32, H 8, D 128, B in {1, 8, 32}, T in {4k, 16k, 32k}
+    python bench/kernel_bench.py --quick    # fewer shapes (on CPU: the reference path only, small fp32 shapes)
 
 On CUDA every kernel runs both ways (Triton launcher and reference) timed with `triton.testing.do_bench`, and
 the Triton result is checked against the reference ("check": = exact, ~ within tolerance). On CPU only the
@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-# the repo root must come before this script's folder, or `import kernels` would import this file
+# the repo root first: learnkv from this checkout, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import reference as ref  # noqa: E402
+from learnkv.kernels import reference as ref  # noqa: E402
 from learnkv.cli import thread_count  # noqa: E402
 
 
@@ -95,13 +95,13 @@ def cases(B: int, T: int, Hq: int, H: int, D: int, dtype, device: str, use_trito
     triton_ok = use_triton
     yield "copy K", lambda: torch.empty_like(k).copy_(k), None, 2 * nbytes(k), True
     if triton_ok:
-        from kernels.block_score import block_scores
-        from kernels.compact import gather_tokens
-        from kernels.decode_attn import decode_attention
-        from kernels.features import decode_features
-        from kernels.scorer import scorer_mlp
-        from kernels.select import select_keep
-        from kernels.state_update import update_token_state
+        from learnkv.kernels.block_score import block_scores
+        from learnkv.kernels.compact import gather_tokens
+        from learnkv.kernels.decode_attn import decode_attention
+        from learnkv.kernels.features import decode_features
+        from learnkv.kernels.scorer import scorer_mlp
+        from learnkv.kernels.select import select_keep
+        from learnkv.kernels.state_update import update_token_state
 
     yield ("decode_attention", lambda: ref.decode_attention_reference(q, k, v, kpos, qpos),
            (lambda: decode_attention(q, k, v, kpos, qpos)) if triton_ok else None,
@@ -258,7 +258,7 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")] if args.batches else batches
     contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else contexts
     time_ms = timer(device)
-    import kernels
+    from learnkv import kernels
 
     # the one switch decides: Triton rows on CUDA, and on CPU too under LEARNKV_KERNELS=triton TRITON_INTERPRET=1
     # (how CI checks this script's Triton path before a GPU session spends its time on it)

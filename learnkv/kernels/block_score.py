@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nanmax import fmax
+from learnkv.kernels.nanmax import fmax
 
 
 #: elements of one ``[BLOCK_NB, BLOCK_S, BLOCK_D]`` tile on CUDA, and the warps (8 per thread, per tensor: 125-154

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nanmax import fmax
-from kernels.specialize import STEP_VARYING, fp32
+from learnkv.kernels.nanmax import fmax
+from learnkv.kernels.specialize import STEP_VARYING, fp32
 
 #: ``s2 += a * a`` rounded op by op, as the reference (the interpreter never fuses; ``--fmad=false`` on the GPU)
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
