@@ -196,8 +196,8 @@ def test_benchmark_triton_rows_match_their_references_in_the_interpreter():
     checks it against its reference, so a GPU session does not find a broken benchmark."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "LEARNKV_KERNELS": "triton"}
-    res = subprocess.run([sys.executable, "bench/kernel_bench.py", "--batches", "1", "--contexts", "80", "--skip-steps"],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "bench/kernel_bench.py", "--batches", "1", "--contexts", "80",
+                          "--skip-steps"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [line.split("|") for line in res.stdout.splitlines() if "| triton |" in line]
     kernels_run = {r[1].strip() for r in rows}
