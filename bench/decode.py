@@ -67,7 +67,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parent))  # after the root: bench/turns.py, when loaded by path too
 
-from learnkv import POLICIES, attention, generate, load_model  # noqa: E402
+from learnkv import POLICIES, attention, generate, generate_steps, load_model  # noqa: E402
 from learnkv.cli import Interruptible, OneLineParser, thread_count  # noqa: E402
 from learnkv.eval.checkpoint import differing_keys, scorer_identity  # noqa: E402
 from learnkv.eval.metrics import agreement_length  # noqa: E402
@@ -318,9 +318,9 @@ def long_turns(model, keys: list[tuple], plan: tuple, args) -> dict[tuple, dict]
     names = [("full", None)] + [(k[3], k[4]) for k in keys if k[3] != "full"]
 
     def job(name, frac):
-        return lambda on_step: generate(model, input_ids=ids, attention_mask=mask, policy=parse_policy(name)[0],
-                                        budget=frac, policy_params=long_params(name, args), max_new_tokens=new,
-                                        stop_at_eos=False, on_step=on_step, **prefill(name, args))
+        return lambda: generate_steps(model, input_ids=ids, attention_mask=mask, policy=parse_policy(name)[0],
+                                      budget=frac, policy_params=long_params(name, args), max_new_tokens=new,
+                                      stop_at_eos=False, **prefill(name, args))
 
     attention.install(model)  # once for all: each `generate` then leaves the model's attention as it found it
     bar = tqdm(total=len(names) * new, desc=f"turns of {len(names)}", unit="step", leave=False,
@@ -460,28 +460,42 @@ def pair_table(args) -> None:
     base, other = args.pair.split(",")
     runs = kept_turns(args.json)
     found = False
-    for (i, b, length, name), r in runs.items():
-        mate = runs.get((i, b, length, other))
-        if name != base or mate is None or "paired_full_step_s" not in r:
+    for (i, b, length, name, frac), r in runs.items():
+        mates = [(f, m) for (j, c, n, o, f), m in runs.items()
+                 if (j, c, n, o) == (i, b, length, other) and (None in (f, frac) or f == frac)]
+        if name != base or not mates or "paired_full_step_s" not in r:
             continue
         found = True
-        n = args.from_step
-        a, o, full = r["step_s"][n:], mate["step_s"][n:], r["paired_full_step_s"][n:]
-        ratio, lo, hi = block_ratio_interval(a, o)
-        ms = " / ".join(f"{1e3 * sum(x) / len(x):.1f}" for x in (full, a, o))
-        print(f"round {i + 1}, batch {b} to {length}, decode steps {n}-{n + len(a) - 1}: {other} / {base} speed "
-              f"{ratio:.3f}x [{lo:.3f}, {hi:.3f}]; ms a step full / {base} / {other}: {ms}")
-        for label, x in ((base, a), (other, o)):
-            ratio, lo, hi = block_ratio_interval(full, x)
-            print(f"  {label} / full {ratio:.3f}x [{lo:.3f}, {hi:.3f}]")
+        for f, mate in mates:
+            pair_line(args, i, b, length, (base, frac), (other, f), r, mate)
     if not found:
         raise SystemExit(f"error: no round of {args.json}.decodes.jsonl has {base} and {other} in turns")
 
 
+def pair_line(args, i: int, b: int, length: int, base: tuple, other: tuple, r: dict, mate: dict) -> None:
+    """`pair_table`'s lines for one pair of kept decodes: OTHER against BASE, and each against the full cache."""
+    base, other = decode_label(*base), decode_label(*other)
+    n = args.from_step
+    a, o, full = r["step_s"][n:], mate["step_s"][n:], r["paired_full_step_s"][n:]
+    ratio, lo, hi = block_ratio_interval(a, o)
+    ms = " / ".join(f"{1e3 * sum(x) / len(x):.1f}" for x in (full, a, o))
+    print(f"round {i + 1}, batch {b} to {length}, decode steps {n}-{n + len(a) - 1}: {other} / {base} speed "
+          f"{ratio:.3f}x [{lo:.3f}, {hi:.3f}]; ms a step full / {base} / {other}: {ms}")
+    for label, x in ((base, a), (other, o)):
+        ratio, lo, hi = block_ratio_interval(full, x)
+        print(f"  {label} / full {ratio:.3f}x [{lo:.3f}, {hi:.3f}]")
+
+
 def kept_turns(path: str) -> dict[tuple, dict]:
-    """The decodes kept beside ``path``'s records, by (round, batch, length, policy)."""
+    """The decodes kept beside ``path``'s records, by (round, batch, length, policy, fraction): a run of several
+    fractions holds each policy once per fraction (the full cache's is None)."""
     kept = [json.loads(line) for line in Path(path + ".decodes.jsonl").read_text().splitlines()]
-    return {tuple(e["key"][:4]): e["result"] for e in kept if "key" in e}
+    return {tuple(e["key"][:5]): e["result"] for e in kept if "key" in e}
+
+
+def decode_label(name: str, fraction: float | None) -> str:
+    """A kept decode's policy, with its budget's fraction where it has one (``h2o 50%``)."""
+    return name if fraction is None else f"{name} {fraction:.0%}"
 
 
 def residue_table(args) -> None:
@@ -494,11 +508,11 @@ def residue_table(args) -> None:
     print(f"median ms a step over the turn-mate full cache, by decode step modulo {n} (steps {first}-):")
     print("| round | policy | " + " | ".join(str(k) for k in range(n)) + " |")
     print("|---|---|" + "---|" * n)
-    for (i, _, _, name), r in rows:
+    for (i, _, _, name, frac), r in rows:
         extra = [a - f for a, f in zip(r["step_s"], r["paired_full_step_s"])]
         by_k = [[extra[s] for s in range(first, len(extra)) if s % n == k] for k in range(n)]
         cells = (f"{1e3 * statistics.median(x):+.0f}" if x else "-" for x in by_k)  # "-": no step of that residue
-        print(f"| {i + 1} | {name} | " + " | ".join(cells) + " |")
+        print(f"| {i + 1} | {decode_label(name, frac)} | " + " | ".join(cells) + " |")
 
 
 def main(argv=None) -> None:

@@ -5,117 +5,75 @@ same batch-8 decode ran at 60-73 tokens/s in one process, 2026-11-30, with no st
 minutes apart carry that drift into their ratio. Decodes that alternate step by step see the same drift; their
 ratio keeps only what each costs.
 
-Each decode runs in its own thread, but only the one holding the turn runs: its ``on_step`` (`learnkv.generate`'s
-callback after the prefill and after every decode step) reads the clock, hands the turn on and waits for it again,
-so a decode's own time is the sum of its spans between getting the turn and its next ``on_step``: its prefill (the
-first span) and each decode step, with no other decode's work inside. (glibc's per-thread arenas and OpenMP's
-per-thread teams are the cost of threads; only one team works at a time.)
+Each decode is a `learnkv.generate_steps` generator, resumed in turns in the calling thread: a decode's own time is
+the sum of its spans from a resume to its next yield, its prefill (the first span) and each decode step, with no
+other decode's work inside. One thread, not one per decode: torch's CPU ops run on OpenMP (GNU libgomp), which
+gives each calling thread its own team of workers, and once the teams together hold more threads than there are
+cores, every team's workers sleep at once after each parallel region instead of spinning, so the next op waits
+for them to wake. With one idle second team alive, a small op ([16, 3, 1290] ``log1p``, 2 threads) took 77 us
+instead of 30 (2026-12-04); decodes in threads paid that on every op, the learned policy's refresh (~4,500 small
+ops) most of all (bench/RESULTS.md, "Turns in one thread").
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from learnkv.eval.stats import ratio_of_sums
 
 
-class _Stopped(Exception):
-    """Raised in a decode's ``on_step`` when the caller was interrupted: its `generate` unwinds, its thread ends."""
-
-
 @dataclass
 class Turned:
-    """One decode's outcome: what its job returned, its prefill's seconds and each decode step's."""
+    """One decode's outcome: what its generator returned, its prefill's seconds and each decode step's."""
 
     result: object = None
     prefill_s: float = 0.0
     step_s: list[float] = field(default_factory=list)
-    error: BaseException | None = None
+    error: Exception | None = None
 
     @property
     def decode_s(self) -> float:
         return sum(self.step_s)
 
 
-def take_turns(jobs: list[Callable[[Callable[[int], None]], object]],
-               after_step: Callable[[int], None] | None = None) -> list[Turned]:
-    """Run ``jobs`` (each called with the ``on_step`` callback to hand its `generate`) in turns, in the given order,
-    one step each, and return each one's result and own times. ``after_step(i)`` is called (untimed, on job ``i``'s
-    turn) after each of its steps, e.g. to tick a progress bar. An exception in a job ends it (the others go on) and
-    is raised here once all have ended."""
-    cond = threading.Condition()
-    turn, stopping = [0], [False]
-    done = [False] * len(jobs)
+def take_turns(jobs: list[Callable[[], Iterator]], after_step: Callable[[int], None] | None = None) -> list[Turned]:
+    """Run ``jobs`` in turns, in the given order, one step each, in this thread, and return each one's result and own
+    times. A job is called once (its call is timed with its prefill) and returns a generator that yields after its
+    prefill and after each decode step and returns its result (`learnkv.generate_steps`). ``after_step(i)`` is
+    called (untimed) after each of job ``i``'s steps, e.g. to tick a progress bar. An exception in a job ends it
+    (the others go on) and is raised here once all have ended; an interrupt (Ctrl-C) ends every one at once (their
+    generators are closed) and goes on to the caller."""
     out = [Turned() for _ in jobs]
-
-    def pass_on(i: int) -> None:  # with cond held: the next job that has not ended, in order
-        n = len(jobs)
-        for k in range(1, n + 1):
-            if not done[(i + k) % n]:
-                turn[0] = (i + k) % n
-                break
-        cond.notify_all()
-
-    def wait_for(i: int) -> None:
-        with cond:
-            cond.wait_for(lambda: turn[0] == i or stopping[0])
-        if stopping[0]:
-            raise _Stopped
-
-    def run(i: int) -> None:
-        try:
-            wait_for(i)
-        except _Stopped:
-            return
-        started, calls = [time.perf_counter()], [0]
-
-        def on_step(_rows: int) -> None:
-            spent = time.perf_counter() - started[0]
-            calls[0] += 1
-            if calls[0] == 1:  # the first call follows the prefill
-                out[i].prefill_s = spent
-            else:
-                out[i].step_s.append(spent)
-            if after_step is not None:
-                after_step(i)
-            with cond:
-                pass_on(i)
-            wait_for(i)
-            started[0] = time.perf_counter()
-
-        try:
-            out[i].result = jobs[i](on_step)
-        except _Stopped:
-            pass
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            out[i].error = e
-        with cond:
-            done[i] = True
-            pass_on(i)
-            if all(done):
-                ended.set()
-
-    ended = threading.Event()
-    threads = [threading.Thread(target=run, args=(i,), name=f"turns-{i}") for i in range(len(jobs))]
-    for t in threads:
-        t.start()
+    running: dict[int, Iterator | None] = dict.fromkeys(range(len(jobs)))  # None: not started yet
     try:
-        # waited on an event, not a join: Ctrl-C inside Python 3.11's `Thread.join` marks the joined thread stopped
-        # while it runs (bpo-45274's handling), so a later join would return at once
-        while jobs and not ended.wait(timeout=0.5):  # with a timeout, Ctrl-C / SIGTERM reach the main thread
-            pass
-    except BaseException:  # interrupted: each decode stops at its next step's end, then the interrupt goes on
-        with cond:
-            stopping[0] = True
-            cond.notify_all()
-        ended.wait()
-        raise
+        while running:
+            for i in list(running):
+                started, first = time.perf_counter(), running[i] is None
+                try:
+                    if first:
+                        running[i] = jobs[i]()
+                    next(running[i])
+                except StopIteration as end:
+                    out[i].result = end.value
+                    del running[i]
+                    continue
+                except Exception as e:  # noqa: BLE001 - handed to the caller once every job has ended
+                    out[i].error = e
+                    del running[i]
+                    continue
+                spent = time.perf_counter() - started
+                if first:  # the job's call and its prefill
+                    out[i].prefill_s = spent
+                else:
+                    out[i].step_s.append(spent)
+                if after_step is not None:
+                    after_step(i)
     finally:
-        for t in threads:
-            t.join()
+        for steps in running.values():
+            if steps is not None:
+                steps.close()
     for o in out:
         if o.error is not None:
             raise o.error

@@ -11,6 +11,7 @@ import importlib
 
 _PUBLIC = {
     "generate": "learnkv.decode",
+    "generate_steps": "learnkv.decode",
     "GenerationResult": "learnkv.decode",
     "resolve_budget": "learnkv.settings",
     "Eviction": "learnkv.settings",

@@ -1,14 +1,15 @@
 """The decode loop: prefill, one step at a time, with a budgeted cache and explicit positions.
 
-`generate` is the one function users call. It knows nothing about any particular policy: it builds a
+`generate` is the one function users call (`generate_steps` is the same decode one step at a time, for a caller
+that runs several in turns in one thread). It knows nothing about any particular policy: it builds a
 `BudgetCache` for the named policy, runs the model with the "learnkv" attention function and reports what
 the cache held. Positions are threaded explicitly (transformers 5.x ignores `cache_position` and would
 derive positions from the physical cache length, which is wrong after eviction).
 
 The loop itself is a few plain functions over one `DecodeState`, as gpt-fast and nanochat write theirs: `prefill`
-(the prompts into the cache, the first token chosen), `decode_step` (one token for the batch) and `decode_loop`;
-`forward` is the one forward pass with the cache, which on-policy collection's branches call too, and `call_model`
-the model call itself, which the serving simulator's own paged cache calls.
+(the prompts into the cache, the first token chosen), `decode_step` (one token for the batch) and `decode_loop`
+(`decode_steps` one step at a time); `forward` is the one forward pass with the cache, which on-policy collection's
+branches call too, and `call_model` the model call itself, which the serving simulator's own paged cache calls.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import dataclasses
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -424,6 +425,14 @@ def decode_loop(model, state: DecodeState, max_new_tokens: int, on_step: Callabl
                 progress: str | None = None) -> None:
     """After `prefill`: `decode_step` until every row has ``max_new_tokens`` tokens or has ended. ``on_step`` is told,
     per step, how many rows generated a token at it; ``progress``: a progress bar's label."""
+    for active in decode_steps(model, state, max_new_tokens, progress):
+        if on_step is not None:
+            on_step(active)
+
+
+def decode_steps(model, state: DecodeState, max_new_tokens: int, progress: str | None = None) -> Iterator[int]:
+    """`decode_loop` one step at a time: yields, right after `prefill` and after each `decode_step`, how many rows
+    generated a token at it; the next step runs when the caller asks for the next value."""
     B, active = len(state.next_pos), len(state.next_pos)
     steps = range(max_new_tokens)
     if progress:
@@ -436,8 +445,7 @@ def decode_loop(model, state: DecodeState, max_new_tokens: int, on_step: Callabl
             if (i - 1) % TRIM_EVERY == 0:
                 trim()  # a long decode's memory stays near what is live (learnkv.memory)
             decode_step(model, state)
-        if on_step is not None:
-            on_step(active)
+        yield active
         if len(state.eos):  # without an EOS no row ends: nothing to read back (on a GPU, a synchronisation)
             active = B - int(state.finished.sum())  # once per step: the rows going on, for the next step and the stop
             if not active:
@@ -508,12 +516,38 @@ def generate(model, tokenizer=None, prompts: str | Sequence[str] | None = None, 
     model's choices (teacher forcing). ``future``: for a policy that looks ahead (the oracle), per row the full-cache
     run's attention of the continuation it replays (`learnkv.capture.step_attention`), where the caller holds it;
     computed here otherwise. ``observer`` sees the cache after every forward pass (after eviction); ``on_step``
-    gets, after every decode step, the number of rows that generated a token at it.
+    gets, after the prefill and after every decode step, the number of rows that generated a token at it.
+    `generate_steps` is the same decode one step at a time.
 
     It runs under ``torch.inference_mode`` (no autograd bookkeeping: ~5% faster at batch 1 than ``no_grad``, the
     same tokens), so the tensors it returns are inference tensors: clone one before writing into it or using it in
     autograd outside inference mode.
     """
+    given = {k: v for k, v in locals().items() if k not in ("on_step", "eviction_fields")}  # first: the arguments
+    steps = generate_steps.__wrapped__(**given, **eviction_fields)  # in this call's mode (`__wrapped__`: the caller's)
+    while True:
+        try:
+            rows = next(steps)
+        except StopIteration as end:
+            return end.value
+        if on_step is not None:
+            on_step(rows)
+
+
+@torch.inference_mode()
+def generate_steps(model, tokenizer=None, prompts: str | Sequence[str] | None = None, eviction: Eviction | None = None,
+                   *, max_new_tokens: int = 64, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                   chat: bool = True, reply_prefixes: Sequence[str | None] | None = None, special_tokens: bool = False,
+                   do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   seed: int = 0, stop_at_eos: bool = True, forced_tokens: Tensor | None = None,
+                   future: Sequence | None = None, observer: Callable[[BudgetCache], None] | None = None,
+                   progress: bool = False, **eviction_fields) -> Generator[int, None, GenerationResult]:
+    """`generate` one step at a time, for a caller that runs several decodes in turns in one thread
+    (`bench/turns.py`): `generate`'s arguments (``on_step`` aside). The arguments are checked and the prompts encoded
+    now; the returned generator then runs the prefill and yields, after it and after each decode step, how many
+    rows generated a token at it (what `generate` tells ``on_step``), the next step running at the next request;
+    its end's value (``StopIteration.value``, or ``yield from``'s) is the `GenerationResult`, whose ``prefill_s``
+    and ``decode_s`` are wall time (the caller's time between steps included)."""
     eviction = _eviction(eviction, eviction_fields)
     policy_obj = _checked_policy(eviction, max_new_tokens, seed, top_k)
     input_ids, attention_mask = _batch(model, tokenizer, prompts, input_ids, attention_mask, max_new_tokens, chat=chat,
@@ -523,25 +557,31 @@ def generate(model, tokenizer=None, prompts: str | Sequence[str] | None = None, 
                     min(max_new_tokens, forced_tokens.shape[1]))
     budgets, rows, prefill_rows = _policy_rows(model, policy_obj, eviction, prompt_lengths, max_new_tokens)
     sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    with attention.installed(model):
-        if policy_obj.needs_future:
-            rows, forced_tokens = _with_future(model, rows, input_ids, attention_mask, forced_tokens, future,
-                                               max_new_tokens, sampling, stop_at_eos)
-        if forced_tokens is not None:
-            forced_tokens = forced_tokens.to(input_ids.device)
-            max_new_tokens = min(max_new_tokens, forced_tokens.shape[1])
-        shared = eviction.block_size if eviction.granularity == "block" and policy_obj.evicts else None
-        cache = BudgetCache(model.config.num_hidden_layers, rows, budgets, last_step=max_new_tokens - 1,
-                            shared_block=shared, slack=eviction.slack, prefill_policy=prefill_rows,
-                            allocation=eviction.allocation)
-        state = DecodeState(cache, sampler(**sampling, forced=forced_tokens), *stop_tokens(model, tokenizer, stop_at_eos),
-                            observer)
-        t0 = _settled_clock(input_ids.device)
-        prefill(model, state, input_ids, attention_mask)
-        t1 = _settled_clock(input_ids.device)
-        decode_loop(model, state, max_new_tokens, on_step, f"decode [{policy_obj.name}]" if progress else None)
-        t2 = _settled_clock(input_ids.device)
-    return _result(state, tokenizer, policy_obj, budgets, rows, prefill_rows, prompt_lengths, (t0, t1, t2))
+
+    @torch.inference_mode(torch.is_inference_mode_enabled())  # each step, when resumed: in the mode of this call
+    def decoding() -> Generator[int, None, GenerationResult]:
+        nonlocal rows, forced_tokens, max_new_tokens
+        with attention.installed(model):
+            if policy_obj.needs_future:
+                rows, forced_tokens = _with_future(model, rows, input_ids, attention_mask, forced_tokens, future,
+                                                   max_new_tokens, sampling, stop_at_eos)
+            if forced_tokens is not None:
+                forced_tokens = forced_tokens.to(input_ids.device)
+                max_new_tokens = min(max_new_tokens, forced_tokens.shape[1])
+            shared = eviction.block_size if eviction.granularity == "block" and policy_obj.evicts else None
+            cache = BudgetCache(model.config.num_hidden_layers, rows, budgets, last_step=max_new_tokens - 1,
+                                shared_block=shared, slack=eviction.slack, prefill_policy=prefill_rows,
+                                allocation=eviction.allocation)
+            state = DecodeState(cache, sampler(**sampling, forced=forced_tokens),
+                                *stop_tokens(model, tokenizer, stop_at_eos), observer)
+            t0 = _settled_clock(input_ids.device)
+            prefill(model, state, input_ids, attention_mask)
+            t1 = _settled_clock(input_ids.device)
+            yield from decode_steps(model, state, max_new_tokens, f"decode [{policy_obj.name}]" if progress else None)
+            t2 = _settled_clock(input_ids.device)
+        return _result(state, tokenizer, policy_obj, budgets, rows, prefill_rows, prompt_lengths, (t0, t1, t2))
+
+    return decoding()
 
 
 def _settled_clock(device: torch.device) -> float:

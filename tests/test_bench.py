@@ -121,64 +121,74 @@ def test_decode_benchmark_long_mode(small, tmp_path):
     assert "| 2 | " in res.stdout and "| snapkv | 25% (" in res.stdout and "[min, max] over 2 rounds" in res.stdout
 
 
-def test_turns_alternate_and_time_each_decode_alone():
-    """`bench/turns.py`: decodes take turns one step each, in order (a log of who ran shows no overlap), each one's
-    times are its own spans (a slow neighbour's sleep is not in them), a job that ends early leaves the others going,
-    and an error in one is raised once all have ended."""
+def _turns():
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import turns
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    log = []
+    return turns
+
+
+def test_turns_alternate_and_time_each_decode_alone():
+    """`bench/turns.py`: decodes take turns one step each, in order (a log of who ran shows no overlap), all in the
+    calling thread (one OpenMP team: a thread per decode made every torch op wait for sleeping workers), each one's
+    times are its own spans (a slow neighbour's sleep is not in them), a job that ends early leaves the others going,
+    and an error in one is raised once all have ended."""
+    import threading
+
+    turns = _turns()
+    log, threads = [], set()
 
     def job(name, steps, pause):
-        def run(on_step):
+        def run():
             time.sleep(pause)  # its prefill
-            on_step(1)
+            yield 1
             for _ in range(steps):
                 log.append(name + "+")
+                threads.add(threading.get_ident())
                 time.sleep(pause)
                 log.append(name + "-")
-                on_step(1)
+                yield 1
             return name
         return run
 
     out = turns.take_turns([job("a", 4, 0.002), job("b", 2, 0.02), job("c", 4, 0.002)])
     assert [o.result for o in out] == ["a", "b", "c"]
     assert log == ["a+", "a-", "b+", "b-", "c+", "c-"] * 2 + ["a+", "a-", "c+", "c-"] * 2
+    assert threads == {threading.get_ident()}
     assert [len(o.step_s) for o in out] == [4, 2, 4]
     assert max(out[0].step_s) < 0.015 and min(out[1].step_s) >= 0.02, "a step's time holds another decode's"
     assert out[0].decode_s == pytest.approx(sum(out[0].step_s)) and out[1].prefill_s >= 0.02
 
-    def failing(on_step):
-        on_step(1)
+    def failing():
+        yield 1
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
         turns.take_turns([job("a", 3, 0.0), failing])
+    assert log[-2:] == ["a+", "a-"] and log.count("a+") == 4 + 3, "the other decode did not go on to its end"
     ratio, low, high = turns.block_ratio_interval([2.0] * 64, [1.0] * 64)
     assert ratio == low == high == 2.0
 
 
 def test_turns_stop_every_decode_when_interrupted():
-    """Ctrl-C (or SIGTERM taken as it) while decodes take turns: each decode stops at the end of its step, every
-    thread has ended when the interrupt reaches the caller, and none runs on."""
+    """Ctrl-C (or SIGTERM taken as it) while decodes take turns: the interrupt reaches the caller, every decode's
+    generator is closed (its cleanup runs), and none runs on."""
     import signal
     import threading
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import turns
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    steps = []
+    turns = _turns()
+    steps, closed = [], []
 
-    def endless(on_step):
-        while True:
-            time.sleep(0.005)
-            steps.append(1)
-            on_step(1)
+    def endless():
+        try:
+            while True:
+                time.sleep(0.005)
+                steps.append(1)
+                yield 1
+        finally:
+            closed.append(1)
 
     sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
@@ -189,7 +199,7 @@ def test_turns_stop_every_decode_when_interrupted():
     finally:
         timer.join()
         signal.signal(signal.SIGINT, sigint)
-    assert steps and not [t for t in threading.enumerate() if t.name.startswith("turns-") and t.is_alive()]
+    assert steps and len(closed) == 3
     n = len(steps)
     time.sleep(0.05)
     assert len(steps) == n, "a decode ran on after the interrupt"
@@ -225,7 +235,7 @@ def test_decode_benchmark_long_mode_in_turns(small, tmp_path):
     assert len(lines) == 6 and lines[0].startswith("round 1, batch 2 to 1040, decode steps 3-")
     knorm = next(e["result"] for e in kept[1:] if e["key"][3] == "knorm" and e["key"][0] == 0)
     steps = knorm["step_s"][3:]
-    assert f"knorm / full {sum(knorm['paired_full_step_s'][3:]) / sum(steps):.3f}x" in lines[1]
+    assert f"knorm 50% / full {sum(knorm['paired_full_step_s'][3:]) / sum(steps):.3f}x" in lines[1]
     missing = subprocess.run([sys.executable, "bench/decode.py", "--pair", "knorm,rkv", "--json", str(out)],
                              capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert missing.returncode != 0 and "no round" in missing.stderr
@@ -240,15 +250,21 @@ def test_decode_benchmark_by_residue(tmp_path):
     out = tmp_path / "turns.json"
     kept = [{"identity": {"interleave": True}},
             {"key": [0, 8, 1536, "full", None], "result": {"step_s": full, "paired_full_step_s": full}},
-            {"key": [0, 8, 1536, "h2o", 0.5], "result": {"step_s": other, "paired_full_step_s": full}}]
+            {"key": [0, 8, 1536, "h2o", 0.5], "result": {"step_s": other, "paired_full_step_s": full}},
+            {"key": [0, 8, 1536, "h2o", 0.25], "result": {"step_s": full, "paired_full_step_s": full}}]
     Path(str(out) + ".decodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in kept))
     res = subprocess.run([sys.executable, "bench/decode.py", "--by-residue", "3", "--from-step", "3", "--json",
                           str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert [line for line in res.stdout.splitlines() if line.startswith("| 1 ")] == ["| 1 | h2o | +0 | +2 | +50 |"]
+    # each fraction of a policy its own row (a run of two fractions kept only the last one's before)
+    assert [line for line in res.stdout.splitlines() if line.startswith("| 1 ")] == [
+        "| 1 | h2o 50% | +0 | +2 | +50 |", "| 1 | h2o 25% | +0 | +0 | +0 |"]
+    res = subprocess.run([sys.executable, "bench/decode.py", "--pair", "full,h2o", "--json", str(out)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0 and "h2o 50% / full speed" in res.stdout and "h2o 25% / full speed" in res.stdout
     res = subprocess.run([sys.executable, "bench/decode.py", "--by-residue", "3", "--from-step", "5", "--json",
                           str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert [line for line in res.stdout.splitlines() if line.startswith("| 1 ")] == ["| 1 | h2o | - | - | +50 |"]
+    assert [line for line in res.stdout.splitlines() if line.startswith("| 1 ")][0] == "| 1 | h2o 50% | - | - | +50 |"
     for mode in (["--by-residue", "3"], ["--pair", "full,h2o"]):  # a negative start would slice from the end
         res = subprocess.run([sys.executable, "bench/decode.py", *mode, "--from-step", "-1", "--json", str(out)],
                              capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -402,3 +418,11 @@ def test_gpu_on_paper_counts():
     from learnkv.policies import make_policy
 
     assert paper.REFRESH == make_policy("learned").refresh  # the learned policy's default refresh
+
+
+def test_omp_teams_benchmark_prints_both_sides():
+    """`bench/omp_teams.py` (why bench/turns.py keeps one thread) runs end to end: both timings and their ratio."""
+    res = subprocess.run([sys.executable, "bench/omp_teams.py", "--shape", "4,64", "--ops", "20", "--rounds", "2",
+                          "--threads", "1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "us an op, beside an idle team" in res.stdout and "; beside / alone " in res.stdout

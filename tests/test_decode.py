@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import eos_token, params_for, prefill_for, random_ids
-from learnkv import POLICIES, generate
+from learnkv import POLICIES, generate, generate_steps
 from learnkv.model import tiny_model
 
 def hf_greedy(ids, new_tokens):
@@ -302,3 +302,34 @@ def test_generate_runs_in_inference_mode_with_the_same_result(tiny, policy):
     assert len(kept["fast"]) == len(kept["plain"]) == 12
     for a, b in zip(kept["fast"], kept["plain"]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o"])
+def test_generate_steps_is_generate_one_step_at_a_time(tiny, policy):
+    """`generate_steps`: two decodes resumed in turns in one thread (as bench/turns.py runs them) each yield after
+    the prefill and after every step what `generate` tells ``on_step``, run in inference mode, and end with the
+    same tokens and kept slots as `generate` alone; bad arguments are refused at the call, before any step."""
+    kw = dict(input_ids=random_ids(20, batch=2), policy=policy, max_new_tokens=9, stop_at_eos=False)
+    if policy != "full":
+        kw.update(budget=10, slack=3)
+    told = []
+    alone = generate(tiny, on_step=told.append, **kw)
+    a, b = generate_steps(tiny, **kw), generate_steps(tiny, **dict(kw, policy="full", budget=None))
+    yielded, ended = [], {}
+    while len(ended) < 2:
+        for name, steps in (("a", a), ("b", b)):
+            if name in ended:
+                continue
+            try:
+                rows = next(steps)
+            except StopIteration as end:
+                ended[name] = end.value
+            else:
+                if name == "a":
+                    yielded.append(rows)
+                    assert torch.is_inference_mode_enabled() is False  # the caller's mode between steps
+    assert yielded == told == [2] * 9
+    assert ended["a"].tokens.is_inference() and torch.equal(ended["a"].tokens, alone.tokens)
+    assert ended["a"].kept_per_step == alone.kept_per_step
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_steps(tiny, **dict(kw, max_new_tokens=0))
