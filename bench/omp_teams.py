@@ -4,11 +4,10 @@
     python bench/omp_teams.py --shape 8,3,790 --threads 2 --rounds 3
 
 torch's CPU ops run on OpenMP (GNU libgomp in the PyPI wheels), which gives each thread that calls a parallel op its
-own team of workers. While the teams together hold more threads than there are cores, libgomp lets a worker spin
-only briefly before it sleeps, so each op waits for its team's workers to wake. Timed here per op, alternately in
-one process: ``alone`` (only this thread's team), and ``beside an idle team`` (a second thread has run one op and
-waits, alive, as a decode waiting for its turn did when `bench/turns.py` gave each decode a thread). Printed: the
-median microseconds per op of each and their ratio, median [min, max] over rounds.
+own team of workers. Timed here per op, alternately in one process: ``alone`` (only this thread's team), and
+``beside an idle team`` (a second thread has run one op and waits, alive, as a decode waiting for its turn did when
+`bench/turns.py` gave each decode a thread). Printed: the median microseconds per op of each and their ratio,
+median [min, max] over rounds.
 """
 
 from __future__ import annotations

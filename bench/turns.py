@@ -8,11 +8,9 @@ ratio keeps only what each costs.
 Each decode is a `learnkv.generate_steps` generator, resumed in turns in the calling thread: a decode's own time is
 the sum of its spans from a resume to its next yield, its prefill (the first span) and each decode step, with no
 other decode's work inside. One thread, not one per decode: torch's CPU ops run on OpenMP (GNU libgomp), which
-gives each calling thread its own team of workers, and once the teams together hold more threads than there are
-cores, every team's workers sleep at once after each parallel region instead of spinning, so the next op waits
-for them to wake. With one idle second team alive, a small op ([16, 3, 1290] ``log1p``, 2 threads) took 77 us
-instead of 30 (2026-12-04); decodes in threads paid that on every op, the learned policy's refresh (~4,500 small
-ops) most of all (bench/RESULTS.md, "Turns in one thread").
+gives each calling thread its own team of workers, and beside a second, idle team a small op ([16, 3, 1290]
+``log1p``, 2 threads) took 2.5x its time alone (`bench/omp_teams.py`, 2026-12-04); decodes in threads paid that on
+every op, the learned policy's refresh most of all (bench/RESULTS.md, "Turns in one thread").
 """
 
 from __future__ import annotations
