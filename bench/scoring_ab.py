@@ -7,6 +7,8 @@
                                            # and the key/value norms recomputed or cached (with the scorer in place)
     python bench/scoring_ab.py --profile   # where those two spend their time (torch.profiler, per op)
     python bench/scoring_ab.py --stacked-refresh  # the refresh's feature read-out layer by layer or all 30 at once
+    python bench/scoring_ab.py --layout --threads 2  # the refresh's features stacked token by token and masked, or
+                                                     # laid out feature by feature and zeroed by index
     python bench/scoring_ab.py --rkv-model # R-KV's redundancy on SmolLM2's own keys (a batch-8 prefill; minutes)
     python bench/scoring_ab.py --refresh-model  # the learned policy's eviction time over a SmolLM2 decode (minutes)
     python bench/scoring_ab.py --refresh-model --unpadded --rounds 4  # the same on 4 unpadded 400-token prompts
@@ -17,7 +19,14 @@
 batch 4, 3 KV heads, 900 cached keys of 64 dims (bench/profile_eviction.py's R-KV at 1k tokens), no padding; SnapKV's
 pooling of batch 1, 4 and 16 x 3 heads x 516 candidates, kernel 5 (its profile's budget ~580 less the 64-token
 window). Seven
-rounds, the side that goes first alternating; per round after / before, median [min, max]. One thread.
+rounds, the side that goes first alternating; per round after / before, median [min, max]. One thread
+(``--threads N``: N).
+
+``--layout``: one layer's refresh (`FeatureTracker.features` with the norms cached and a random-init `Scorer`
+standardising in place) at batch 8 x 3 KV heads x 780 slots and 16 x 3 x 1,290 (goal 1's and goal 2's caches at
+50%), ~13 dead slots a row, a tracker state after 11 decode steps: the features stacked token by token with the
+dead slots masked over every feature (before) against laid out feature by feature and the dead slots zeroed by
+index (after, the learned policy's read-out); the same scores bit for bit (checked).
 
 ``--step``: the per-step work of a long decode (batch 8, 3 KV heads, 790 slots; 30 layers stacked for the first two):
 marking one dead slot per row (`kernels.cpu.select_keep_one_drop` + `kernels.reference.mark_dead` before, the victims'
@@ -364,6 +373,43 @@ def stacked_refresh_cases(g) -> list:
              stacked, 2)]
 
 
+def layout_cases(g) -> list:
+    """The ``--layout`` cases: one layer's refresh (features and scores) with the columns stacked token by token and
+    the dead slots masked (before) or laid out feature by feature and zeroed by index (after)."""
+    cases = []
+    for B, H, T in ((8, 3, 780), (16, 3, 1290)):
+        tracker, scorer = FeatureTracker(30, cache_norms=True, spare_rows=FEATURE_SPARE_ROWS), Scorer(30)
+        pos = torch.arange(T).expand(B, H, T).clone()
+        pos[:, :, 5::97] = -1  # ~13 dead slots a row, as the cache's slack 16 leaves them
+        state = {}
+        tracker.update(group_mean_max(torch.rand(B, H, 3, 8, T, generator=g).softmax(-1)), pos, 8, 0, state)
+        for step in range(1, 12):
+            attn = torch.rand(B, H, 3, 1, T, generator=g) ** 4
+            attn = group_mean_max(attn / attn.sum(-1, keepdim=True))
+            tracker.update(attn, pos, 1, step, state)
+        keys, values = torch.randn(B, H, T, 64, generator=g), torch.randn(B, H, T, 64, generator=g)
+        tracker.fill_norms(keys, values, state)
+        args = attn, keys, values, pos, 3, step, state
+
+        def before(args=args, tracker=tracker, scorer=scorer):
+            fill = features.zero_dead_slots
+            features.zero_dead_slots = lambda cols, pos, by_index: fill(cols, pos, by_index=False)
+            try:
+                with torch.no_grad():
+                    return scorer(tracker.features(*args), 3, consume=True)
+            finally:
+                features.zero_dead_slots = fill
+
+        def after(args=args, tracker=tracker, scorer=scorer):
+            with torch.no_grad():
+                return scorer(tracker.features(*args, feature_major=True), 3, consume=True)
+
+        assert torch.equal(before().view(torch.int32), after().view(torch.int32))
+        cases.append((f"learned refresh of one layer {[B, H, T]}: token-major + mask (before), feature-major + "
+                      "index (after)", before, after, 10))
+    return cases
+
+
 def profile(g) -> None:
     """``--profile``: the ops R-KV's redundancy (dense, blockwise) and the learned refresh spend their time in."""
     from torch.profiler import ProfilerActivity
@@ -418,9 +464,12 @@ def profile(g) -> None:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
     args = sys.argv[1:]
+    torch.set_num_threads(int(args[args.index("--threads") + 1]) if "--threads" in args else 1)
+    g = torch.Generator().manual_seed(0)
+    if "--layout" in args:
+        run(layout_cases(g))
+        return
     if "--profile" in args:
         profile(g)
         return

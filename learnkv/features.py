@@ -175,9 +175,14 @@ class FeatureTracker:
         last.masked_fill_(high, float(step))
 
     def features(self, attn: Tensor, keys: Tensor, values: Tensor, positions: Tensor, layer: int, step: int,
-                 state: dict[str, Tensor]) -> Tensor:
+                 state: dict[str, Tensor], feature_major: bool = False) -> Tensor:
         """``[B, H, T, F]`` float32 features of every cached token, in `FEATURES` order (``attn [B, H, 2, q, T]``:
-        the group mean and max, as `update`'s)."""
+        the group mean and max, as `update`'s); zeros at the dead slots (padding, evicted).
+
+        With ``feature_major`` they are laid out feature by feature: the ``[B, H, T, F]`` view of an ``[F, B, H, T]``
+        tensor, the same values. Each column is then written whole where the token-major layout interleaves them
+        (the learned policy's refresh: its scorer's matmul reads either layout, with the same scores bit for bit,
+        tests/test_fast_paths.py)."""
         _check_mean_max(attn)
         n = (positions >= 0).sum(-1, keepdim=True).clamp(min=1).float()  # visible tokens per (b, h)
         current = positions.max(dim=-1, keepdim=True).values.clamp(min=1).float()
@@ -213,8 +218,23 @@ class FeatureTracker:
             "is_sink": ((positions >= 0) & (positions < SINKS)).float(),
             "layer": torch.full(positions.shape, layer / max(self.n_layers - 1, 1), device=positions.device),
         }
-        out = torch.stack([cols[name].float() for name in FEATURES], dim=-1)
-        return out.masked_fill_(~(positions >= 0)[..., None], 0.0)
+        out = torch.stack([cols[name].float() for name in FEATURES], dim=0 if feature_major else -1)
+        columns = out.view(len(FEATURES), -1) if feature_major else out.view(-1, len(FEATURES)).t()
+        zero_dead_slots(columns, positions, by_index=out.device.type == "cpu")
+        return out.permute(*range(1, out.ndim), 0) if feature_major else out
+
+
+def zero_dead_slots(columns: Tensor, positions: Tensor, by_index: bool) -> None:
+    """Zero, in place, the features of the dead slots (position < 0: padding, evicted) in ``columns [F, N]``, a
+    view of features whose N slots run in ``positions``' order; ``by_index`` or by a mask, the same values. By index
+    on a CPU: a few slots a row are dead (a cache's slack, a prompt's padding), and the mask over every feature of
+    every slot cost ~7x as much (1,290 slots x 48 rows, bench/RESULTS.md); by the mask elsewhere (the index would
+    cost a GPU a sync)."""
+    dead = (positions < 0).flatten()
+    if by_index:
+        columns.index_fill_(1, dead.nonzero().squeeze(1), 0.0)
+    else:
+        columns.masked_fill_(dead, 0.0)
 
 
 def _check_mean_max(attn: Tensor) -> None:

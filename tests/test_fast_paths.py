@@ -3,7 +3,8 @@
 Each shortcut saves tensor ops (on CPU every op costs a dispatch) or memory traffic in the decode loop, and must
 give exactly what the plain formulation gives, so that the kept tokens do not change: the reference selection's
 token path, the reference gather of whole slots, `exact_map`'s distinct tuples, the learned policy scoring only the
-rows that evict, and the cache's state buffers that need no zeroing at an append.
+rows that evict, the cache's state buffers that need no zeroing at an append, and the learned refresh's feature
+read-out (its columns laid out feature by feature, its dead slots zeroed by index).
 """
 
 import pytest
@@ -13,6 +14,7 @@ from conftest import params_for, random_ids
 from kernel_checks import one_drop_case
 from learnkv.kernels import reference as ref
 from learnkv import generate
+import learnkv.features
 from learnkv.features import FeatureTracker, group_mean_max, window_std
 from learnkv.policies import make_policy
 from learnkv.policies.base import LayerView, exact_map
@@ -246,6 +248,47 @@ def test_decode_marks_the_same_slots_without_a_kept_index(tiny, monkeypatch, pol
     assert bool(calls) == (slack > 0), "slack 0 compacts at every eviction; with slack the marking must run"
 
 
+@pytest.mark.parametrize("slack", [0, 4])
+@pytest.mark.parametrize("refresh", [1, 8])
+def test_learned_keeps_the_same_slots_with_its_feature_major_read_out(tiny, monkeypatch, slack, refresh):
+    """The learned policy's refresh reads its features out feature by feature, the dead slots zeroed by index: every
+    layer's slot positions after every step of a padded batch-2 decode, and the scores it keeps, as with the
+    token-major stack and the mask it had before (both shortcuts off)."""
+    from learnkv.cache import _REFRESHED
+    from learnkv.features import zero_dead_slots
+
+    ids = torch.cat([random_ids(30, seed=21), random_ids(30, seed=22)])
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    params = {**params_for("learned", 2), "refresh": refresh}
+    clone = lambda t: None if t is None else t.clone()  # noqa: E731
+    masked = lambda cols, pos, by_index: zero_dead_slots(cols, pos, by_index=False)  # noqa: E731
+
+    def run():
+        seen = []
+        generate(tiny, input_ids=ids, attention_mask=mask, policy="learned", budget=20, max_new_tokens=24, slack=slack,
+                 stop_at_eos=False, policy_params=params, prefill_policy="snapkv",
+                 observer=lambda cache: seen.append([(layer.positions.clone(), clone(layer.state.get(_REFRESHED)))
+                                                     for layer in cache.layers]))
+        return seen
+
+    calls = []
+    real = FeatureTracker.features
+    monkeypatch.setattr(FeatureTracker, "features", lambda *a, **k: calls.append(k) or real(*a, **k))
+    fast = run()
+    monkeypatch.setattr(FeatureTracker, "features", lambda *a, feature_major=False: real(*a))
+    monkeypatch.setattr(learnkv.features, "zero_dead_slots", masked)
+    before = run()
+    assert len(fast) == len(before) == 24
+    for step_a, step_b in zip(fast, before):
+        for (pos_a, scores_a), (pos_b, scores_b) in zip(step_a, step_b):
+            assert torch.equal(pos_a, pos_b)
+            assert (scores_a is None) == (scores_b is None)
+            if scores_a is not None:
+                assert torch.equal(scores_a.view(torch.int32), scores_b.view(torch.int32))
+    assert calls and all(k.get("feature_major") for k in calls), "the read-out must have run feature-major"
+
+
 def update_decode_before(attn, positions, step, state):
     """`FeatureTracker._update_decode` before the window's row-by-row shift (commit 27bd051): the same update, with
     the window shifted through a temporary copy, as it was."""
@@ -276,6 +319,89 @@ def test_tracker_decode_update_equals_the_replaced_shift(B, H, G, T):
         update_decode_before(attn, pos, step, theirs)
         for name in STATE:
             assert torch.equal(ours[name], theirs[name]), f"step {step}: {name}"
+
+
+@pytest.mark.parametrize("B, H, G, T", [(1, 1, 1, 1), (2, 3, 3, 17), (3, 2, 2, 130), (16, 3, 3, 64)])
+@pytest.mark.parametrize("dead", ["none", "padding", "marked"])
+def test_feature_major_features_are_the_token_major_values(monkeypatch, B, H, G, T, dead):
+    """`FeatureTracker.features` laid out feature by feature: the same ``[B, H, T, F]`` values bit for bit, as a view
+    of an ``[F, B, H, T]`` tensor; both the values of the stack of every column with a mask over the dead slots
+    (the formulation before the fill by index), on a state seeded by a prefill and grown by decode steps."""
+    from learnkv.features import FEATURES, STATE
+
+    g = torch.Generator().manual_seed(B * 1000 + T)
+    pos = torch.arange(T).expand(B, H, T).clone()
+    if dead == "padding":
+        pos[0, :, : max(T // 2, 1)] = -1
+    attn = group_mean_max(torch.rand(B, H, G, T, T, generator=g).softmax(-1))
+    keys, values = torch.randn(B, H, T, 8, generator=g), torch.randn(B, H, T, 8, generator=g)
+    tracker, state = FeatureTracker(n_layers=3), {}
+    T0 = max(T - 4, 1)
+    tracker.update(attn[..., :T0, :T0], pos[..., :T0], T0, 0, state)
+    for t in range(T0, T):
+        for name, x in state.items():
+            state[name] = torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)
+        tracker.update(attn[..., t : t + 1, : t + 1], pos[..., : t + 1], 1, t - T0 + 1, state)
+    if dead == "marked":
+        pos[:, :, T // 3 :: 3] = -1  # slots marked dead after the tracker saw them: their state is not zero
+    args = attn[..., -1:, :], keys, values, pos, 1, T - T0, state
+    plain, major = tracker.features(*args), tracker.features(*args, feature_major=True)
+    assert major.shape == plain.shape == (B, H, T, len(FEATURES))
+    assert major.permute(3, 0, 1, 2).is_contiguous() and plain.is_contiguous()
+    assert torch.equal(major.view(torch.int32), plain.view(torch.int32))
+    monkeypatch.setattr(learnkv.features, "zero_dead_slots", lambda *a, **k: None)  # the columns as stacked
+    masked = tracker.features(*args).masked_fill_(~(pos >= 0)[..., None], 0.0)  # the mask used before
+    assert torch.equal(plain.view(torch.int32), masked.view(torch.int32))
+    if dead != "none":
+        assert (plain[pos < 0] == 0).all() and bool((pos < 0).any())
+    assert set(state) == set(STATE)
+
+
+@pytest.mark.parametrize("F, N", [(1, 1), (19, 7), (19, 61920), (4, 300)])
+@pytest.mark.parametrize("dead", [0.0, 0.01, 0.5, 1.0])
+def test_zero_dead_slots_by_index_is_the_mask(F, N, dead):
+    """Zeroing the dead slots' features by their index (the CPU's way) and by the mask (elsewhere): the same bits,
+    in a feature-major and a token-major view of the columns."""
+    from learnkv.features import zero_dead_slots
+
+    g = torch.Generator().manual_seed(F * N + int(dead * 100))
+    pos = torch.arange(N).masked_fill(torch.rand(N, generator=g) < dead, -1)
+    cols = torch.randn(F, N, generator=g)
+    want = cols.masked_fill(~(pos >= 0), 0.0)
+    for by_index in (True, False):
+        major, minor = cols.clone(), cols.t().contiguous()
+        zero_dead_slots(major, pos, by_index)
+        zero_dead_slots(minor.t(), pos, by_index)
+        assert torch.equal(major.view(torch.int32), want.view(torch.int32))
+        assert torch.equal(minor.t().view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("B, H, T", [(1, 1, 1), (3, 2, 1), (1, 3, 7), (2, 3, 33), (8, 3, 780), (16, 3, 1290)])
+@pytest.mark.parametrize("hidden", [16, 32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scorer_scores_either_feature_layout_bit_for_bit(B, H, T, hidden, threads):
+    """The scorer's inference on features laid out feature by feature (the learned policy's refresh) and token by
+    token (traces, serving): the same scores bit for bit, one thread or two (the matmul reads the transposed layout
+    as it reads the other)."""
+    from learnkv.scorer.model import Scorer
+
+    g = torch.Generator().manual_seed(B * 100 + T + hidden)
+    scorer = Scorer(3, hidden=hidden)
+    with torch.no_grad():
+        for p in scorer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        scorer.set_normalization(torch.rand(19, generator=g), torch.rand(19, generator=g) + 0.5)
+    feats = torch.randn(19, B, H, T, generator=g) * 3
+    feats[:, :, :, ::5] = 0.0
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            plain = scorer(feats.permute(1, 2, 3, 0).clone(memory_format=torch.contiguous_format), 1, consume=True)
+            major = scorer(feats.clone().permute(1, 2, 3, 0), 1, consume=True)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(major.view(torch.int32), plain.view(torch.int32))
 
 
 @pytest.mark.parametrize("B, H, W, T", [(1, 1, 1, 1), (2, 3, 2, 17), (1, 3, 5, 130), (8, 3, 16, 300), (3, 1, 16, 1)])

@@ -110,6 +110,8 @@ class Scorer(nn.Module):
             # bit for bit), so it is not done.
             own = consume and features.dtype == torch.float32
             x = (features.sub_(self.mean) if own else features.float() - self.mean).div_(self.std)
+            # ``torch.addmm`` would add b1 in the matmul's output pass, but rounds otherwise at a few rows. ``features``
+            # may be the learned policy's feature-major view: the matmul reads it with the same bits
             h = torch.matmul(x, self.w1[layer]).add_(self.b1[layer]).relu_()
             return h @ self.w2[layer] + self.b2[layer]
         x = (features.float() - self.mean) / self.std
