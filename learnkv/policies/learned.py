@@ -199,10 +199,16 @@ class Learned(Policy):
         if due is not None and NORMS[0] in view.state:
             tracker.fill_norms(view.keys, view.values, view.state)  # into the cache's state, not a copy of its rows
         v = view if due is None else view.select_rows(due)
-        feats = tracker.features(v.attn, v.keys, v.values, v.positions, v.layer, v.step, v.state, feature_major=True)
+        # feature by feature on the torch path (the columns written whole; the scorer's matmul reads either layout
+        # with the same bits); the kernel path's scorer reads the fused launch's token-major rows, one layout for
+        # one compile
+        major = not kernels.use_triton(v.positions)
+        feats = tracker.features(v.attn, v.keys, v.values, v.positions, v.layer, v.step, v.state, feature_major=major)
         if due is None:
             return feats
         idx = torch.tensor(due, device=feats.device)
+        if not major:
+            return feats.new_zeros(*view.positions.shape, feats.shape[-1]).index_copy_(0, idx, feats)
         every_row = feats.new_zeros(feats.shape[-1], *view.positions.shape)  # feature-major too: the same layout
         return every_row.index_copy_(1, idx, feats.permute(3, 0, 1, 2)).permute(1, 2, 3, 0)
 
