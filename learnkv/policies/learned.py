@@ -207,10 +207,11 @@ class Learned(Policy):
         if due is None:
             return feats
         idx = torch.tensor(due, device=feats.device)
-        if not major:
-            return feats.new_zeros(*view.positions.shape, feats.shape[-1]).index_copy_(0, idx, feats)
-        every_row = feats.new_zeros(feats.shape[-1], *view.positions.shape)  # feature-major too: the same layout
-        return every_row.index_copy_(1, idx, feats.permute(3, 0, 1, 2)).permute(1, 2, 3, 0)
+        F = feats.shape[-1]
+        # in the read-out's layout
+        every_row = (feats.new_zeros(F, *view.positions.shape).permute(1, 2, 3, 0) if major
+                     else feats.new_zeros(*view.positions.shape, F))
+        return every_row.index_copy_(0, idx, feats)
 
 
 def mark_new_content(view: LayerView) -> None:
