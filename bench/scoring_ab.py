@@ -9,6 +9,8 @@
     python bench/scoring_ab.py --stacked-refresh  # the refresh's feature read-out layer by layer or all 30 at once
     python bench/scoring_ab.py --layout --threads 2  # the refresh's features stacked token by token and masked, or
                                                      # laid out feature by feature and zeroed by index
+    python bench/scoring_ab.py --victims --threads 2  # a decode step's one-drop victims, and a compaction's
+                                                      # zeroing of the filler slots' state
     python bench/scoring_ab.py --rkv-model # R-KV's redundancy on SmolLM2's own keys (a batch-8 prefill; minutes)
     python bench/scoring_ab.py --refresh-model  # the learned policy's eviction time over a SmolLM2 decode (minutes)
     python bench/scoring_ab.py --refresh-model --unpadded --rounds 4  # the same on 4 unpadded 400-token prompts
@@ -35,6 +37,13 @@ row after; tests/test_fast_paths.py keeps the replaced code), the tracker's whol
 shifted (before) or kept among `learnkv.features.SPARE_ROWS` spare rows (after), and SnapKV's 64-row window
 update of the 30 stacked layers (an in-place shift of its 64 rows before; one row written among 64 + `SPARE_ROWS`
 after, the window moving back to the top every 17 steps).
+
+``--victims``: goal 1's per-step and per-compaction work at batch 8 x 3 KV heads x ~790 slots (30 layers stacked):
+each row's one-drop victim (`kernels.cpu.one_drop_victims`; before: its code until 39f22f0, seven passes for the
+protected and dead slots, an argmin and a three-pass check, `test_scoring_speed.one_drop_victims_before`; after: two
+comparisons and one ``min`` for victims and check together); and one layer's compaction zeroing the state of the
+filler slots (rows of budgets 762-789 keep up to 27 fewer slots than the widest) in SnapKV's 80 window rows, over
+every kept slot (before) or over the leading slots that hold the fillers (after, `BudgetLayer.keep_slots`).
 
 ``--stacked-refresh``: what a refresh would save by reading out the features of all 30 layers in one call (one
 ``[30 x 8, 3, 790]`` `FeatureTracker.features`, as the stacked decode step updates the tracker) instead of one
@@ -81,7 +90,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo root first (learnkv 
 
 from test_fast_paths import update_decode_before  # noqa: E402
 from test_refresh import scorer_before  # noqa: E402
-from test_scoring_speed import avg_pool_before, near_keys, redundancy_before, redundancy_dense  # noqa: E402
+from test_scoring_speed import (avg_pool_before, near_keys, one_drop_victims_before, redundancy_before,  # noqa: E402
+                                redundancy_dense)
 
 import learnkv.features as features  # noqa: E402
 
@@ -151,6 +161,26 @@ def step_cases(g) -> list:
             (f"tracker update, window among {FEATURE_SPARE_ROWS} spare rows [{L * B}, {H}, {WINDOW}, {T}]",
              lambda: tracker._update_decode(attn, pos, 5, state), tracker_spare, 3),
             (f"snapkv window update [{L * B}, {H}, 64, {T}]", snapkv_before, snapkv_after, 3)]
+
+
+def victims_cases(g) -> list:
+    """The ``--victims`` cases (see the module docstring): name, before, after, calls per round."""
+    L, B, H, T = 30, 8, 3, 790
+    pos = torch.arange(T).expand(L * B, H, T).contiguous() + 240
+    pos[:, :, 5:20] = -1  # dead slots (slack)
+    scores, keep, live = torch.rand(L * B, H, T, generator=g), [T - 16] * (L * B), [T - 15] * (L * B)
+    sinks, recents = [4] * (L * B), [64] * (L * B)
+    state = torch.rand(B, H, 64 + SPARE_ROWS, T, generator=g)
+    fillers = torch.zeros(B, H, T, dtype=torch.bool)
+    for b in range(B):  # row b keeps 27 * b // 7 fewer slots than the widest: its fillers lead its index
+        fillers[b, :, : 27 * b // (B - 1)] = True
+    F = int(fillers.flatten(0, 1).any(0).nonzero()[-1]) + 1
+    return [(f"one-drop victims [{L * B}, {H}, {T}]",
+             lambda: one_drop_victims_before(scores, pos, keep, sinks, recents, live),
+             lambda: one_drop_victims(scores, pos, keep, sinks, recents, live), 5),
+            (f"filler state zeroed [{B}, {H}, {64 + SPARE_ROWS}, {T}], {F} leading slots",
+             lambda: state.masked_fill_(fillers[:, :, None, :], 0),
+             lambda: state[..., :F].masked_fill_(fillers[:, :, None, :F], 0), 5)]
 
 
 LONG = (8, 3, 1500, 64)  # batch, KV heads, cached slots, head dim: SmolLM2 at ~1.5k tokens, batch 8
@@ -469,6 +499,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     if "--layout" in args:
         run(layout_cases(g))
+        return
+    if "--victims" in args:
+        run(victims_cases(g))
         return
     if "--profile" in args:
         profile(g)

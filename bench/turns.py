@@ -10,7 +10,11 @@ the sum of its spans from a resume to its next yield, its prefill (the first spa
 other decode's work inside. One thread, not one per decode: torch's CPU ops run on OpenMP (GNU libgomp), which
 gives each calling thread its own team of workers, and beside a second, idle team a small op ([16, 3, 1290]
 ``log1p``, 2 threads) took 2.5x its time alone (`bench/omp_teams.py`, 2026-12-04); decodes in threads paid that on
-every op, the learned policy's refresh most of all (bench/RESULTS.md, "Turns in one thread").
+every op, the learned policy's refresh most of all (bench/RESULTS.md, "Turns in one thread"). And no decode hands
+the heap's free pages back while they take turns (`learnkv.memory.paused_trims`): in one process each decode's look at
+the resident size sees the others' growth, so the first to look (the full cache, in the long table's order) trimmed
+at every look and paid 31-37 ms a trim, where a steady decode alone never trims (bench/RESULTS.md, "The full cache's
+trims in turns").
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from learnkv.eval.stats import ratio_of_sums
+from learnkv.memory import paused_trims
 
 
 @dataclass
@@ -46,28 +51,29 @@ def take_turns(jobs: list[Callable[[], Iterator]], after_step: Callable[[int], N
     out = [Turned() for _ in jobs]
     running: dict[int, Iterator | None] = dict.fromkeys(range(len(jobs)))  # None: not started yet
     try:
-        while running:
-            for i in list(running):
-                started, first = time.perf_counter(), running[i] is None
-                try:
-                    if first:
-                        running[i] = jobs[i]()
-                    next(running[i])
-                except StopIteration as end:
-                    out[i].result = end.value
-                    del running[i]
-                    continue
-                except Exception as e:  # noqa: BLE001 - handed to the caller once every job has ended
-                    out[i].error = e
-                    del running[i]
-                    continue
-                spent = time.perf_counter() - started
-                if first:  # the job's call and its prefill
-                    out[i].prefill_s = spent
-                else:
-                    out[i].step_s.append(spent)
-                if after_step is not None:
-                    after_step(i)
+        with paused_trims():  # no decode hands back pages the others are about to take again
+            while running:
+                for i in list(running):
+                    started, first = time.perf_counter(), running[i] is None
+                    try:
+                        if first:
+                            running[i] = jobs[i]()
+                        next(running[i])
+                    except StopIteration as end:
+                        out[i].result = end.value
+                        del running[i]
+                        continue
+                    except Exception as e:  # noqa: BLE001 - handed to the caller once every job has ended
+                        out[i].error = e
+                        del running[i]
+                        continue
+                    spent = time.perf_counter() - started
+                    if first:  # the job's call and its prefill
+                        out[i].prefill_s = spent
+                    else:
+                        out[i].step_s.append(spent)
+                    if after_step is not None:
+                        after_step(i)
     finally:
         for steps in running.values():
             if steps is not None:

@@ -18,6 +18,12 @@ step after step) would then get every free page back from the system at its next
 decode at ~800 slots evicting every step took 2,300-2,500 (H2O) and 4,100-4,300 (learned) page faults a step that
 way, 0-4 once the trim waited for growth and compactions kept the state in its buffers (2026-12-01,
 `python bench/page_faults.py`, bench/RESULTS.md).
+
+Several decodes in one process (`bench/turns.py`) share one heap and one resident size: each decode's look would
+take the others' growth for its own, and its trim would hand back pages they are about to take again. They run
+under `paused_trims`: a steady decode alone never trims (batch 8 at ~1k-1.5k tokens, full cache, H2O, SnapKV and
+learned, 200 steps each, 2026-12-05), where in turns of six the first to look trimmed at every look (31-37 ms a
+trim, then page faults in the others' next steps).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 #: decode steps between two looks at the process's growth: a look (and a trim) costs far less than a step
@@ -42,6 +50,18 @@ def _malloc_trim():
 
 
 _TRIM = _malloc_trim()
+_paused = 0  # how many `paused_trims` blocks are open
+
+
+@contextmanager
+def paused_trims() -> Iterator[None]:
+    """No `HeapTrim` hands pages back inside this block (it may nest): for several decodes in one process."""
+    global _paused
+    _paused += 1
+    try:
+        yield
+    finally:
+        _paused -= 1
 
 
 def release_free_heap() -> bool:
@@ -68,7 +88,9 @@ class HeapTrim:
     since: int | None = None  # resident bytes after the last hand-back (or at the first call)
 
     def __call__(self) -> bool:
-        """Whether it handed pages back."""
+        """Whether it handed pages back (never inside `paused_trims`)."""
+        if _paused:
+            return False
         now = resident_bytes()
         if now is not None:
             if self.since is None:
@@ -80,4 +102,4 @@ class HeapTrim:
         return released
 
 
-__all__ = ["release_free_heap", "resident_bytes", "HeapTrim", "TRIM_EVERY", "GROWTH_LIMIT"]
+__all__ = ["release_free_heap", "resident_bytes", "HeapTrim", "paused_trims", "TRIM_EVERY", "GROWTH_LIMIT"]

@@ -165,6 +165,19 @@ def test_turns_alternate_and_time_each_decode_alone():
         yield 1
         raise RuntimeError("boom")
 
+    from learnkv import memory
+
+    found = []
+
+    def looks():  # a decode's look at its growth (by more than -1 bytes: it would trim), at its prefill and a step
+        found.append(memory.HeapTrim(limit=-1)())
+        yield 1
+        found.append(memory.HeapTrim(limit=-1)())
+        yield 1
+
+    turns.take_turns([looks, looks])
+    assert found == [False] * 4, "a decode handed the heap back while others took turns"
+    assert memory._TRIM is None or memory.HeapTrim(limit=-1)(), "the trims stay paused after the turns"
     with pytest.raises(RuntimeError, match="boom"):
         turns.take_turns([job("a", 3, 0.0), failing])
     assert log[-2:] == ["a+", "a-"] and log.count("a+") == 4 + 3, "the other decode did not go on to its end"

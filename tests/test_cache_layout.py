@@ -129,6 +129,39 @@ def test_compaction_in_place_keeps_the_same_cache(tiny, policy, slack, monkeypat
             torch.testing.assert_close(value, ref.state[name], rtol=0, atol=0, equal_nan=True, msg=name)
 
 
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "roco", "learned", "lazy"])
+@pytest.mark.parametrize("slack", [0, 3])
+def test_a_compaction_zeroes_the_filler_slots_alone(tiny, policy, slack, monkeypatch):
+    """Rows of different budgets keep different numbers of slots: a compaction leaves a shorter row's surplus slots
+    dead at its left (the -1 entries of an ascending index) and zeroes their state over the leading slots that hold
+    them (`slots._filled_prefix`), not over every kept slot: the same tokens, live slots, keys, values, positions and
+    state as the fill over every kept slot."""
+    real, prefixes = slots._filled_prefix, []
+    monkeypatch.setattr(slots, "_filled_prefix", lambda filler: prefixes.append(real(filler)) or prefixes[-1])
+    ours, live, _, cache = decode(tiny, policy, slack, budget=0.6)
+    assert any(prefixes) and max(prefixes) < 8  # fillers were there, in a few leading slots
+    monkeypatch.setattr(slots, "_filled_prefix", lambda filler: filler.shape[-1])  # the fill over every kept slot
+    base, base_live, _, base_cache = decode(tiny, policy, slack, budget=0.6)
+    assert ours.tokens.tolist() == base.tokens.tolist()
+    assert all(torch.equal(x, y) for a, b in zip(live, base_live) for x, y in zip(a, b))
+    for layer, ref in zip(cache.layers, base_cache.layers):
+        for x, y in ((layer.keys, ref.keys), (layer.values, ref.values), (layer.positions, ref.positions)):
+            assert torch.equal(x, y)
+        for name, value in layer.state.items():
+            torch.testing.assert_close(value, ref.state[name], rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("B, H, K", [(1, 1, 1), (2, 3, 9), (8, 3, 64)])
+def test_the_filled_prefix_covers_every_filler(B, H, K):
+    """`slots._filled_prefix`: one past the last slot any row marks, wherever the marks lie; 0 for none."""
+    g = torch.Generator().manual_seed(B + K)
+    assert slots._filled_prefix(torch.zeros(B, H, K, dtype=torch.bool)) == 0
+    for _ in range(20):
+        filler = torch.rand(B, H, K, generator=g) < 0.1
+        marked = filler.flatten(0, 1).any(0).nonzero().flatten().tolist()
+        assert slots._filled_prefix(filler) == (marked[-1] + 1 if marked else 0)
+
+
 def test_long_prompt_memory_is_given_back(tiny):
     """A prompt longer than the budget is allocated whole, then compressed into a budget-sized buffer."""
     caps = []

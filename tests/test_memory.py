@@ -65,6 +65,25 @@ def test_the_heap_is_trimmed_only_once_the_process_grew(monkeypatch):
     assert memory.HeapTrim(limit=50)() and memory.HeapTrim(limit=50)()
 
 
+def test_no_heap_trim_inside_paused_trims(monkeypatch):
+    """`memory.paused_trims` (several decodes in one process): no `HeapTrim` hands pages back inside it, nested or
+    not, and each trims as before once the block is left."""
+    from learnkv import memory
+
+    resident, trims = [100], []
+    monkeypatch.setattr(memory, "resident_bytes", lambda: resident[0])
+    monkeypatch.setattr(memory, "release_free_heap", lambda: trims.append(resident[0]) or True)
+    trim = memory.HeapTrim(limit=10)
+    trim()
+    resident[0] = 500
+    with memory.paused_trims():
+        assert not trim()
+        with memory.paused_trims():
+            assert not trim() and not memory.HeapTrim(limit=0)()
+        assert not trim()
+    assert trims == [] and trim() and trims == [500]
+
+
 # A steady decode's pattern: a compaction's, each layer's ~5 MB buffer replaced by a fresh one (allocated while the
 # old one lives, then the old one freed), after a prefill. Prints the page faults per step (after 3 warm-up steps)
 # when the heap is trimmed at every step, or by `HeapTrim` (it never grows).

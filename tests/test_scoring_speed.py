@@ -14,8 +14,11 @@ from torch import Tensor
 
 from learnkv import kernels
 from conftest import random_ids
+from kernel_checks import one_drop_case
 from learnkv import generate
 from learnkv.policies import rkv, snapkv
+from learnkv.kernels.cpu import one_drop_rows, one_drop_victims
+from learnkv.kernels.reference import protected_slots
 from learnkv.policies.base import LayerView
 
 
@@ -101,6 +104,25 @@ def snapkv_score_before(window_attn, window, k):
     # like kvpress, the window gets the highest prefix score (it is protected by the cache anyway)
     top = pooled.amax(dim=-1, keepdim=True) if n_prefix else s.new_zeros(B, H, 1)
     return torch.cat([pooled, top.expand(B, H, T - n_prefix)], dim=-1)
+
+
+def one_drop_victims_before(scores, positions, keep, n_sink, n_recent, live):
+    """`learnkv.kernels.cpu.one_drop_victims` before its two-comparison mask and one-pass minimum (commit 39f22f0),
+    verbatim (docstring aside)."""
+    B, H, T = scores.shape
+    drops = one_drop_rows(keep, live, B, H, T)
+    if drops is None:
+        return None
+    valid = positions >= 0
+    # the reference's priorities on live slots (protected ones +inf; a protected slot is never dead), dead ones +inf
+    # here so that the argmin finds the lowest live one
+    live_prio = scores.float().masked_fill(protected_slots(positions, n_sink, n_recent) | ~valid, float("inf"))
+    victim = live_prio.argmin(dim=-1, keepdim=True)  # [B, H, 1]: the lowest live priority, the oldest among ties
+    # one synchronisation for every case the argmin would not reproduce (NaN > -inf is False too): a NaN or -inf
+    # priority on a live slot, or a row whose every live slot is +inf (the argmin then lands on a dead slot)
+    if bool((~(live_prio > float("-inf"))).any() | (~valid.gather(-1, victim)).any()):
+        return None
+    return victim, drops
 
 
 def same_bits(a, b):
@@ -367,3 +389,21 @@ def test_snapkv_params_hold_its_settings_not_its_decode_state():
     """The records' parameters (`Policy.params`) name `running_sum`, not the divisor SnapKV keeps while it decodes."""
     params = snapkv.SnapKV(running_sum=True).params()
     assert params["running_sum"] is True and "_window_rows" not in params
+
+
+@pytest.mark.parametrize("B, H, T", [(1, 1, 1), (2, 3, 17), (8, 3, 130), (30, 3, 40)])
+@pytest.mark.parametrize("kind", ["randn", "ties", "special", "over"])
+def test_one_drop_victims_are_the_argmins_before(B, H, T, kind):
+    """`kernels.cpu.one_drop_victims` (the protected and dead slots in two comparisons, the victims and the row
+    minima from one ``min``) finds the victims the code before it found, and leaves the same cases (NaN, -inf,
+    a row of +inf, a row dropping two) to the reference; sinks and windows of 0, per row and wide."""
+    g = torch.Generator().manual_seed(B * 10 + T)
+    for trial in range(20):
+        scores, pos, keeps, lives = one_drop_case(B, H, T, g, kind)
+        n_sink = trial % 3 if trial % 2 else [int(x) for x in torch.randint(0, 3, (B,), generator=g)]
+        n_recent = trial % 4 if trial % 3 else [int(x) for x in torch.randint(0, T + 2, (B,), generator=g)]
+        before = one_drop_victims_before(scores, pos, keeps, n_sink, n_recent, lives)
+        after = one_drop_victims(scores, pos, keeps, n_sink, n_recent, lives)
+        assert (before is None) == (after is None), f"trial {trial}"
+        if before is not None:
+            assert torch.equal(before[0], after[0]) and before[1] == after[1], f"trial {trial}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learnkv.kernels.reference import per_row, protected_slots
+from learnkv.kernels.reference import per_row, protected_or_dead
 
 
 def one_drop_rows(keep, live, B: int, H: int, T: int) -> list[int] | None:
@@ -59,14 +59,15 @@ def one_drop_victims(scores: Tensor, positions: Tensor, keep, n_sink, n_recent,
     drops = one_drop_rows(keep, live, B, H, T)
     if drops is None:
         return None
-    valid = positions >= 0
     # the reference's priorities on live slots (protected ones +inf; a protected slot is never dead), dead ones +inf
     # here so that the argmin finds the lowest live one
-    live_prio = scores.float().masked_fill(protected_slots(positions, n_sink, n_recent) | ~valid, float("inf"))
-    victim = live_prio.argmin(dim=-1, keepdim=True)  # [B, H, 1]: the lowest live priority, the oldest among ties
+    live_prio = scores.float().masked_fill(protected_or_dead(positions, n_sink, n_recent), float("inf"))
+    # [B, H, 1]: the lowest live priority and its slot (argmin's: the oldest among ties), in one pass; a row's
+    # minimum is NaN where it holds a NaN (torch's min propagates it), so the row minima tell every case
+    lowest, victim = live_prio.min(dim=-1, keepdim=True)
     # one synchronisation for every case the argmin would not reproduce (NaN > -inf is False too): a NaN or -inf
     # priority on a live slot, or a row whose every live slot is +inf (the argmin then lands on a dead slot)
-    if bool((~(live_prio > float("-inf"))).any() | (~valid.gather(-1, victim)).any()):
+    if bool((~(lowest > float("-inf"))).any() | (positions.gather(-1, victim) < 0).any()):
         return None
     return victim, drops
 

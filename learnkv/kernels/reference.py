@@ -43,6 +43,18 @@ def protected_slots(positions: Tensor, n_sink, n_recent) -> Tensor:
     return sink | recent
 
 
+def protected_or_dead(positions: Tensor, n_sink, n_recent) -> Tensor:
+    """``protected_slots(positions, n_sink, n_recent) | (positions < 0)``, the slots an eviction never chooses among,
+    in two comparisons instead of seven passes: with ``n_sink >= 0`` every dead slot is below it, and a dead slot's
+    newness no longer matters. (A decode step of 30 layers x 8 rows x ~800 slots asks for it at every eviction:
+    ~0.2 against ~0.8 ms on two cores.)"""
+    B = positions.shape[0]
+    n_sink = per_row(n_sink, B, positions.device).clamp(min=0)
+    n_recent = per_row(n_recent, B, positions.device)
+    newest = positions.max(dim=-1, keepdim=True).values
+    return (positions < n_sink) | (positions > newest - n_recent)
+
+
 def rank_prefer_recent(priority: Tensor) -> Tensor:
     """Slot indices ``[B, H, T]`` from highest to lowest priority; ties go to the more recent (higher) slot.
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from learnkv import kernels
-from learnkv.kernels.reference import protected_slots
+from learnkv.kernels.reference import protected_or_dead
 from learnkv.policies.base import LayerView, Policy
 from learnkv.fields import setting
 
@@ -72,7 +72,7 @@ class RoCo(Policy):
         # per row: E tokens to evict, scope = max(keep - r, E) with r = int(recent_ratio * keep)
         keep = view.keep_rows()
         scope_size = [max(k - int(self.recent_ratio * k), live - k, 0) for k, live in zip(keep, view.live_tokens())]
-        out_of_scope = protected_slots(view.positions, self.n_sink, self.n_recent) | ~view.valid
+        out_of_scope = protected_or_dead(view.positions, self.n_sink, self.n_recent)
         std = std.masked_fill(out_of_scope, float("inf"))
         in_scope = lowest_first(std, scope_size) & ~out_of_scope
         return mean.masked_fill(~in_scope, float("inf"))
