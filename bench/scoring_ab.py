@@ -104,6 +104,7 @@ from learnkv.policies.snapkv import SPARE_ROWS, SnapKV  # noqa: E402
 from learnkv.policies import rkv  # noqa: E402
 from learnkv.policies.snapkv import avg_pool  # noqa: E402
 from learnkv.kernels.reference import mark_dead  # noqa: E402
+from learnkv.slots import _filled_prefix  # noqa: E402
 
 
 def clock(fn, n: int) -> float:
@@ -174,13 +175,21 @@ def victims_cases(g) -> list:
     fillers = torch.zeros(B, H, T, dtype=torch.bool)
     for b in range(B):  # row b keeps 27 * b // 7 fewer slots than the widest: its fillers lead its index
         fillers[b, :, : 27 * b // (B - 1)] = True
-    F = int(fillers.flatten(0, 1).any(0).nonzero()[-1]) + 1
+
+    def zero_before():  # the compaction's test for fillers, then its fill over every kept slot
+        if bool(fillers.any()):
+            state.masked_fill_(fillers[:, :, None, :], 0)
+
+    def zero_after():  # the leading slots that hold them (`BudgetLayer.keep_slots`), then the fill over those
+        F = _filled_prefix(fillers)
+        if F:
+            state[..., :F].masked_fill_(fillers[:, :, None, :F], 0)
+
     return [(f"one-drop victims [{L * B}, {H}, {T}]",
              lambda: one_drop_victims_before(scores, pos, keep, sinks, recents, live),
              lambda: one_drop_victims(scores, pos, keep, sinks, recents, live), 5),
-            (f"filler state zeroed [{B}, {H}, {64 + SPARE_ROWS}, {T}], {F} leading slots",
-             lambda: state.masked_fill_(fillers[:, :, None, :], 0),
-             lambda: state[..., :F].masked_fill_(fillers[:, :, None, :F], 0), 5)]
+            (f"filler state zeroed [{B}, {H}, {64 + SPARE_ROWS}, {T}], {_filled_prefix(fillers)} leading slots",
+             zero_before, zero_after, 5)]
 
 
 LONG = (8, 3, 1500, 64)  # batch, KV heads, cached slots, head dim: SmolLM2 at ~1.5k tokens, batch 8

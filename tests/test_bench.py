@@ -165,9 +165,19 @@ def test_turns_alternate_and_time_each_decode_alone():
         yield 1
         raise RuntimeError("boom")
 
+    with pytest.raises(RuntimeError, match="boom"):
+        turns.take_turns([job("a", 3, 0.0), failing])
+    assert log[-2:] == ["a+", "a-"] and log.count("a+") == 4 + 3, "the other decode did not go on to its end"
+    ratio, low, high = turns.block_ratio_interval([2.0] * 64, [1.0] * 64)
+    assert ratio == low == high == 2.0
+
+
+def test_turns_pause_the_heap_trims():
+    """`bench/turns.py` runs the decodes under `learnkv.memory.paused_trims`: no decode's look at its growth hands
+    the heap back while they take turns (each would see the others' growth), and the trims work again after."""
     from learnkv import memory
 
-    found = []
+    turns, found = _turns(), []
 
     def looks():  # a decode's look at its growth (by more than -1 bytes: it would trim), at its prefill and a step
         found.append(memory.HeapTrim(limit=-1)())
@@ -178,11 +188,6 @@ def test_turns_alternate_and_time_each_decode_alone():
     turns.take_turns([looks, looks])
     assert found == [False] * 4, "a decode handed the heap back while others took turns"
     assert memory._TRIM is None or memory.HeapTrim(limit=-1)(), "the trims stay paused after the turns"
-    with pytest.raises(RuntimeError, match="boom"):
-        turns.take_turns([job("a", 3, 0.0), failing])
-    assert log[-2:] == ["a+", "a-"] and log.count("a+") == 4 + 3, "the other decode did not go on to its end"
-    ratio, low, high = turns.block_ratio_interval([2.0] * 64, [1.0] * 64)
-    assert ratio == low == high == 2.0
 
 
 def test_turns_stop_every_decode_when_interrupted():

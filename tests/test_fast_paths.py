@@ -184,7 +184,8 @@ def test_state_buffers_are_zero_past_the_slots_in_use(tiny, policy, slack):
 
 @pytest.mark.parametrize("B, H, T", [(1, 1, 1), (1, 3, 17), (2, 2, 33), (4, 3, 129), (16, 3, 40)])
 def test_protected_or_dead_is_protected_or_dead(B, H, T):
-    """`kernels.reference.protected_or_dead` in two comparisons: the protected slots or the dead ones, for sinks
+    """`kernels.reference.protected_or_dead` in two comparisons, and `protected_slots` from it: the protected slots
+    (or the dead ones) as defined, sinks and recent window comparison by comparison, for sinks
     and windows of 0, per row, and wider than a row's positions, rows with dead slots anywhere and rows all dead."""
     g = torch.Generator().manual_seed(B * 100 + T)
     for trial in range(12):
@@ -193,8 +194,11 @@ def test_protected_or_dead_is_protected_or_dead(B, H, T):
             pos[0] = -1  # a row with no live slot
         n_sink = [int(x) for x in torch.randint(0, 4, (B,), generator=g)] if trial % 2 else trial % 3
         n_recent = [int(x) for x in torch.randint(0, T + 3, (B,), generator=g)] if trial % 3 else trial % 5
-        expected = ref.protected_slots(pos, n_sink, n_recent) | (pos < 0)
-        assert torch.equal(ref.protected_or_dead(pos, n_sink, n_recent), expected), f"trial {trial}"
+        sinks, recents = ref.per_row(n_sink, B), ref.per_row(n_recent, B)  # the definition, pass by pass
+        newest = pos.max(dim=-1, keepdim=True).values
+        protected = ((pos >= 0) & (pos < sinks)) | ((pos >= 0) & (pos > newest - recents))
+        assert torch.equal(ref.protected_slots(pos, n_sink, n_recent), protected), f"trial {trial}"
+        assert torch.equal(ref.protected_or_dead(pos, n_sink, n_recent), protected | (pos < 0)), f"trial {trial}"
 
 
 @pytest.mark.parametrize("B, H, T", [(1, 1, 1), (1, 3, 17), (2, 2, 33), (4, 3, 129), (16, 3, 40)])

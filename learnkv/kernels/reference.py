@@ -34,13 +34,7 @@ def protected_slots(positions: Tensor, n_sink, n_recent) -> Tensor:
     (padding and dead slots have position -1 and are never protected). ``n_sink`` and ``n_recent`` are ints, or
     one int per row (rows of a batch may have different budgets, hence different windows).
     """
-    B = positions.shape[0]
-    n_sink = per_row(n_sink, B, positions.device)
-    n_recent = per_row(n_recent, B, positions.device)
-    newest = positions.max(dim=-1, keepdim=True).values
-    sink = (positions >= 0) & (positions < n_sink)
-    recent = (positions >= 0) & (positions > newest - n_recent)
-    return sink | recent
+    return protected_or_dead(positions, n_sink, n_recent) & (positions >= 0)
 
 
 def protected_or_dead(positions: Tensor, n_sink, n_recent) -> Tensor:
