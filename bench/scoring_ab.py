@@ -6,7 +6,8 @@
     python bench/scoring_ab.py --refresh   # the learned policy's refresh of one layer: torch.std's window std or not,
                                            # and the key/value norms recomputed or cached (with the scorer in place)
     python bench/scoring_ab.py --profile   # where those two spend their time (torch.profiler, per op)
-    python bench/scoring_ab.py --stacked-refresh  # the refresh's feature read-out layer by layer or all 30 at once
+    python bench/scoring_ab.py --stacked-refresh --threads 2  # the refresh's feature read-out layer by layer, a few
+                                                              # layers at a time, or all 30 at once
     python bench/scoring_ab.py --layout --threads 2  # the refresh's features stacked token by token and masked, or
                                                      # laid out feature by feature and zeroed by index
     python bench/scoring_ab.py --victims --threads 2  # a decode step's one-drop victims, and a compaction's
@@ -45,11 +46,13 @@ comparisons and one ``min`` for victims and check together); and one layer's com
 filler slots (rows of budgets 762-789 keep up to 27 fewer slots than the widest) in SnapKV's 80 window rows, over
 every kept slot (before) or over the leading slots that hold the fillers (after, `BudgetLayer.keep_slots`).
 
-``--stacked-refresh``: what a refresh would save by reading out the features of all 30 layers in one call (one
-``[30 x 8, 3, 790]`` `FeatureTracker.features`, as the stacked decode step updates the tracker) instead of one
-``[8, 3, 790]`` call per layer (how the cache's refresh calls `score`): the same features bit for bit (checked, the
-``layer`` column aside, which a stacked call would take per row), a tracker state after 11 decode steps with dead
-slots in every fifth row, the norms cached.
+``--stacked-refresh``: the refresh's feature read-out of 30 layers at batch 8, 3 KV heads, 790 slots, one
+``[8, 3, 790]`` `FeatureTracker.features` call per layer (before) against a few layers' rows a call (after: the
+learned policy's `Learned.score_layers`, `learnkv.policies.learned.READ_OUT_SLOTS`) and against all 30 in one
+``[30 x 8, 3, 790]`` call: the same features bit for bit (checked), a tracker state after 11 decode steps with dead
+slots in every fifth row, the norms cached; and the window std of each layer's 16 window rows as it was
+(`test_scoring_speed.window_std_before`: a temporary per division and product) and with ``addcdiv_`` and
+``addcmul_`` (`learnkv.features.window_std`, the same bits: that test file).
 
 ``--rkv`` and ``--refresh`` (issue 43 item 2, second pass), at a long decode's shapes (batch 8, SmolLM2's 3 KV heads
 of 64 dims, 1,500 cached slots): R-KV's redundancy of one layer, dense (`test_scoring_speed.redundancy_dense`, the
@@ -91,7 +94,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo root first (learnkv 
 from test_fast_paths import update_decode_before  # noqa: E402
 from test_refresh import scorer_before  # noqa: E402
 from test_scoring_speed import (avg_pool_before, near_keys, one_drop_victims_before, redundancy_before,  # noqa: E402
-                                redundancy_dense)
+                                redundancy_dense, window_std_before)
 
 import learnkv.features as features  # noqa: E402
 
@@ -101,7 +104,7 @@ from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker, group_mean_ma
 from learnkv.features import SPARE_ROWS as FEATURE_SPARE_ROWS  # noqa: E402
 from learnkv.scorer.model import Scorer  # noqa: E402
 from learnkv.policies.snapkv import SPARE_ROWS, SnapKV  # noqa: E402
-from learnkv.policies import rkv  # noqa: E402
+from learnkv.policies import learned, rkv  # noqa: E402
 from learnkv.policies.snapkv import avg_pool  # noqa: E402
 from learnkv.kernels.reference import mark_dead  # noqa: E402
 from learnkv.slots import _filled_prefix  # noqa: E402
@@ -396,20 +399,30 @@ def stacked_refresh_cases(g) -> list:
     rows = [slice(layer * B, (layer + 1) * B) for layer in range(L)]
 
     def by_layer():
-        return [tracker.features(attn[r], keys[r], values[r], pos[r], layer, step, {n: t[r] for n, t in state.items()})
-                for layer, r in enumerate(rows)]
+        return torch.cat([tracker.features(attn[r], keys[r], values[r], pos[r], layer, step,
+                                           {n: t[r] for n, t in state.items()}, feature_major=True)
+                          for layer, r in enumerate(rows)])
 
-    def stacked():
-        return tracker.features(attn, keys, values, pos, 0, step, state)
+    def stacked(per_read_out):  # the learned policy's `score_layers`: the norms filled, the layers as a list
+        return torch.cat([tracker.features(attn[a * B : b * B], None, None, pos[a * B : b * B], list(range(a, b)),
+                                           step, {n: t[a * B : b * B] for n, t in state.items()}, feature_major=True)
+                          for a, b in ((a, min(a + per_read_out, L)) for a in range(0, L, per_read_out))])
 
-    column = features.FEATURES.index("layer")
-    whole = stacked()
-    for layer, (r, one) in enumerate(zip(rows, by_layer())):
-        mine = whole[r].clone()
-        mine[..., column] = one[..., column]
-        assert torch.equal(mine, one), f"layer {layer}: the stacked read-out differs"
-    return [(f"learned feature read-out of {L} layers {[B, H, T]}: by layer (before), stacked (after)", by_layer,
-             stacked, 2)]
+    win = state["f.win"]  # [L * B, H, WINDOW + spare, T]: the window std, one layer's rows a call
+
+    def std_of(fn):
+        return lambda: [fn(win[r][:, :, :WINDOW]) for r in rows]
+
+    few = max(1, learned.READ_OUT_SLOTS // (B * H * T))
+    one = by_layer()
+    for k in (few, L):
+        assert torch.equal(stacked(k).view(torch.int32), one.view(torch.int32)), f"{k} layers a read-out differ"
+    return [(f"learned feature read-out of {L} layers {[B, H, T]}: by layer (before), {few} layers at a time (after)",
+             by_layer, lambda: stacked(few), 2),
+            (f"learned feature read-out of {L} layers {[B, H, T]}: by layer (before), all at once (after)", by_layer,
+             lambda: stacked(L), 2),
+            (f"window std of {L} layers {[B, H, WINDOW, T]} by layer: separate ops (before), addcdiv_ and addcmul_ "
+             "(after)", std_of(window_std_before), std_of(features.window_std), 2)]
 
 
 def layout_cases(g) -> list:

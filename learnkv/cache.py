@@ -27,8 +27,10 @@ its own phase, so most of a batch's scoring is saved (bench/RESULTS.md, "Lagged 
 evict"). The decisions are the same, bit for bit, either way.
 
 Refresh: a policy whose scores are computed every ``refresh`` steps (`Policy.refresh`, the learned policy's) is
-scored by the cache at those steps, one layer at a time, every row; the scores are kept as per-token state, and
-every eviction in between uses the latest (the tokens cached since have none, and are kept).
+scored by the cache at those steps, every row; on a stacked step through `Policy.score_layers`, which the learned
+policy uses to read out the features of a few layers' rows at once (each op then runs on both threads of a 2-core
+CPU) before each layer's scorer. The scores are kept as per-token state, and every eviction in between uses the
+latest (the tokens cached since have none, and are kept).
 
 When it evicts: only at a step where a row would otherwise end over its budget, and then down to the policy's
 keep target (`Policy.keep_target`: the budget, or ``budget - interval + 1`` for a lagged policy, which thus evicts
@@ -423,8 +425,8 @@ class BudgetCache(Cache):
         if linked is not None:
             self._store_state(layers, view.state, linked[1])
         if refreshing:
-            scores = [policy.score(v) for v in self._layer_views(order, stats, view, keep)]  # every row
-            view.state[_REFRESHED] = scores[0] if len(scores) == 1 else torch.cat(scores)
+            views = self._layer_views(order, stats, view, keep)
+            view.state[_REFRESHED] = policy.score(view) if len(views) == 1 else policy.score_layers(view, views)
             self._refreshed_at.update(dict.fromkeys(order, self.step))
             if linked is not None:
                 self._store_state(layers, {_REFRESHED: view.state[_REFRESHED]}, linked[1])
@@ -507,7 +509,7 @@ class BudgetCache(Cache):
                 scores[..., -unscored:] = float("inf")
             return scores
         if len(order) > 1 and policy.reads_layer:
-            return torch.cat([policy.score(v) for v in self._layer_views(order, stats, view, keep)])  # layer-major
+            return policy.score_layers(view, self._layer_views(order, stats, view, keep))  # layer-major
         rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
         if len(order) > 1 or not (policy.rowwise and self._lagged(rows)) or self.shared_block is not None:
             return policy.score(view)

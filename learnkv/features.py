@@ -12,6 +12,7 @@ here and bump `FEATURE_VERSION`: traces and exported scorers of another version 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -174,10 +175,15 @@ class FeatureTracker:
         torch.maximum(state["f.max_interval"], gap * high, out=state["f.max_interval"])
         last.masked_fill_(high, float(step))
 
-    def features(self, attn: Tensor, keys: Tensor, values: Tensor, positions: Tensor, layer: int, step: int,
-                 state: dict[str, Tensor], feature_major: bool = False) -> Tensor:
+    def features(self, attn: Tensor, keys: Tensor | None, values: Tensor | None, positions: Tensor,
+                 layer: int | Sequence[int], step: int, state: dict[str, Tensor], feature_major: bool = False) -> Tensor:
         """``[B, H, T, F]`` float32 features of every cached token, in `FEATURES` order (``attn [B, H, 2, q, T]``:
         the group mean and max, as `update`'s); zeros at the dead slots (padding, evicted).
+
+        ``layer`` is the rows' layer, or the layers of rows stacked layer-major along the batch axis (as many rows
+        each): every feature is computed within a row, so a layer's rows read out with others' are bit for bit their
+        own (tests/test_fast_paths.py). ``keys`` and ``values`` may be None where the state holds every slot's norms
+        (`NORMS`, filled by `fill_norms`).
 
         With ``feature_major`` they are laid out feature by feature: the ``[B, H, T, F]`` view of an ``[F, B, H, T]``
         tensor, the same values. Each column is then written whole where the token-major layout interleaves them
@@ -192,7 +198,9 @@ class FeatureTracker:
         n_win = min(WINDOW, step + 1)
         recent = window_view(state["f.win"], WINDOW, self.spare_rows, step)[:, :, -n_win:, :]
         n_ret = state["f.n_returns"]
-        if NORMS[0] in state:
+        if NORMS[0] in state and keys is None:
+            key_norm, value_norm = state[NORMS[0]], state[NORMS[1]]  # filled by the caller
+        elif NORMS[0] in state:
             key_norm, value_norm = self.fill_norms(keys, values, state)
         else:
             key_norm, value_norm = token_norms(keys), token_norms(values)
@@ -216,12 +224,22 @@ class FeatureTracker:
             "age": torch.log1p((current - positions).clamp(min=0).float()),
             "rel_pos": positions.float() / current,
             "is_sink": ((positions >= 0) & (positions < SINKS)).float(),
-            "layer": torch.full(positions.shape, layer / max(self.n_layers - 1, 1), device=positions.device),
+            "layer": self._layer_column(layer, positions),
         }
         out = torch.stack([cols[name].float() for name in FEATURES], dim=0 if feature_major else -1)
         columns = out.view(len(FEATURES), -1) if feature_major else out.view(-1, len(FEATURES)).t()
         zero_dead_slots(columns, positions, by_index=out.device.type == "cpu")
         return out.permute(*range(1, out.ndim), 0) if feature_major else out
+
+
+    def _layer_column(self, layer: int | Sequence[int], positions: Tensor) -> Tensor:
+        """The ``layer`` feature ``[B, H, T]``: each row's layer / (layers - 1), for one layer or for the layers of
+        rows stacked layer-major (the same float32 roundings of the same quotients)."""
+        scale = max(self.n_layers - 1, 1)
+        if isinstance(layer, int):
+            return torch.full(positions.shape, layer / scale, dtype=torch.float32, device=positions.device)
+        rows = torch.tensor([i / scale for i in layer], dtype=torch.float32, device=positions.device)
+        return rows.repeat_interleave(positions.shape[0] // len(layer))[:, None, None].expand(positions.shape)
 
 
 def zero_dead_slots(columns: Tensor, positions: Tensor, by_index: bool) -> None:
@@ -287,11 +305,12 @@ def window_std(win: Tensor) -> Tensor:
     x = win.double()
     mean = torch.zeros(x[:, :, 0].shape, dtype=torch.float64, device=x.device)
     m2, d, e = torch.zeros_like(mean), torch.empty_like(mean), torch.empty_like(mean)
+    counts = torch.arange(1, x.shape[2] + 1, dtype=torch.float64, device=x.device)
     for i in range(x.shape[2]):  # WelfordOps.reduce: delta, mean + delta / n, m2 + delta * (x - new mean)
         torch.sub(x[:, :, i], mean, out=d)
-        mean.add_(d / (i + 1))
+        mean.addcdiv_(d, counts[i])  # mean + 1 * d / n: the same division and sum, without a temporary
         torch.sub(x[:, :, i], mean, out=e)
-        m2.add_(d.mul_(e))
+        m2.addcmul_(d, e)  # m2 + 1 * d * e, rounded twice as ``m2.add_(d.mul_(e))`` (no fused multiply-add)
     return m2.div_(x.shape[2]).sqrt_().float()
 
 

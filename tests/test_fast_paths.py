@@ -308,6 +308,89 @@ def test_learned_keeps_the_same_slots_with_its_feature_major_read_out(tiny, monk
     assert calls and all(k.get("feature_major") for k in calls), "the read-out must have run feature-major"
 
 
+@pytest.mark.parametrize("slack", [0, 4])
+@pytest.mark.parametrize("read_out_slots", [1, 250, 10**9], ids=["one-layer", "two-layers", "every-layer"])
+@pytest.mark.parametrize("content", [0, 16], ids=["plain", "content"])
+def test_learned_refresh_of_stacked_layers_keeps_the_same_slots_and_scores(monkeypatch, slack, read_out_slots,
+                                                                           content):
+    """A refresh of the cache's stacked layers reads the features of a few layers' rows at once
+    (`Learned.score_layers`, `READ_OUT_SLOTS`): every layer's slot positions after every step of a padded batch-2
+    decode of a 5-layer model (refresh 4), and every score it keeps, as with one read-out and scorer per layer (the
+    code before: `Policy.score_layers`), read-outs of one, two (and a last of one) or every layer."""
+    from learnkv.cache import _REFRESHED
+    from learnkv.model import tiny_model
+    from learnkv.policies import learned
+    from learnkv.policies.base import Policy
+
+    model = tiny_model(seed=3, num_layers=5)
+    ids = torch.cat([random_ids(30, seed=31), random_ids(30, seed=32)])
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    params = {**params_for("learned", 5, content_dim=content), "refresh": 4}
+
+    def run():
+        seen = []
+        generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=20, max_new_tokens=24, slack=slack,
+                 stop_at_eos=False, policy_params=params, prefill_policy="snapkv",
+                 observer=lambda cache: seen.append([(layer.positions.clone(), clone(layer.state.get(_REFRESHED)))
+                                                     for layer in cache.layers]))
+        return seen
+
+    clone = lambda t: None if t is None else t.clone()  # noqa: E731 - no scores before the first refresh
+    read_outs = []  # layers per feature read-out
+    real = FeatureTracker.features
+    monkeypatch.setattr(FeatureTracker, "features", lambda self, attn, *a, **k: read_outs.append(attn.shape[0] // 2)
+                        or real(self, attn, *a, **k))
+    monkeypatch.setattr(learned, "READ_OUT_SLOTS", read_out_slots)
+    stacked = run()
+    read_outs = sorted(set(read_outs))
+    monkeypatch.setattr(learned.Learned, "score_layers", Policy.score_layers)
+    before = run()
+    assert len(stacked) == len(before) == 24
+    for step_a, step_b in zip(stacked, before):
+        for (pos_a, scores_a), (pos_b, scores_b) in zip(step_a, step_b):
+            assert torch.equal(pos_a, pos_b)
+            assert (scores_a is None) == (scores_b is None)
+            if scores_a is not None:
+                assert torch.equal(scores_a.view(torch.int32), scores_b.view(torch.int32))
+    per_read_out = {"one-layer": {1}, "two-layers": {1, 2}, "every-layer": {1, 5}}  # 1: the prefill, layer by layer
+    assert set(read_outs) == per_read_out[{1: "one-layer", 250: "two-layers"}.get(read_out_slots, "every-layer")]
+
+
+@pytest.mark.parametrize("L, B, H, T", [(1, 2, 3, 17), (3, 8, 3, 1500), (5, 1, 3, 270), (2, 16, 3, 1290)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_features_of_stacked_layers_are_each_layers_own(L, B, H, T, threads):
+    """`FeatureTracker.features` of the rows of ``L`` layers stacked layer-major (their layers as a list, the norms
+    read from the state): each layer's rows bit for bit the features of that layer read out alone (its layer as an
+    int, its norms from its keys), at one and two threads (the stacked ops split over threads where one layer's did
+    not), dead slots included."""
+    from learnkv.features import NORMS, SPARE_ROWS, STATE, WINDOW, token_norms
+
+    g = torch.Generator().manual_seed(L * 1000 + T)
+    tracker = FeatureTracker(30, cache_norms=True, spare_rows=SPARE_ROWS)
+    state = {name: torch.rand(L * B, H, T, generator=g) * 3 for name in STATE if name != "f.win"}
+    state["f.count"] = (state["f.count"] * 300).floor() + 1
+    state["f.win"] = torch.rand(L * B, H, WINDOW + SPARE_ROWS, T, generator=g) ** 4 / T
+    keys, values = torch.randn(L * B, H, T, 8, generator=g), torch.randn(L * B, H, T, 8, generator=g)
+    state.update(zip(NORMS, (token_norms(keys), token_norms(values))))
+    pos = torch.arange(T).expand(L * B, H, T).clone()
+    pos[:, :, 3::7] = -1
+    pos[0, :, : T // 2] = -1
+    attn = group_mean_max(torch.rand(L * B, H, 3, 1, T, generator=g) / T)
+    layers = [4 + 3 * i for i in range(L)]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        stacked = tracker.features(attn, None, None, pos, layers, 40, state, feature_major=True)
+        for i, layer in enumerate(layers):
+            rows = slice(i * B, (i + 1) * B)
+            alone = tracker.features(attn[rows], keys[rows], values[rows], pos[rows], layer, 40,
+                                     {name: t[rows] for name, t in state.items()}, feature_major=True)
+            assert torch.equal(stacked[rows].view(torch.int32), alone.view(torch.int32)), f"layer {layer}"
+    finally:
+        torch.set_num_threads(old)
+
+
 def update_decode_before(attn, positions, step, state):
     """`FeatureTracker._update_decode` before the window's row-by-row shift (commit 27bd051): the same update, with
     the window shifted through a temporary copy, as it was."""

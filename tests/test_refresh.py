@@ -41,7 +41,8 @@ def before_tracker(n_layers, cache_norms=False, spare_rows=0):
 def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_norms=False, vocab=256, budget=24,
            pads=(0, 7)):
     """Every layer's slot positions after every step of a left-padded decode (one row per entry of ``pads``, its
-    left padding), and every feature tensor the policy computed (in order)."""
+    left padding), and every feature tensor the policy computed (in order), one per layer (a read-out of several
+    layers' rows, `Learned.score_layers`, split into each layer's)."""
     if not cached:
         monkeypatch.setattr(learned, "FeatureTracker", before_tracker)
     feats, slots, checked, window_rows = [], [], [], set()
@@ -80,7 +81,7 @@ def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_
         assert sum(checked) > 0
     # the learned policy's tracker keeps its window among spare rows (`learnkv.sliding_rows`); the one before did not
     assert window_rows == ({WINDOW + SPARE_ROWS} if cached else {WINDOW}), window_rows
-    return slots, feats
+    return slots, [layer for f in feats for layer in f.split(len(pads))]
 
 
 @pytest.mark.parametrize("slack, refresh, prefill, interval", DECODES)
@@ -162,7 +163,7 @@ def test_the_cache_tells_the_policy_whether_it_scores_next(tiny, monkeypatch, re
     steps where its `score` follows the update (refresh 1: the steps that evict, once the cache outgrows its budget;
     refresh 3: the prefill and every third step; lagged: the due steps, layer by layer), False at the others."""
     updates, scored_at = {}, set()
-    real_update, real_score = learned.Learned.update, learned.Learned.score
+    real_update, real_score, real_layers = learned.Learned.update, learned.Learned.score, learned.Learned.score_layers
 
     def update(self, view):
         updates.setdefault(view.step, set()).add(view.scored)
@@ -172,8 +173,13 @@ def test_the_cache_tells_the_policy_whether_it_scores_next(tiny, monkeypatch, re
         scored_at.add(view.step)
         return real_score(self, view)
 
+    def score_layers(self, view, views):  # a refresh of stacked layers
+        scored_at.add(view.step)
+        return real_layers(self, view, views)
+
     monkeypatch.setattr(learned.Learned, "update", update)
     monkeypatch.setattr(learned.Learned, "score", score)
+    monkeypatch.setattr(learned.Learned, "score_layers", score_layers)
     ids = random_ids(16, seed=5)  # within the budget: the first steps do not evict
     generate(tiny, input_ids=ids, attention_mask=torch.ones_like(ids), policy="learned", budget=20, max_new_tokens=12,
              stop_at_eos=False, policy_params={**params_for("learned", 2), "refresh": refresh, "interval": interval})

@@ -61,8 +61,8 @@ def test_learned_scores_every_refresh_steps_and_evicts_at_every_overflow(tiny, m
     from learnkv.policies.learned import Learned
 
     scored = []
-    real = Learned._scores
-    monkeypatch.setattr(Learned, "_scores", lambda self, view, *a, **k: scored.append((view.layer, view.step))
+    real = Learned._scored  # each layer's scores, at a refresh of stacked layers too
+    monkeypatch.setattr(Learned, "_scored", lambda self, view, *a, **k: scored.append((view.layer, view.step))
                         or real(self, view, *a, **k))
     prompt, budget, new = 12, 16, 30
     kept = []

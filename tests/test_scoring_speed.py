@@ -125,6 +125,44 @@ def one_drop_victims_before(scores, positions, keep, n_sink, n_recent, live):
     return victim, drops
 
 
+def window_std_before(win):
+    """`learnkv.features.window_std` before its fused ``addcdiv_`` and ``addcmul_`` (commit 1d4955a), verbatim
+    (docstring and device check aside)."""
+    x = win.double()
+    mean = torch.zeros(x[:, :, 0].shape, dtype=torch.float64, device=x.device)
+    m2, d, e = torch.zeros_like(mean), torch.empty_like(mean), torch.empty_like(mean)
+    for i in range(x.shape[2]):  # WelfordOps.reduce: delta, mean + delta / n, m2 + delta * (x - new mean)
+        torch.sub(x[:, :, i], mean, out=d)
+        mean.add_(d / (i + 1))
+        torch.sub(x[:, :, i], mean, out=e)
+        m2.add_(d.mul_(e))
+    return m2.div_(x.shape[2]).sqrt_().float()
+
+
+@pytest.mark.parametrize("B, H, W, T", [(1, 1, 1, 1), (2, 3, 16, 17), (8, 3, 16, 790), (40, 3, 16, 790)])
+@pytest.mark.parametrize("kind", ["attention", "wide", "signed-zeros"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_window_std_is_the_replaced_code(B, H, W, T, kind, threads):
+    """`learnkv.features.window_std` with ``addcdiv_`` and ``addcmul_``: the values of the replaced code bit for bit
+    (each rounds its division, product and sum as the separate ops did: no fused multiply-add), one thread and two,
+    at one layer's rows and at the learned refresh's few layers at once (`READ_OUT_SLOTS`)."""
+    from learnkv.features import window_std
+
+    g = torch.Generator().manual_seed(B * 100 + W + T)
+    win = torch.rand(B, H, W, T, generator=g) ** 4 / T
+    if kind == "wide":
+        win = win * 10.0 ** torch.randint(-30, 30, win.shape, generator=g)
+    elif kind == "signed-zeros":
+        win[..., ::2] = 0.0
+        win[..., 1::3] = -0.0
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert same_bits(window_std(win), window_std_before(win))
+    finally:
+        torch.set_num_threads(old)
+
+
 def same_bits(a, b):
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 

@@ -115,6 +115,14 @@ class LayerView:
         return self._rows(pick, lambda xs: [xs[r] for r in rows], layer=self.layer, keys=pick(self.keys),
                           values=pick(self.values))
 
+    def of_layers(self, start: int, stop: int) -> LayerView:
+        """The rows of the layers ``layers[start:stop]`` of a view of several layers (layer-major, the same number
+        of rows each): views of this view's tensors, so what a policy writes into their state writes through."""
+        B = self.positions.shape[0] // len(self.layers)
+        rows = slice(start * B, stop * B)
+        return self._rows(lambda x: x[rows], lambda xs: xs[rows], layer=self.layers[start], keys=None, values=None,
+                          layers=self.layers[start:stop])
+
     def _rows(self, tensor_rows: Callable[[Tensor], Tensor], list_rows: Callable[[list], list], **fields) -> LayerView:
         """A view of some of this view's rows: ``tensor_rows`` / ``list_rows`` pick them from each batch-first tensor
         and per-row list; ``fields`` gives the rest (layer, keys, values)."""
@@ -291,6 +299,13 @@ class Policy:
         result (trace recording keeps teacher scores for a while): never return a state tensor that `update`
         changes in place."""
         raise NotImplementedError
+
+    def score_layers(self, view: LayerView, views: Sequence[LayerView]) -> Tensor:
+        """The scores of a view of several layers (``view``, layer-major) from ``views``, one view per layer
+        (the cache's, for a policy that reads one layer's keys, values or index: ``reads_layer``): each layer's
+        `score`, concatenated layer-major. A policy may compute what reads no layer's own tensors over ``view``'s
+        rows at once instead (the learned policy's feature read-out), with the same scores."""
+        return torch.cat([self.score(v) for v in views])
 
     # -- configuration -------------------------------------------------------------------------------------
 

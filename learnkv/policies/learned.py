@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,12 @@ from learnkv.scorer.artifact import (cached_kv_heads, check_binding, load_scorer
                                      trained_allocation)
 from learnkv.scorer.model import Scorer
 
+
+#: the slots (rows x KV heads x slots) a refresh of stacked layers reads out features for at once, a few layers'
+#: worth at batch 8 and 1k slots: each op then runs on both threads (torch splits an elementwise op from 32,768
+#: elements; one layer's 19k ran on one) while its columns stay in cache (every layer at once, 30x that, ran slower
+#: than one by one). bench/RESULTS.md, "The learned refresh, a few layers at a time"
+READ_OUT_SLOTS = 1 << 17
 
 #: the scorer's content term of each token (`Scorer.content_term`: its value vector against the layer's content
 #: weights, a constant per token), per-token state of a scorer with content features on a CPU: NaN until the first
@@ -64,8 +71,8 @@ class Learned(Policy):
     steps down to ``budget - interval + 1``), which gives up ``(interval - 1) / 2`` slots on average: on
     validation prompts (SmolLM2, 50% of the final length, n = 8) it cost the learned policy a third more KL than
     evicting every step (bench/RESULTS.md, "The learned policy: schedule, label, traces"). The cache runs that
-    schedule (`Policy.refresh`): it calls `score` at each refresh, layer by layer, and evicts by the kept scores in
-    between, for every layer of a decode step at once on the CPU torch path (one tracker update and one selection
+    schedule (`Policy.refresh`): it scores at each refresh (a few layers' features at once on a stacked step,
+    `score_layers`, then each layer's scorer) and evicts by the kept scores in between, for every layer of a decode step at once on the CPU torch path (one tracker update and one selection
     for the whole model; `BudgetCache`, "Batching"). There (budget 128, two threads, ``slack=16``, bench/RESULTS.md
     "Stacked layers") a step costs 1.15x the full cache's at batch 1 and 1.14x at batch 16; with ``slack=0`` a
     compaction of every layer at every step comes on top.
@@ -170,6 +177,28 @@ class Learned(Policy):
         # that evict now
         return self._scores(view, self._fused(view), due_rows_only=self.refresh == 1)
 
+    def score_layers(self, view: LayerView, views: Sequence[LayerView]) -> Tensor:
+        """A refresh of every layer of a stacked decode step (the CPU torch path): the features of a few layers' rows
+        read out at once (`READ_OUT_SLOTS`), then each layer's scorer on its own rows. Each feature is computed
+        within a row and the scorer sees each layer's features in the same layout, so the scores are bit for bit
+        those of one read-out per layer (tests/test_fast_paths.py); an eviction step's scores (``refresh`` 1, the
+        rows due only) stay layer by layer."""
+        if self.refresh == 1 or NORMS[0] not in view.state or kernels.use_triton(view.positions):
+            return super().score_layers(view, views)
+        run = self._loaded(views[-1])
+        B, H, T = views[0].positions.shape
+        per_read_out = max(1, READ_OUT_SLOTS // (B * H * T))
+        scores = []
+        for start in range(0, len(views), per_read_out):
+            part = views[start : start + per_read_out]
+            for v in part:  # each layer's unknown norms, into the state the stacked rows share
+                run.tracker.fill_norms(v.keys, v.values, v.state)
+            rows = view.of_layers(start, start + len(part))
+            feats = run.tracker.features(rows.attn, None, None, rows.positions, rows.layers, rows.step, rows.state,
+                                         feature_major=True)
+            scores += [self._scored(v, feats[i * B : (i + 1) * B]) for i, v in enumerate(part)]
+        return torch.cat(scores)
+
     def _fused(self, view: LayerView) -> Tensor | None:
         """The features `update` computed in its fused launch for this very layer, step and cache, if any."""
         run = self._loaded(view)
@@ -181,13 +210,15 @@ class Learned(Policy):
     def _scores(self, view: LayerView, feats: Tensor | None, due_rows_only: bool = False) -> Tensor:
         """The scorer's ``[B, H, T]`` scores; with ``due_rows_only`` (scoring at an eviction), the features are
         computed for the rows that evict now only (`_features`)."""
-        run = self._loaded(view)
-        model, tracker = run.scorer, run.tracker
         if feats is None:
-            feats = self._features(tracker, view, _due_rows(view) if due_rows_only else None)
-        model = model.to(feats.device)
+            feats = self._features(self._loaded(view).tracker, view, _due_rows(view) if due_rows_only else None)
+        return self._scored(view, feats)
+
+    def _scored(self, view: LayerView, feats: Tensor) -> Tensor:
+        """The scorer's scores of one layer's view from its features ``[B, H, T, F]`` (this call's own: they are
+        standardised in place)."""
+        model = self._loaded(view).scorer.to(feats.device)
         content = cached_content(view, model) if model.content_dim else None
-        # the features are this call's own (a fresh read-out or the fused launch's output): standardised in place
         return model(feats, view.layer, view.values if model.content_dim else None, content=content, consume=True)
 
     @staticmethod
