@@ -28,7 +28,7 @@ from learnkv.model import cache_kwargs
 from learnkv.cache import BudgetCache, kept_per_step, max_kept
 from learnkv.capture import step_attention
 from learnkv.fisher import step_fisher
-from learnkv.memory import TRIM_EVERY, HeapTrim
+from learnkv.memory import TRIM_EVERY, HeapTrim, frozen_objects
 from learnkv.policies import Policy, make_policy
 from learnkv.settings import Eviction, resolve_budget
 
@@ -440,16 +440,17 @@ def decode_steps(model, state: DecodeState, max_new_tokens: int, progress: str |
 
         steps = tqdm(steps, desc=progress, unit="tok", leave=False)
     trim = HeapTrim()
-    for i in steps:
-        if i:
-            if (i - 1) % TRIM_EVERY == 0:
-                trim()  # a long decode's memory stays near what is live (learnkv.memory)
-            decode_step(model, state)
-        yield active
-        if len(state.eos):  # without an EOS no row ends: nothing to read back (on a GPU, a synchronisation)
-            active = B - int(state.finished.sum())  # once per step: the rows going on, for the next step and the stop
-            if not active:
-                break
+    with frozen_objects():  # no collection walks the model's objects mid-decode (learnkv.memory)
+        for i in steps:
+            if i:
+                if (i - 1) % TRIM_EVERY == 0:
+                    trim()  # a long decode's memory stays near what is live (learnkv.memory)
+                decode_step(model, state)
+            yield active
+            if len(state.eos):  # without an EOS no row ends: nothing to read back (on a GPU, a synchronisation)
+                active = B - int(state.finished.sum())  # once per step: the rows going on, for the next step, the stop
+                if not active:
+                    break
 
 
 @torch.no_grad()

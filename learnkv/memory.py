@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +52,8 @@ def _malloc_trim():
 
 _TRIM = _malloc_trim()
 _paused = 0  # how many `paused_trims` blocks are open
+_frozen = 0  # how many `frozen_objects` blocks are open
+_thaw = False  # whether the outermost block froze the objects (nobody had before it), so unfreezes them at its end
 
 
 @contextmanager
@@ -62,6 +65,31 @@ def paused_trims() -> Iterator[None]:
         yield
     finally:
         _paused -= 1
+
+
+@contextmanager
+def frozen_objects() -> Iterator[None]:
+    """Python's garbage collector leaves out the objects alive at the start of this block (``gc.freeze``), until
+    the last open block ends; it may nest, and it leaves a freeze it did not make (the caller's) as it was.
+
+    A collection of the oldest generation walks every object the collector tracks: with a model, its tokenizer and
+    transformers loaded, ~380k, ~170 ms, more than a step at batch 8 and ~1k tokens. CPython runs one once the
+    objects that survived younger collections since the last are a quarter of the old ones, so in a process that
+    has just loaded a model one comes due early in the first decode (at step 130 of an R-KV decode, 151 of a
+    full-cache one: a pause in that decode's steps, and in a benchmark's first decode alone). Frozen, those objects
+    are not walked; the decode's own still are. vLLM freezes its startup objects for the same reason.
+    `python bench/gc_pauses.py` (bench/RESULTS.md)."""
+    global _frozen, _thaw
+    if _frozen == 0:
+        _thaw = gc.get_freeze_count() == 0
+    _frozen += 1
+    gc.freeze()  # the objects of a decode started inside another one too (O(1): the generations' lists joined)
+    try:
+        yield
+    finally:
+        _frozen -= 1
+        if _frozen == 0 and _thaw:
+            gc.unfreeze()
 
 
 def release_free_heap() -> bool:
@@ -102,4 +130,5 @@ class HeapTrim:
         return released
 
 
-__all__ = ["release_free_heap", "resident_bytes", "HeapTrim", "paused_trims", "TRIM_EVERY", "GROWTH_LIMIT"]
+__all__ = ["release_free_heap", "resident_bytes", "HeapTrim", "paused_trims", "frozen_objects", "TRIM_EVERY",
+           "GROWTH_LIMIT"]

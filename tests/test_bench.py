@@ -80,6 +80,27 @@ def test_page_faults_benchmark_times_both_variants_and_restores_today(small, tmp
     assert bad.returncode == 2 and "--new-tokens (8) must exceed --from-step + 1 (17)" in bad.stderr
 
 
+def test_gc_pauses_benchmark_counts_collections_in_both_variants(small, tmp_path):
+    """`bench/gc_pauses.py` on the tiny model with SmolLM2's tokenizer: each decode in a process of its own, under
+    both variants in turn, with the collections of each generation during its steps and its slowest step."""
+    model, tok = small
+    model_dir = tmp_path / "tiny"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "bench/gc_pauses.py", "--model", str(model_dir), "--batch", "2", "--budget",
+                          "40", "--new-tokens", "12", "--rounds", "2", "--threads", "1", "--policies", "rkv"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "objects tracked before a decode: " in res.stdout and " ms with them frozen" in res.stdout
+    rows = [line.split(" | ") for line in res.stdout.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert [(r[1], r[2]) for r in rows] == [("rkv", "today"), ("rkv", "before"), ("rkv", "before"), ("rkv", "today")]
+    assert all(" ms)" in cell for r in rows for cell in r[3:6]) and all(float(r[6].rstrip(" |")) > 0 for r in rows)
+    bad = subprocess.run([sys.executable, "bench/gc_pauses.py", "--new-tokens", "1"], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=600)
+    assert bad.returncode == 2 and "--new-tokens (1) must be at least 2" in bad.stderr
+
+
 def _run_long(small, tmp_path, fractions: str, policies: str, *extra: str):
     """`bench/decode.py --long` on the tiny model saved with SmolLM2's tokenizer: batch 2 to 1,040 tokens, two
     rounds, slack 4, one thread; (the finished process, the records' path)."""

@@ -141,3 +141,45 @@ def test_a_decode_s_cache_is_freed_when_it_returns_not_at_a_garbage_collection(t
     finally:
         gc.enable()
     assert alive == 0
+
+
+def test_frozen_objects_nest_and_leave_the_callers_freeze():
+    """`memory.frozen_objects`: the objects alive at a block's start stay frozen until the last open block ends
+    (a decode inside another's turns too); a freeze the caller made is left as it was."""
+    import gc
+
+    from learnkv import memory
+
+    assert gc.get_freeze_count() == 0
+    before = [{"a": 1}]  # a tracked object alive at the start
+    with memory.frozen_objects():
+        n = gc.get_freeze_count()
+        assert n > 0
+        inner = [{"b": 2}]
+        with memory.frozen_objects():
+            assert gc.get_freeze_count() > n  # the inner block froze the objects made since
+        assert gc.get_freeze_count() > n  # the outer block still open: nothing thawed
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        n = gc.get_freeze_count()
+        with memory.frozen_objects():
+            pass
+        assert gc.get_freeze_count() >= n > 0  # the caller's freeze stays
+    finally:
+        gc.unfreeze()
+    del before, inner
+
+
+def test_a_decode_freezes_the_objects_before_it(tiny):
+    """`decode_steps` runs its steps inside `memory.frozen_objects`: no garbage collection walks the objects alive
+    before the decode (the model's, ~380k in a real process) during it, and they are thawed after it."""
+    import gc
+
+    from conftest import random_ids
+    from learnkv import generate
+
+    counts = []
+    generate(tiny, input_ids=random_ids(12, seed=1), policy="h2o", budget=8, max_new_tokens=5, stop_at_eos=False,
+             on_step=lambda n: counts.append(gc.get_freeze_count()))
+    assert len(counts) == 5 and min(counts) > 0 and gc.get_freeze_count() == 0

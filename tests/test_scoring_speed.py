@@ -95,6 +95,14 @@ def snapkv_update_before(self, view):
     view.state["window_attn"] = window[:, :, -self.obs_window :, :]
 
 
+def rkv_update_before(self, view):
+    """`RKV.update` before its window was kept among spare rows (commit 184d9d0), verbatim."""
+    rows = view.attn  # [B, H, W, T]; the cache zero-pads old rows for new slots (causally exact)
+    obs = view.state.get("obs_attn")
+    obs = rows if obs is None else torch.cat([obs, rows], dim=2)
+    view.state["obs_attn"] = obs[:, :, -self.obs_window :, :]
+
+
 def snapkv_score_before(window_attn, window, k):
     """`SnapKV._score` before it pooled live slots only (commit 27bd051), verbatim, with ``avg_pool``'s pooling."""
     s = window_attn.mean(dim=2)  # [B, H, T]
@@ -270,6 +278,8 @@ def kept_slots(model, policy, budget, eviction=None, **params):
 
 @pytest.mark.parametrize("policy,params,eviction", [
     ("rkv", {}, {}), ("rkv", {"buffer": 8, "window": 4}, {}),
+    ("rkv", {"buffer": 6, "window": 3}, {"slack": 4}),  # dead slots between compactions
+    ("rkv", {"buffer": 10, "window": 10}, {"prefill_policy": "h2o"}),  # the window fills during the decode
     ("snapkv", {}, {}), ("snapkv", {"window": 5, "kernel_size": 7}, {}),
     ("snapkv", {"window": 5}, {"slack": 4}),  # dead slots between compactions
     ("snapkv", {}, {"budget": [48, 36]}),  # rows with windows of their own (12 and 9 rows), layer by layer
@@ -278,13 +288,15 @@ def kept_slots(model, policy, budget, eviction=None, **params):
 ])
 def test_decode_keeps_the_same_slots(tiny, monkeypatch, policy, params, eviction):
     """The optimised paths keep the slots of the code before them, bit for bit, over 69 decode steps: R-KV's
-    blockwise redundancy, SnapKV's pooling and its window kept among spare rows (it wraps to the top four times)."""
+    blockwise redundancy, SnapKV's pooling, and both windows kept among spare rows (SnapKV's wraps to the top four
+    times, R-KV's every ninth step)."""
     eviction = dict(eviction)
     budget = eviction.pop("budget", 48)
     fast = kept_slots(tiny, policy, budget, eviction, **params)
     monkeypatch.setattr(rkv, "redundancy", redundancy_before)
     monkeypatch.setattr(snapkv, "avg_pool", avg_pool_before)
     monkeypatch.setattr(snapkv.SnapKV, "update", snapkv_update_before)
+    monkeypatch.setattr(rkv.RKV, "update", rkv_update_before)
     before = kept_slots(tiny, policy, budget, eviction, **params)
     assert len(fast) == len(before) == 70  # the prefill and 69 decode steps
     assert all(torch.equal(a, b) for step_a, step_b in zip(fast, before) for a, b in zip(step_a, step_b))

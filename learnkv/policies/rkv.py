@@ -8,9 +8,12 @@ from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
 from learnkv.fields import setting
+from learnkv.sliding_rows import slid, window_view
 
 DEFAULT_WINDOW = 8  # observation tokens α: README table, `run_math.py --window_size`, `R1KV(window_size=8)`
 DEFAULT_BUFFER = 128  # B_buffer: README table, `run_math.py --divide_length 128`
+#: the observed rows are kept among this many more (`learnkv.sliding_rows`): a decode step writes one row in place
+SPARE_ROWS = 8
 
 
 @dataclass
@@ -56,9 +59,12 @@ class RKV(Policy):
     - fp32 throughout (the source: the model's bf16), per batch row (the source at d15c976 uses row 0's keys
       for every row), padding excluded, ties to the more recent token (the source's topk is unordered).
 
-    Cost: only when the cache evicts (every ``buffer`` steps). The redundancy is O(T D) for the column sums plus
-    the search for each key's newest near-duplicate, newest slots first (`redundancy`): O(T * 64 * D) per KV head
-    and batch row where near-duplicates are recent (most of SmolLM2's keys), O(T^2 D) where a key has none.
+    Cost: at every step one observed row, written in place (the window is kept among `SPARE_ROWS` more rows,
+    `learnkv.sliding_rows`, as SnapKV's is); the scores only when the cache evicts (every ``buffer`` steps). The
+    redundancy is O(T D) for the column sums plus the search for each key's newest near-duplicate, newest slots
+    first (`redundancy`): O(T * 64 * D) per KV head and batch row where near-duplicates are recent (most of SmolLM2's
+    keys), O(T^2 D) where a key has none. At batch 8 and ~780 slots an eviction step costs ~300-450 ms over the
+    others, ~200 of them the redundancy (bench/RESULTS.md).
 
     Compared across heads and layers (``allocation=head|global``) its scores are ``rank``
     (`learnkv.allocation.normalisation_for`).
@@ -108,8 +114,9 @@ class RKV(Policy):
     def update(self, view: LayerView) -> None:
         rows = view.attn  # [B, H, W, T]; the cache zero-pads old rows for new slots (causally exact)
         obs = view.state.get("obs_attn")
-        obs = rows if obs is None else torch.cat([obs, rows], dim=2)
-        view.state["obs_attn"] = obs[:, :, -self.obs_window :, :]
+        window = slid(obs, rows, self.obs_window, SPARE_ROWS, view.step)  # a decode step: one row written in place
+        if window is not obs:
+            view.state["obs_attn"] = window
 
     def score(self, view: LayerView) -> Tensor:
         valid = view.valid
@@ -118,7 +125,8 @@ class RKV(Policy):
         if n == 0:
             return torch.zeros(B, H, T, device=view.keys.device)
         red = redundancy(view.keys, valid, self.threshold)
-        rows = view.state["obs_attn"][..., :n].float() * valid[:, :, None, :n]
+        window = window_view(view.state["obs_attn"], self.obs_window, SPARE_ROWS, view.step)
+        rows = window[..., :n].float() * valid[:, :, None, :n]
         mass = rows.sum(dim=-1, keepdim=True)  # 0 only for padding query rows
         seen = mass > 0
         imp = (rows / mass.clamp_min(1e-30) * seen).sum(dim=2) / seen.sum(dim=2).clamp_min(1)  # [B, H, n]

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from learnkv.policies.base import LayerView, Policy
 from learnkv.fields import setting
-from learnkv.sliding_rows import appended, laid_out, push_row, window_view
+from learnkv.sliding_rows import laid_out, push_row, slid, window_view
 
 DEFAULT_WINDOW = 64
 #: the window's state holds this many rows beyond the window (`learnkv.sliding_rows`): a decode step writes one row
@@ -90,11 +90,10 @@ class SnapKV(Policy):
         if self.running_sum and not self.row_windows and rows.shape[2] == 1 and view.step >= 1:
             self._running_update(view, buf, rows[:, :, 0])
             return
-        if buf is not None and buf.shape[2] == W + SPARE_ROWS and rows.shape[2] == 1:
-            push_row(buf, rows[:, :, 0], W, SPARE_ROWS, view.step)  # a decode step on a full window, in place
-            return
-        view.state.pop(WINDOW_SUM, None)  # a window laid out anew: averaged from its rows
-        view.state["window_attn"] = appended(buf, rows, W, SPARE_ROWS, view.step)
+        window = slid(buf, rows, W, SPARE_ROWS, view.step)
+        if window is not buf:
+            view.state.pop(WINDOW_SUM, None)  # a window laid out anew: averaged from its rows
+            view.state["window_attn"] = window
 
     def _running_update(self, view: LayerView, buf: Tensor | None, row: Tensor) -> None:
         """A decode step with ``running_sum``: ``row [B, H, T]`` pushed into the window, in place, and into its sum
