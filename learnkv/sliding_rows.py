@@ -68,8 +68,8 @@ def push_row(state: Tensor, row: Tensor, window: int, spare: int, step: int) -> 
 
 def slid(state: Tensor | None, rows: Tensor, window: int, spare: int, step: int) -> Tensor:
     """The window after step ``step`` with ``rows [B, H, q, T]`` added to the window ``state`` of step ``step - 1``:
-    ``state`` itself, the row pushed in place (`push_row`), for a decode step on a full window; else a new tensor
-    (`appended`). A policy whose window state is a tensor of its own stores the result."""
+    ``state`` itself, the row pushed in place (`push_row`), for a decode step on a full window; else `appended`'s
+    window (a new tensor, or without spare rows a view of ``rows``), which the policy stores in its state."""
     if state is not None and state.shape[2] == window + spare and rows.shape[2] == 1:
         push_row(state, rows[:, :, 0], window, spare, step)
         return state

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from learnkv.features import window_std
-from learnkv.sliding_rows import laid_out, push_row, window_view
+from learnkv.sliding_rows import laid_out, push_row, slid, window_view
 
 
 @pytest.mark.parametrize("window,spare", [(1, 1), (3, 1), (4, 8), (16, 8), (64, 16), (5, 40)])
@@ -33,3 +33,21 @@ def test_a_window_still_filling_is_its_rows():
     rows = torch.rand(1, 2, 3, 5)
     assert window_view(rows, 4, 8, 2) is rows  # 3 of 4 rows: not laid out yet
     assert window_view(rows, 3, 0, 2) is rows  # no spare rows: the rows in order
+
+
+@pytest.mark.parametrize("window,spare", [(1, 1), (3, 2), (8, 8), (5, 0)])
+@pytest.mark.parametrize("prefill", [1, 4, 9])  # a prompt shorter than the window, or longer
+def test_slid_is_the_window_of_every_step(window, spare, prefill):
+    """`slid` (SnapKV's and R-KV's update): the window of the last ``window`` rows after every step, a prefill of
+    several queries and then decode steps of one; the state itself, written in place, once the window is full."""
+    g = torch.Generator().manual_seed(window * 10 + spare + prefill)
+    B, H, T = 2, 3, 11
+    rows = torch.rand(B, H, prefill, T, generator=g)
+    state = slid(None, rows, window, spare, 0)
+    every = rows.clone()  # the state may view the prefill's rows (no spare rows), which its pushes then write
+    for step in range(1, 2 * (window + spare) + 3):
+        row = torch.rand(B, H, 1, T, generator=g)
+        out = slid(state, row, window, spare, step)
+        assert (out is state) == (state.shape[2] == window + spare)  # in place exactly when laid out
+        state, every = out, torch.cat([every, row], dim=2)
+        assert torch.equal(window_view(state, window, spare, step), every[:, :, -window:]), f"step {step}"
