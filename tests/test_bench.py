@@ -58,13 +58,20 @@ def test_kvpress_parity_counts_operators_a_decode_step(smollm2):
     assert counts["h2o"][0] > counts["full"][0] > 211
 
 
-def test_page_faults_benchmark_times_both_variants_and_restores_today(small, tmp_path):
-    """`bench/page_faults.py` on the tiny model with SmolLM2's tokenizer: each policy under both variants, page
-    faults and ms a step in its table (the figures need the real model and an idle machine)."""
+def saved_model(small, tmp_path) -> Path:
+    """The tiny model and SmolLM2's tokenizer (``small``) saved under ``tmp_path / "tiny"``, for a benchmark's
+    ``--model``."""
     model, tok = small
     model_dir = tmp_path / "tiny"
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
+    return model_dir
+
+
+def test_page_faults_benchmark_times_both_variants_and_restores_today(small, tmp_path):
+    """`bench/page_faults.py` on the tiny model with SmolLM2's tokenizer: each policy under both variants, page
+    faults and ms a step in its table (the figures need the real model and an idle machine)."""
+    model_dir = saved_model(small, tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "bench/page_faults.py", "--model", str(model_dir), "--batch", "2",
                           "--budget", "40", "--new-tokens", "24", "--from-step", "4", "--rounds", "2", "--threads", "1",
@@ -83,10 +90,7 @@ def test_page_faults_benchmark_times_both_variants_and_restores_today(small, tmp
 def test_gc_pauses_benchmark_counts_collections_in_both_variants(small, tmp_path):
     """`bench/gc_pauses.py` on the tiny model with SmolLM2's tokenizer: each decode in a process of its own, under
     both variants in turn, with the collections of each generation during its steps and its slowest step."""
-    model, tok = small
-    model_dir = tmp_path / "tiny"
-    model.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = saved_model(small, tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "bench/gc_pauses.py", "--model", str(model_dir), "--batch", "2", "--budget",
                           "40", "--new-tokens", "12", "--rounds", "2", "--threads", "1", "--policies", "rkv"],
@@ -104,10 +108,7 @@ def test_gc_pauses_benchmark_counts_collections_in_both_variants(small, tmp_path
 def _run_long(small, tmp_path, fractions: str, policies: str, *extra: str):
     """`bench/decode.py --long` on the tiny model saved with SmolLM2's tokenizer: batch 2 to 1,040 tokens, two
     rounds, slack 4, one thread; (the finished process, the records' path)."""
-    model, tok = small
-    model_dir, out = tmp_path / "tiny", tmp_path / "long.json"
-    model.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir, out = saved_model(small, tmp_path), tmp_path / "long.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "bench/decode.py", "--model", str(model_dir), "--long", "--long-settings",
                           "2:1040", "--long-fractions", fractions, "--policies", policies, *extra, "--threads", "1",
@@ -351,10 +352,8 @@ def test_decode_benchmark_long_mode_resumes(small, tmp_path, monkeypatch, signal
     under another setting does not read them back. Killed by Ctrl-C or by SIGTERM (a scheduler's, `timeout`'s)."""
     import signal
 
-    model, tok = small
-    model_dir, out = tmp_path / "tiny", tmp_path / "long.json"
-    model.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model = small[0]
+    model_dir, out = saved_model(small, tmp_path), tmp_path / "long.json"
     bench = _bench_decode()
     calls = []
     real = bench.generate
