@@ -12,6 +12,9 @@
                                                      # laid out feature by feature and zeroed by index
     python bench/scoring_ab.py --victims --threads 2  # a decode step's one-drop victims, and a compaction's
                                                       # zeroing of the filler slots' state
+    python bench/scoring_ab.py --masks --threads 2  # the learned tracker's decode update with bool or float
+                                                    # masks; a refresh's norms and content terms filled by layer or
+                                                    # once for a few stacked layers
     python bench/scoring_ab.py --rkv-model # R-KV's redundancy on SmolLM2's own keys (a batch-8 prefill; minutes)
     python bench/scoring_ab.py --refresh-model  # the learned policy's eviction time over a SmolLM2 decode (minutes)
     python bench/scoring_ab.py --refresh-model --unpadded --rounds 4  # the same on 4 unpadded 400-token prompts
@@ -45,6 +48,18 @@ protected and dead slots, an argmin and a three-pass check, `test_scoring_speed.
 comparisons and one ``min`` for victims and check together); and one layer's compaction zeroing the state of the
 filler slots (rows of budgets 762-789 keep up to 27 fewer slots than the widest) in SnapKV's 80 window rows, over
 every kept slot (before) or over the leading slots that hold the fillers (after, `BudgetLayer.keep_slots`).
+
+``--masks``: goal 1's learned policy at batch 8 x 3 KV heads x 790 slots (30 layers stacked): the tracker's decode
+update (`FeatureTracker._update_decode`) with bool masks, ``where`` and ``masked_fill_`` (before: its code until
+ac1fd22, `test_fast_paths.update_decode_with_bool_masks`) or float masks and ``addcmul_`` (after), on a state seeded
+by a prefill and 11 decode steps, the attention peaked so that ~1 slot in 6 goes high (the same bits: that test file);
+and a refresh's fill of the unknown key and value norms and content terms (the newest 8 slots of every layer, as 8
+steps after the last refresh; a scorer with 64 content dims): each layer's own search and fill, with the scorer moved
+to the device at each layer (before: the code until ac1fd22) against one search and fill for each read-out's
+`learned.READ_OUT_SLOTS` worth of layers (after, `Learned.score_layers`); and RoCo's score of the 30 stacked layers
+(rows of 8 budgets, 762-789, as goal 1's) with bool masks and ``masked_fill`` (before, its code until ac1fd22,
+`test_scoring_speed.roco_score_with_bool_masks`) or float masks and maximums with +-inf (after; the same bits). It
+first prints what single ops cost on a bool and on a float mask of that shape.
 
 ``--stacked-refresh``: the refresh's feature read-out of 30 layers at batch 8, 3 KV heads, 790 slots, one
 ``[8, 3, 790]`` `FeatureTracker.features` call per layer (before) against a few layers' rows a call (after: the
@@ -91,10 +106,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo root first (learnkv from this checkout); tests: the references
 
-from test_fast_paths import update_decode_before  # noqa: E402
+from test_fast_paths import update_decode_before, update_decode_with_bool_masks  # noqa: E402
 from test_refresh import scorer_before  # noqa: E402
 from test_scoring_speed import (avg_pool_before, near_keys, one_drop_victims_before, redundancy_before,  # noqa: E402
-                                redundancy_dense, window_std_before)
+                                redundancy_dense, roco_score_with_bool_masks, window_std_before)
 
 import learnkv.features as features  # noqa: E402
 
@@ -105,6 +120,8 @@ from learnkv.features import SPARE_ROWS as FEATURE_SPARE_ROWS  # noqa: E402
 from learnkv.scorer.model import Scorer  # noqa: E402
 from learnkv.policies.snapkv import SPARE_ROWS, SnapKV  # noqa: E402
 from learnkv.policies import learned, rkv  # noqa: E402
+from learnkv.policies.base import LayerView  # noqa: E402
+from learnkv.policies.roco import RoCo  # noqa: E402
 from learnkv.policies.snapkv import avg_pool  # noqa: E402
 from learnkv.kernels.reference import mark_dead  # noqa: E402
 from learnkv.slots import _filled_prefix  # noqa: E402
@@ -425,6 +442,112 @@ def stacked_refresh_cases(g) -> list:
              "(after)", std_of(window_std_before), std_of(features.window_std), 2)]
 
 
+def mask_primitives(g) -> None:
+    """``--masks``' first table: what one op costs on a bool mask and on a float 0/1 mask, over the tracker's
+    stacked ``[240, 3, 790]`` (goal 1's 30 layers x batch 8), a mask ~1 slot in 6 true; median of 50 calls each."""
+    shape = (240, 3, 790)
+    x, pos = torch.rand(*shape, generator=g) * 1.2, torch.arange(790).expand(*shape).contiguous()
+    mask_bool = torch.rand(*shape, generator=g) < 1 / 6
+    mask_float, y, inf = mask_bool.float(), x.clone(), torch.tensor(float("inf"))
+    ops = [("x >= 1.0 (a bool tensor)", lambda: x >= 1.0), ("positions >= 0 (int64, a bool tensor)", lambda: pos >= 0),
+           ("y.copy_(x).ge_(1.0) (float 0/1 in place, with the copy)", lambda: y.copy_(x).ge_(1.0)),
+           ("y.copy_(x) (the copy alone)", lambda: y.copy_(x)), ("mask_bool.float()", lambda: mask_bool.float()),
+           ("y.add_(mask_bool)", lambda: y.add_(mask_bool)), ("y.add_(mask_float)", lambda: y.add_(mask_float)),
+           ("y.addcmul_(mask_float, x)", lambda: y.addcmul_(mask_float, x)),
+           ("y.masked_fill_(mask_bool, 7.0)", lambda: y.masked_fill_(mask_bool, 7.0)),
+           ("torch.where(mask_bool, inf, y, out=y)", lambda: torch.where(mask_bool, inf, y, out=y))]
+    print(f"| op on {list(shape)} | us (median of 50) |\n|---|---|")
+    for name, fn in ops:
+        fn()
+        times = []
+        for _ in range(50):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        print(f"| {name} | {statistics.median(times) * 1e6:.0f} |")
+
+
+def masks_cases(g) -> list:
+    """The ``--masks`` cases: the tracker's decode update with bool or float masks; a refresh's fills of norms and
+    content terms by layer or for a few stacked layers at once."""
+    L, (B, H, T, D) = 30, (8, 3, 790, 64)
+    pos = torch.arange(T).expand(L * B, H, T).clone()
+    pos[::5, :, :17] = -1
+    tracker, state = FeatureTracker(L, spare_rows=FEATURE_SPARE_ROWS), {}
+
+    def peaked():  # ~1 slot in 6 above uniform attention
+        return group_mean_max((torch.randn(L * B, H, 3, 1, T, generator=g) * 2).softmax(-1))
+
+    tracker.update(group_mean_max(torch.rand(L * B, H, 3, 8, T, generator=g).softmax(-1)), pos, 8, 0, state)
+    for step in range(1, 12):
+        tracker.update(peaked(), pos, 1, step, state)
+    attn, sides = peaked(), {"before": dict(state), "after": dict(state)}
+    for side in sides.values():
+        side.update({n: t.clone() for n, t in side.items()})
+    steps = {"before": 11, "after": 11}
+
+    def update(side, fn):
+        def call():
+            steps[side] += 1
+            fn(attn, pos, steps[side], sides[side], FEATURE_SPARE_ROWS)
+        return call
+
+    keys, values = torch.randn(L * B, H, T, D, generator=g), torch.randn(L * B, H, T, D, generator=g)
+    scorer = Scorer(L, content_dim=D, n_heads=H)
+    with torch.no_grad():
+        scorer.wc.normal_(generator=g)
+    cached = {**{n: features.token_norms(x) for n, x in zip(NORMS, (keys, values))},
+              learned.CONTENT: torch.full(pos.shape, float("nan"))}
+    per_read_out = max(1, learned.READ_OUT_SLOTS // (B * H * T))
+    rows = [slice(layer * B, (layer + 1) * B) for layer in range(L)]
+
+    def unknown_newest():  # the tokens of the 8 steps since the last refresh
+        for name in NORMS:
+            cached[name][..., -8:] = -1.0
+        cached[learned.CONTENT][..., -8:] = float("nan")
+
+    def layer_views(a, b):
+        return [SimpleNamespace(values=values[r], layer=i) for i, r in zip(range(a, b), rows[a:b])]
+
+    def fills_by_layer():
+        unknown_newest()
+        with torch.no_grad():
+            for i, r in enumerate(rows):
+                scorer.to(keys.device)  # as `_scored` did at every layer
+                features.fill_unknown_norms(cached[NORMS[0]][r], keys[r])
+                features.fill_unknown_norms(cached[NORMS[1]][r], values[r])
+                learned.cached_content({learned.CONTENT: cached[learned.CONTENT][r]}, layer_views(i, i + 1), scorer)
+
+    def fills_stacked():
+        unknown_newest()
+        with torch.no_grad():
+            for a in range(0, L, per_read_out):
+                b = min(a + per_read_out, L)
+                r = slice(a * B, b * B)
+                features.fill_unknown_norms(cached[NORMS[0]][r], [keys[q] for q in rows[a:b]])
+                features.fill_unknown_norms(cached[NORMS[1]][r], [values[q] for q in rows[a:b]])
+                learned.cached_content({learned.CONTENT: cached[learned.CONTENT][r]}, layer_views(a, b), scorer)
+
+    fills_by_layer()
+    once = {n: t.clone() for n, t in cached.items()}
+    fills_stacked()
+    assert all(torch.equal(once[n].view(torch.int32), cached[n].view(torch.int32)) for n in once)
+    roco_state = {"count": (torch.rand(L * B, H, T, generator=g) * 500).floor() + 1}
+    roco_state["s1"] = torch.rand(L * B, H, T, generator=g) * roco_state["count"] / T
+    roco_state["s2"] = roco_state["s1"] ** 2 / roco_state["count"] + torch.rand(L * B, H, T, generator=g) / T
+    budgets = [762 + 4 * (i % B) for i in range(L * B)]  # goal 1's rows: a budget each (762-789)
+    roco_view = LayerView(layer=0, step=100, keys=None, values=None, positions=pos, n_new=1, attn=None, attn_sum=None,
+                          attn_sq_sum=None, keep=budgets, state=roco_state)
+    roco_policy = RoCo()
+    assert torch.equal(roco_policy.score(roco_view), roco_score_with_bool_masks(roco_policy, roco_view))
+    return [(f"tracker decode update [{L * B}, {H}, {T}]: bool masks (before), float masks (after)",
+             update("before", update_decode_with_bool_masks), update("after", FeatureTracker._update_decode), 3),
+            (f"norms and content terms of {L} layers {[B, H, T]}, 8 new slots: by layer (before), {per_read_out} "
+             "layers a fill (after)", fills_by_layer, fills_stacked, 3),
+            (f"RoCo score [{L * B}, {H}, {T}], {B} row budgets: bool masks (before), float masks (after)",
+             lambda: roco_score_with_bool_masks(roco_policy, roco_view), lambda: roco_policy.score(roco_view), 3)]
+
+
 def layout_cases(g) -> list:
     """The ``--layout`` cases: one layer's refresh (features and scores) with the columns stacked token by token and
     the dead slots masked (before) or laid out feature by feature and zeroed by index (after)."""
@@ -521,6 +644,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     if "--layout" in args:
         run(layout_cases(g))
+        return
+    if "--masks" in args:
+        mask_primitives(g)
+        run(masks_cases(g))
         return
     if "--victims" in args:
         run(victims_cases(g))

@@ -124,6 +124,14 @@ def _gather_slots(stat: Tensor, index: Tensor) -> Tensor:
 _REFRESHED = "refresh.scores"
 
 
+def _row_view(row: Tensor | None, rows: Tensor | None) -> bool:
+    """Whether ``row`` is a view of the one query row of ``rows [..., 1, T]`` (the same memory, shape and strides)."""
+    if row is None or rows is None or rows.shape[-2] != 1:
+        return False
+    view = rows.select(-2, 0)
+    return row.data_ptr() == view.data_ptr() and row.shape == view.shape and row.stride() == view.stride()
+
+
 def _one_or_rows(values: list[int]) -> int | list[int]:
     """One int when every row has the same value (the kernels' fast path), else the per-row list."""
     return values[0] if len(set(values)) == 1 else values
@@ -461,9 +469,14 @@ class BudgetCache(Cache):
         def stat(k):
             return None if stats[0][k] is None else stats[0][k] if L == 1 else torch.cat([s[k] for s in stats])
 
+        attn = stat(0)
+        # a decode step's attention sum over its one query row is that row (`learnkv.attention`): of stacked layers,
+        # a view of their stacked rows, not a second concatenation of the same values
+        one_row = L > 1 and all(_row_view(s[1], s[0]) for s in stats)
         return LayerView(layer=order[0], step=self.step, keys=first.keys if L == 1 else None,
                          values=first.values if L == 1 else None, positions=positions, n_new=first.n_new,
-                         attn=stat(0), attn_sum=stat(1), attn_sq_sum=stat(2), keep=_one_or_rows(keep * L),
+                         attn=attn, attn_sum=attn.select(-2, 0) if one_row else stat(1), attn_sq_sum=stat(2),
+                         keep=_one_or_rows(keep * L),
                          state=state if L == 1 else dict(state), live=first.live * L if L > 1 else first.live,
                          layers=tuple(order) if L > 1 else None)
 

@@ -144,36 +144,49 @@ class FeatureTracker:
         for name in NORMS:
             state[name][..., -n_new:] = -1.0
 
-    def fill_norms(self, keys: Tensor, values: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def fill_norms(self, keys: Tensor | Sequence[Tensor], values: Tensor | Sequence[Tensor],
+                   state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """The cached key and value norms ``[B, H, T]`` (`NORMS`), those still unknown computed from ``keys`` and
         ``values`` and written into ``state`` in place (they are the newest slots: from the first column holding one
-        to the end)."""
+        to the end). ``keys`` and ``values`` may be those of several layers whose rows ``state`` stacks layer-major,
+        one tensor a layer: one search for the unknown slots and one fill serve them all (`fill_unknown_norms`)."""
         return fill_unknown_norms(state[NORMS[0]], keys), fill_unknown_norms(state[NORMS[1]], values)
 
     @staticmethod
     def _update_decode(attn: Tensor, positions: Tensor, step: int, state: dict[str, Tensor], spare: int = 0) -> None:
         """`update` for one decode step, in place, in as few tensor ops as the arithmetic allows (on CPU every op
-        costs a dispatch): the same values as the general path (``spare``: `spare_rows`)."""
-        valid = positions >= 0
+        costs a dispatch): the same values as the general path (``spare``: `spare_rows`).
+
+        Its masks are float 0/1 (comparisons in place, ``ge_``), never bool: on this CPU a comparison into a bool
+        tensor, a bool operand's conversion and a ``where`` or ``masked_fill_`` under a bool mask each took 3-15x a
+        float op's time (bench/RESULTS.md, "The tracker's update without bool masks"). ``where(mask, a, b)`` becomes
+        ``b + mask * (a - b)``, exact here because the recurrence state holds whole numbers of steps, zero or
+        more and below 2**24 (steps, gaps, counts; new slots start at zero): every difference is exact, ``b + (a -
+        b)`` is ``a`` and ``b + 0 * (a - b)`` is ``b`` (never -0.0), so each value is bit for bit the select's
+        (tests/test_fast_paths.py keeps the code before)."""
+        valid = torch.empty(positions.shape, dtype=torch.float32, device=positions.device)
+        valid.copy_(positions).ge_(0)  # 1.0 at the live slots, 0.0 at the dead
         m = attn[:, :, MEAN, -1, :]  # [B, H, T]
         state["f.acc"].add_(m)
         state["f.acc_sq"].addcmul_(m, m)
-        state["f.count"].add_(valid & valid[..., -1:])  # the query is the newest slot: it sees every live one
+        state["f.count"].addcmul_(valid, valid[..., -1:])  # the query is the newest slot: it sees every live one
         win = state["f.win"] = in_rows(state["f.win"], WINDOW, spare, step - 1)
         push_row(win, m, WINDOW, spare, step)  # without spare rows, the in-place shift row by row (no temporary copy)
         if step == 0:
             return
-        n_visible = valid.sum(-1, keepdim=True).clamp(min=1)
-        high = attn[:, :, MAX, -1, :] * n_visible >= 1.0
+        n_visible = valid.sum(-1, keepdim=True).clamp_(min=1)  # whole numbers, as the count of live slots
+        high = torch.mul(attn[:, :, MAX, -1, :], n_visible).ge_(1.0)
         last = state["f.last_high"]
         last[..., -1] = step - 1  # a new token counts as seen the step before it arrived
         gap = step - last
-        returns = high & (gap >= 2)  # came back after at least one low step
+        gap_high = gap * high  # the gap where high, else 0
+        torch.maximum(state["f.max_interval"], gap_high, out=state["f.max_interval"])
+        returns = gap_high.ge_(2)  # came back to high after at least one low step
         state["f.n_returns"].add_(returns)
-        state["f.sum_interval"].add_(gap * returns)
-        torch.where(returns, gap, state["f.last_interval"], out=state["f.last_interval"])
-        torch.maximum(state["f.max_interval"], gap * high, out=state["f.max_interval"])
-        last.masked_fill_(high, float(step))
+        state["f.sum_interval"].addcmul_(gap, returns)
+        last_interval = state["f.last_interval"]
+        last_interval.addcmul_(returns, gap - last_interval)  # gap where it returns
+        last.addcmul_(high, gap)  # step where high: last + (step - last)
 
     def features(self, attn: Tensor, keys: Tensor | None, values: Tensor | None, positions: Tensor,
                  layer: int | Sequence[int], step: int, state: dict[str, Tensor], feature_major: bool = False) -> Tensor:
@@ -270,12 +283,20 @@ def token_norms(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
 
 
-def fill_unknown_norms(cached: Tensor, x: Tensor) -> Tensor:
+def fill_unknown_norms(cached: Tensor, x: Tensor | Sequence[Tensor]) -> Tensor:
     """``cached [..., T]``, norms of ``x [..., T, D]``'s tokens cached as per-token state, -1 where still unknown
     (the newest slots, where the cache appends): those computed from ``x`` from the first column holding one to the
     end, written in place; returns ``cached``. A token's norm is the same computed alone or with others (one row's
-    reduction), so the filled state equals `token_norms` of every token."""
-    return fill_unknown(cached, lambda t: t < 0, lambda first: token_norms(x[..., first:, :]))
+    reduction), so the filled state equals `token_norms` of every token. ``x`` may be a sequence, the tokens of the
+    blocks of rows that ``cached`` stacks along its first axis (one tensor per block: a layer's keys)."""
+    blocks = [x] if isinstance(x, Tensor) else x
+    return fill_unknown(cached, lambda t: t < 0,
+                        lambda first: stacked([token_norms(b[..., first:, :]) for b in blocks]))
+
+
+def stacked(blocks: Sequence[Tensor]) -> Tensor:
+    """``blocks`` concatenated along the first axis; a lone block itself (no copy)."""
+    return blocks[0] if len(blocks) == 1 else torch.cat(list(blocks))
 
 
 def fill_unknown(cached: Tensor, is_unknown, compute) -> Tensor:

@@ -295,6 +295,51 @@ def test_stacked_layers_decide_as_layer_by_layer(tiny, monkeypatch, policy, slac
                     f"step {step}, layer {layer}: {name} differs"
 
 
+@pytest.mark.parametrize("policy", ["h2o", "learned", "tova"])
+def test_stacked_step_sum_over_one_query_row_is_a_view_of_its_rows(tiny, monkeypatch, policy):
+    """A stacked decode step hands the attention sum over its one query row as a view of the stacked rows (one
+    concatenation, not two of the same values): the same values as each layer's own sum."""
+    cls = type(make_policy(policy, **params_for(policy, 2)))
+    real, seen = cls.update, []
+
+    def spy(self, view):
+        if view.layers is not None:
+            seen.append((view.attn, view.attn_sum))
+        return real(self, view)
+
+    monkeypatch.setattr(cls, "update", spy)
+    ids, mask = padded_batch()
+    generate(tiny, input_ids=ids, attention_mask=mask, policy=policy, budget=12, max_new_tokens=6,
+             policy_params=params_for(policy, 2), stop_at_eos=False)
+    assert len(seen) == 5  # every decode step stacked
+    for attn, attn_sum in seen:
+        assert attn_sum.data_ptr() == attn.data_ptr() and torch.equal(attn_sum, attn.select(-2, 0))
+
+
+def test_roco_in_place_decode_step_counts_no_query_of_a_waiting_row():
+    """RoCo's in-place decode update (a float mask) against its general update (`roco.accumulate`), bit for bit,
+    where a row's new slot is dead (a row that waits this step: its query sees nothing) and where slots are dead."""
+    from learnkv.policies import roco
+    from learnkv.policies.base import LayerView
+
+    g = torch.Generator().manual_seed(7)
+    B, H, T = 3, 2, 40
+    pos = torch.arange(T).expand(B, H, T).clone()
+    pos[0, :, :9] = -1  # padding
+    pos[1, :, 5::6] = -1  # evicted, awaiting a compaction
+    pos[2, :, -1] = -1  # waiting
+    state = {name: (torch.rand(B, H, T, generator=g) * 5).floor() for name in ("s1", "s2", "count")}
+    attn = torch.rand(B, H, 1, T, generator=g) / T
+    views = [LayerView(layer=0, step=4, keys=None, values=None, positions=pos, n_new=1, attn=attn,
+                       attn_sum=attn[:, :, 0], attn_sq_sum=attn[:, :, 0] ** 2, keep=30,
+                       state={k: v.clone() for k, v in state.items()}) for _ in range(2)]
+    roco.RoCo().update(views[0])
+    roco.accumulate(views[1])
+    for name in state:
+        assert torch.equal(views[0].state[name].view(torch.int32), views[1].state[name].view(torch.int32)), name
+    assert not torch.equal(views[0].state["count"][2], state["count"][2] + (pos[2] >= 0))  # the waiting row counts none
+
+
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("slack, prefill", [(0, None), (4, None), (3, "snapkv")])
 def test_roco_in_place_decode_steps_keep_the_state_and_slots(tiny, monkeypatch, stacked, slack, prefill):

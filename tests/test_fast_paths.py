@@ -184,9 +184,10 @@ def test_state_buffers_are_zero_past_the_slots_in_use(tiny, policy, slack):
 
 @pytest.mark.parametrize("B, H, T", [(1, 1, 1), (1, 3, 17), (2, 2, 33), (4, 3, 129), (16, 3, 40)])
 def test_protected_or_dead_is_protected_or_dead(B, H, T):
-    """`kernels.reference.protected_or_dead` in two comparisons, and `protected_slots` from it: the protected slots
-    (or the dead ones) as defined, sinks and recent window comparison by comparison, for sinks
-    and windows of 0, per row, and wider than a row's positions, rows with dead slots anywhere and rows all dead."""
+    """`kernels.reference.protected_or_dead` in two comparisons, `protected_slots` from it, and its float mask
+    (`protected_or_dead_mask`): the protected slots (or the dead ones) as defined, sinks and recent window comparison
+    by comparison, for sinks and windows of 0, per row, and wider than a row's positions, rows with dead slots
+    anywhere and rows all dead."""
     g = torch.Generator().manual_seed(B * 100 + T)
     for trial in range(12):
         _, pos, _, _ = one_drop_case(B, H, T, g, "randn")
@@ -199,6 +200,8 @@ def test_protected_or_dead_is_protected_or_dead(B, H, T):
         protected = ((pos >= 0) & (pos < sinks)) | ((pos >= 0) & (pos > newest - recents))
         assert torch.equal(ref.protected_slots(pos, n_sink, n_recent), protected), f"trial {trial}"
         assert torch.equal(ref.protected_or_dead(pos, n_sink, n_recent), protected | (pos < 0)), f"trial {trial}"
+        mask = ref.protected_or_dead_mask(pos, n_sink, n_recent)
+        assert mask.dtype == torch.float32 and torch.equal(mask, (protected | (pos < 0)).float()), f"trial {trial}"
 
 
 @pytest.mark.parametrize("B, H, T", [(1, 1, 1), (1, 3, 17), (2, 2, 33), (4, 3, 129), (16, 3, 40)])
@@ -267,29 +270,45 @@ def test_decode_marks_the_same_slots_without_a_kept_index(tiny, monkeypatch, pol
     assert bool(calls) == (slack > 0), "slack 0 compacts at every eviction; with slack the marking must run"
 
 
+def learned_decode_slots(model, ids, mask, params, slack, max_new_tokens):
+    """Every step's ``[(positions, kept scores)]`` per layer of a learned decode at budget 20 (SnapKV prefills)."""
+    from learnkv.cache import _REFRESHED
+
+    clone = lambda t: None if t is None else t.clone()  # noqa: E731 - no scores before the first refresh
+    seen = []
+    generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=20, max_new_tokens=max_new_tokens,
+             slack=slack, stop_at_eos=False, policy_params=params, prefill_policy="snapkv",
+             observer=lambda cache: seen.append([(layer.positions.clone(), clone(layer.state.get(_REFRESHED)))
+                                                 for layer in cache.layers]))
+    return seen
+
+
+def assert_same_slots_and_scores(ours, before):
+    """Every step's and layer's ``(positions, kept scores)`` (None before a first refresh) equal, bit for bit."""
+    for step_a, step_b in zip(ours, before):
+        for (pos_a, scores_a), (pos_b, scores_b) in zip(step_a, step_b):
+            assert torch.equal(pos_a, pos_b)
+            assert (scores_a is None) == (scores_b is None)
+            if scores_a is not None:
+                assert torch.equal(scores_a.view(torch.int32), scores_b.view(torch.int32))
+
+
 @pytest.mark.parametrize("slack", [0, 4])
 @pytest.mark.parametrize("refresh", [1, 8])
 def test_learned_keeps_the_same_slots_with_its_feature_major_read_out(tiny, monkeypatch, slack, refresh):
     """The learned policy's refresh reads its features out feature by feature, the dead slots zeroed by index: every
     layer's slot positions after every step of a padded batch-2 decode, and the scores it keeps, as with the
     token-major stack and the mask it had before (both shortcuts off)."""
-    from learnkv.cache import _REFRESHED
     from learnkv.features import zero_dead_slots
 
     ids = torch.cat([random_ids(30, seed=21), random_ids(30, seed=22)])
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     params = {**params_for("learned", 2), "refresh": refresh}
-    clone = lambda t: None if t is None else t.clone()  # noqa: E731
     masked = lambda cols, pos, by_index: zero_dead_slots(cols, pos, by_index=False)  # noqa: E731
 
     def run():
-        seen = []
-        generate(tiny, input_ids=ids, attention_mask=mask, policy="learned", budget=20, max_new_tokens=24, slack=slack,
-                 stop_at_eos=False, policy_params=params, prefill_policy="snapkv",
-                 observer=lambda cache: seen.append([(layer.positions.clone(), clone(layer.state.get(_REFRESHED)))
-                                                     for layer in cache.layers]))
-        return seen
+        return learned_decode_slots(tiny, ids, mask, params, slack, 24)
 
     calls = []
     real = FeatureTracker.features
@@ -299,12 +318,7 @@ def test_learned_keeps_the_same_slots_with_its_feature_major_read_out(tiny, monk
     monkeypatch.setattr(learnkv.features, "zero_dead_slots", masked)
     before = run()
     assert len(fast) == len(before) == 24
-    for step_a, step_b in zip(fast, before):
-        for (pos_a, scores_a), (pos_b, scores_b) in zip(step_a, step_b):
-            assert torch.equal(pos_a, pos_b)
-            assert (scores_a is None) == (scores_b is None)
-            if scores_a is not None:
-                assert torch.equal(scores_a.view(torch.int32), scores_b.view(torch.int32))
+    assert_same_slots_and_scores(fast, before)
     assert calls and all(k.get("feature_major") for k in calls), "the read-out must have run feature-major"
 
 
@@ -317,7 +331,6 @@ def test_learned_refresh_of_stacked_layers_keeps_the_same_slots_and_scores(monke
     (`Learned.score_layers`, `READ_OUT_SLOTS`): every layer's slot positions after every step of a padded batch-2
     decode of a 5-layer model (refresh 4), and every score it keeps, as with one read-out and scorer per layer (the
     code before: `Policy.score_layers`), read-outs of one, two (and a last of one) or every layer."""
-    from learnkv.cache import _REFRESHED
     from learnkv.model import tiny_model
     from learnkv.policies import learned
     from learnkv.policies.base import Policy
@@ -329,14 +342,8 @@ def test_learned_refresh_of_stacked_layers_keeps_the_same_slots_and_scores(monke
     params = {**params_for("learned", 5, content_dim=content), "refresh": 4}
 
     def run():
-        seen = []
-        generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=20, max_new_tokens=24, slack=slack,
-                 stop_at_eos=False, policy_params=params, prefill_policy="snapkv",
-                 observer=lambda cache: seen.append([(layer.positions.clone(), clone(layer.state.get(_REFRESHED)))
-                                                     for layer in cache.layers]))
-        return seen
+        return learned_decode_slots(model, ids, mask, params, slack, 24)
 
-    clone = lambda t: None if t is None else t.clone()  # noqa: E731 - no scores before the first refresh
     read_outs = []  # layers per feature read-out
     real = FeatureTracker.features
     monkeypatch.setattr(FeatureTracker, "features", lambda self, attn, *a, **k: read_outs.append(attn.shape[0] // 2)
@@ -347,12 +354,7 @@ def test_learned_refresh_of_stacked_layers_keeps_the_same_slots_and_scores(monke
     monkeypatch.setattr(learned.Learned, "score_layers", Policy.score_layers)
     before = run()
     assert len(stacked) == len(before) == 24
-    for step_a, step_b in zip(stacked, before):
-        for (pos_a, scores_a), (pos_b, scores_b) in zip(step_a, step_b):
-            assert torch.equal(pos_a, pos_b)
-            assert (scores_a is None) == (scores_b is None)
-            if scores_a is not None:
-                assert torch.equal(scores_a.view(torch.int32), scores_b.view(torch.int32))
+    assert_same_slots_and_scores(stacked, before)
     per_read_out = {"one-layer": {1}, "two-layers": {1, 2}, "every-layer": {1, 5}}  # 1: the prefill, layer by layer
     assert set(read_outs) == per_read_out[{1: "one-layer", 250: "two-layers"}.get(read_out_slots, "every-layer")]
 
@@ -391,6 +393,29 @@ def test_features_of_stacked_layers_are_each_layers_own(L, B, H, T, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("L, B, H, T, D", [(1, 2, 3, 17, 8), (3, 8, 3, 790, 64), (6, 16, 3, 1290, 64)])
+def test_norms_filled_for_stacked_layers_are_each_layers_own(L, B, H, T, D):
+    """`fill_unknown_norms` of several layers' rows stacked layer-major, one search and one fill (the learned
+    policy's refresh of stacked layers): every layer's norms bit for bit those of a fill of that layer alone, and of
+    `token_norms` of every token, where the layers' unknown slots start at different columns (a layer's compaction
+    moves its newest slots)."""
+    from learnkv.features import fill_unknown_norms, token_norms
+
+    g = torch.Generator().manual_seed(L * 100 + T)
+    keys = [torch.randn(B, H, T, D, generator=g) for _ in range(L)]
+    known = torch.cat([token_norms(k) for k in keys])
+    cached = known.clone()
+    for i in range(L):  # layer i's newest 1 + 3i slots unknown, and in one row a few more
+        cached[i * B : (i + 1) * B, :, T - min(1 + 3 * i, T) :] = -1.0
+        cached[i * B, 0, T - min(5 + 3 * i, T) :] = -1.0
+    alone = cached.clone()
+    for i in range(L):
+        fill_unknown_norms(alone[i * B : (i + 1) * B], keys[i])
+    fill_unknown_norms(cached, keys)
+    assert torch.equal(cached.view(torch.int32), alone.view(torch.int32))
+    assert torch.equal(cached.view(torch.int32), known.view(torch.int32))
+
+
 def update_decode_before(attn, positions, step, state):
     """`FeatureTracker._update_decode` before the window's row-by-row shift (commit 27bd051): the same update, with
     the window shifted through a temporary copy, as it was."""
@@ -421,6 +446,111 @@ def test_tracker_decode_update_equals_the_replaced_shift(B, H, G, T):
         update_decode_before(attn, pos, step, theirs)
         for name in STATE:
             assert torch.equal(ours[name], theirs[name]), f"step {step}: {name}"
+
+
+def update_decode_with_bool_masks(attn, positions, step, state, spare=0):
+    """`FeatureTracker._update_decode` before its float masks (commit ac1fd22), verbatim (docstring aside)."""
+    from learnkv.features import MAX, MEAN, WINDOW
+    from learnkv.sliding_rows import in_rows, push_row
+
+    valid = positions >= 0
+    m = attn[:, :, MEAN, -1, :]  # [B, H, T]
+    state["f.acc"].add_(m)
+    state["f.acc_sq"].addcmul_(m, m)
+    state["f.count"].add_(valid & valid[..., -1:])  # the query is the newest slot: it sees every live one
+    win = state["f.win"] = in_rows(state["f.win"], WINDOW, spare, step - 1)
+    push_row(win, m, WINDOW, spare, step)  # without spare rows, the in-place shift row by row (no temporary copy)
+    if step == 0:
+        return
+    n_visible = valid.sum(-1, keepdim=True).clamp(min=1)
+    high = attn[:, :, MAX, -1, :] * n_visible >= 1.0
+    last = state["f.last_high"]
+    last[..., -1] = step - 1  # a new token counts as seen the step before it arrived
+    gap = step - last
+    returns = high & (gap >= 2)  # came back after at least one low step
+    state["f.n_returns"].add_(returns)
+    state["f.sum_interval"].add_(gap * returns)
+    torch.where(returns, gap, state["f.last_interval"], out=state["f.last_interval"])
+    torch.maximum(state["f.max_interval"], gap * high, out=state["f.max_interval"])
+    last.masked_fill_(high, float(step))
+
+
+@pytest.mark.parametrize("B, H, G, T", [(1, 1, 1, 6), (2, 3, 3, 17), (3, 2, 2, 130), (8, 3, 3, 790)])
+@pytest.mark.parametrize("spare", [0, 8])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tracker_decode_update_equals_the_bool_masks(B, H, G, T, spare, threads):
+    """The tracker's decode update with float masks: every state entry bit for bit the replaced code's (bool masks,
+    ``where``, ``masked_fill_``) after each of 40 decode steps, on state as the cache holds it: seeded by a prefill
+    of a left-padded batch, a zero slot appended at each step, slots marked dead mid-decode, and a compaction (each
+    row's live slots gathered to the right, zero filler slots before them), a row whose new slot is dead at some
+    steps, at one and two threads. The attention
+    is peaked, so tokens go high, low and return (every recurrence entry changes)."""
+    from learnkv.features import SPARE_ROWS, STATE
+
+    assert spare in (0, SPARE_ROWS)
+    g = torch.Generator().manual_seed(B * 1000 + T + spare)
+    pos = torch.arange(T).expand(B, H, T).clone()
+    pos[0, :, : T // 3] = -1  # left padding
+    scores = torch.randn(B, H, G, T, T, generator=g) * 3
+    tracker, ours = FeatureTracker(n_layers=2, spare_rows=spare), {}
+    tracker.update(group_mean_max(scores.masked_fill(pos[:, :, None, None, :] < 0, -1e9).softmax(-1)), pos, T, 0, ours)
+    theirs = {name: t.clone() for name, t in ours.items()}
+    old, dead_seen = torch.get_num_threads(), False
+    torch.set_num_threads(threads)
+    try:
+        for step in range(1, 41):
+            pos = torch.cat([pos, pos.amax(-1, keepdim=True) + 1], -1)
+            for state in (ours, theirs):  # the step's new slot, zero state
+                for name, t in state.items():
+                    state[name] = torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], -1)
+            if step % 7 == 0:  # a row that waits this step: its new slot is dead, and no slot counts the query
+                pos[-1, :, -1] = -1
+            if step % 9 == 0:  # some of the older slots evicted: marked dead, their state left as it is
+                pos[..., 1 : pos.shape[-1] - 4][torch.rand(B, H, pos.shape[-1] - 5, generator=g) < 0.2] = -1
+            if step % 13 == 0:  # a compaction: each row's live slots to the right, zero filler slots before them
+                K = int((pos >= 0).sum(-1).max())
+                index = (pos >= 0).float().add(torch.linspace(0, 0.5, pos.shape[-1])).argsort(-1)[..., -K:]
+                filler = torch.gather(pos, -1, index) < 0
+                for state in (ours, theirs):
+                    for name, t in state.items():
+                        rows = index[:, :, None].expand(B, H, t.shape[2], K) if t.ndim == 4 else index
+                        mask = filler[:, :, None].expand_as(rows) if t.ndim == 4 else filler
+                        state[name] = torch.gather(t, -1, rows).masked_fill(mask, 0.0)
+                pos = torch.gather(pos, -1, index).masked_fill(filler, -1)
+            peaked = torch.randn(B, H, G, 1, pos.shape[-1], generator=g) * 3
+            attn = group_mean_max(peaked.masked_fill(pos[:, :, None, None, :] < 0, float("-inf")).softmax(-1))
+            tracker._update_decode(attn, pos, step, ours, spare)
+            update_decode_with_bool_masks(attn, pos, step, theirs, spare)
+            dead_seen |= bool((pos[..., T // 2 :] < 0).any())
+            for name in STATE:
+                assert torch.equal(ours[name].view(torch.int32), theirs[name].view(torch.int32)), f"step {step}: {name}"
+    finally:
+        torch.set_num_threads(old)
+    assert (ours["f.n_returns"] > 0).any() and (ours["f.last_high"] == 40).any() and dead_seen
+
+
+@pytest.mark.parametrize("slack", [0, 4])
+def test_learned_decode_with_float_masks_keeps_the_same_slots_and_scores(monkeypatch, slack):
+    """The learned policy's decode with the tracker's float-mask update: every layer's slot positions after every
+    step of a padded batch-2 decode of a 5-layer model (refresh 4), and every score it keeps, as with the bool masks
+    before (`update_decode_with_bool_masks`)."""
+    from learnkv.model import tiny_model
+
+    model = tiny_model(seed=5, num_layers=5)
+    ids = torch.cat([random_ids(30, seed=51), random_ids(30, seed=52)])
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    params = {**params_for("learned", 5), "refresh": 4}
+
+    def run():
+        return learned_decode_slots(model, ids, mask, params, slack, 40)
+
+    fast = run()
+    monkeypatch.setattr(FeatureTracker, "_update_decode", staticmethod(update_decode_with_bool_masks))
+    before = run()
+    assert len(fast) == len(before) == 40
+    assert_same_slots_and_scores(fast, before)
+    assert any(pos.shape[-1] < 60 + 40 for pos, _ in fast[-1])  # it did evict
 
 
 @pytest.mark.parametrize("B, H, G, T", [(1, 1, 1, 1), (2, 3, 3, 17), (3, 2, 2, 130), (16, 3, 3, 64)])

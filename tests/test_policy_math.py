@@ -404,7 +404,9 @@ def test_roco_scope_is_the_stable_argsorts_first(R, H, T, sizes):
         n = {"same": [drawn[0]] * R, "each": drawn, "some zero": [0] + drawn[1:]}[sizes]
         rank = torch.argsort(values, dim=-1, stable=True)
         order = torch.empty_like(rank).scatter_(-1, rank, torch.arange(T).expand_as(rank))
-        assert torch.equal(lowest_first(values, n), order < torch.tensor(n).view(-1, 1, 1)), f"trial {trial}"
+        chosen = lowest_first(values, n)
+        assert chosen.dtype == torch.float32
+        assert torch.equal(chosen, (order < torch.tensor(n).view(-1, 1, 1)).float()), f"trial {trial}"
 
 
 def roco_reference_victims(stats, cached, keep, n_recent=10, recent_ratio=0.3):

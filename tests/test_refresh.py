@@ -301,7 +301,7 @@ def test_cached_content_keeps_the_same_scores_and_slots(tiny, monkeypatch, slack
     runs = []
     for cached in (True, False):
         if not cached:
-            monkeypatch.setattr(learned, "cached_content", lambda view, model: None)
+            monkeypatch.setattr(learned, "cached_content", lambda *args: None)
         scores, slots, checked = [], [], []
         real = Scorer.forward
 

@@ -16,9 +16,9 @@ from learnkv import kernels
 from conftest import random_ids
 from kernel_checks import one_drop_case
 from learnkv import generate
-from learnkv.policies import rkv, snapkv
+from learnkv.policies import rkv, roco, snapkv
 from learnkv.kernels.cpu import one_drop_rows, one_drop_victims
-from learnkv.kernels.reference import protected_slots
+from learnkv.kernels.reference import protected_or_dead, protected_slots
 from learnkv.policies.base import LayerView
 
 
@@ -101,6 +101,69 @@ def rkv_update_before(self, view):
     obs = view.state.get("obs_attn")
     obs = rows if obs is None else torch.cat([obs, rows], dim=2)
     view.state["obs_attn"] = obs[:, :, -self.obs_window :, :]
+
+
+def roco_score_with_bool_masks(self, view):
+    """`RoCo.score` before its float masks (commit ac1fd22), verbatim, with `lowest_first_with_bool_masks`."""
+    st = view.state
+    c = st["count"].clamp(min=1)
+    mean = st["s1"] / c
+    std = (st["s2"] / c - mean * mean).clamp(min=0).sqrt()
+    # per row: E tokens to evict, scope = max(keep - r, E) with r = int(recent_ratio * keep)
+    keep = view.keep_rows()
+    scope_size = [max(k - int(self.recent_ratio * k), live - k, 0) for k, live in zip(keep, view.live_tokens())]
+    out_of_scope = protected_or_dead(view.positions, self.n_sink, self.n_recent)
+    std = std.masked_fill(out_of_scope, float("inf"))
+    in_scope = lowest_first_with_bool_masks(std, scope_size) & ~out_of_scope
+    return mean.masked_fill(~in_scope, float("inf"))
+
+
+def lowest_first_with_bool_masks(values, sizes):
+    """`roco.lowest_first` before its float masks (commit ac1fd22), verbatim (docstring aside)."""
+    R, H, T = values.shape
+    threshold = values.new_empty(R, H, 1)
+    size = torch.tensor(sizes, device=values.device).view(R, 1, 1)
+    if len(set(sizes)) == 1 and sizes[0] > 0:  # one budget for every row: one selection, no gathered copy
+        threshold = values.kthvalue(min(sizes[0], T), dim=-1, keepdim=True).values
+    for k in set(sizes) if len(set(sizes)) > 1 or sizes[0] == 0 else ():
+        rows = [r for r, n in enumerate(sizes) if n == k]
+        index = torch.tensor(rows, device=values.device)
+        if k == 0:  # nothing chosen: below every value
+            threshold[index] = float("-inf")
+        else:
+            threshold[index] = values[index].kthvalue(min(k, T), dim=-1, keepdim=True).values
+    below = values < threshold
+    tied = values == threshold
+    room = size - below.sum(-1, keepdim=True)  # how many of the tied slots still fit, the lower slots first
+    return below | (tied & (tied.cumsum(-1) <= room))
+
+
+@pytest.mark.parametrize("R, H, T", [(1, 1, 1), (3, 2, 17), (8, 3, 130), (240, 3, 790)])
+@pytest.mark.parametrize("statistics", ["continuous", "tied"])
+def test_roco_score_with_float_masks_is_the_replaced_code(R, H, T, statistics):
+    """RoCo's score with float masks: bit for bit the replaced code's (bool masks, ``masked_fill``), on statistics
+    with dead slots (padding, evicted), rows of different budgets (one scope of none, some wider than a row's live
+    slots), per-row sinks, and statistics that tie often (the scope's boundary among ties)."""
+    from learnkv.policies.roco import RoCo
+
+    g = torch.Generator().manual_seed(R * 10 + T)
+    pos = torch.arange(T).expand(R, H, T).clone()
+    pos[0, :, : T // 3] = -1
+    pos[1 % R, :, 2::7] = -1
+    mixed = []
+    for trial in range(4):
+        quantised = (lambda x: (x * 4).floor() / 4) if statistics == "tied" else (lambda x: x)  # noqa: E731
+        count = (torch.rand(R, H, T, generator=g) * 40).floor() + 1
+        s1 = quantised(torch.rand(R, H, T, generator=g) * count / T)
+        state = {"s1": s1, "s2": quantised(s1 * s1 / count + torch.rand(R, H, T, generator=g) / T), "count": count}
+        keep = [int(x) for x in torch.randint(0, T + 2, (R,), generator=g)]
+        view = LayerView(layer=0, step=9, keys=None, values=None, positions=pos, n_new=1, attn=None, attn_sum=None,
+                         attn_sq_sum=None, keep=keep, state=state)
+        policy = RoCo(n_sink=[0, 4, 1][trial % 3], n_recent=[10, 0, 3, T][trial])
+        ours, theirs = policy.score(view), roco_score_with_bool_masks(policy, view)
+        assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), f"trial {trial}"
+        mixed.append(bool((ours == float("inf")).any() and (ours < float("inf")).any()))
+    assert any(mixed) or T == 1  # some trial had slots in scope and out of it
 
 
 def snapkv_score_before(window_attn, window, k):
@@ -285,11 +348,13 @@ def kept_slots(model, policy, budget, eviction=None, **params):
     ("snapkv", {}, {"budget": [48, 36]}),  # rows with windows of their own (12 and 9 rows), layer by layer
     ("snapkv", {"window": 5, "interval": 3}, {}),  # lagged: scored every third step, updated at every one
     ("snapkv", {"window": 20}, {"prefill_policy": "h2o"}),  # the window fills during the decode
+    ("roco", {}, {}), ("roco", {"n_recent": 4}, {"slack": 4}),  # dead slots between compactions
+    ("roco", {}, {"budget": [48, 36]}),  # rows of budgets of their own
 ])
 def test_decode_keeps_the_same_slots(tiny, monkeypatch, policy, params, eviction):
     """The optimised paths keep the slots of the code before them, bit for bit, over 69 decode steps: R-KV's
-    blockwise redundancy, SnapKV's pooling, and both windows kept among spare rows (SnapKV's wraps to the top four
-    times, R-KV's every ninth step)."""
+    blockwise redundancy, SnapKV's pooling, RoCo's float masks, and both windows kept among spare rows (SnapKV's
+    wraps to the top four times, R-KV's every ninth step)."""
     eviction = dict(eviction)
     budget = eviction.pop("budget", 48)
     fast = kept_slots(tiny, policy, budget, eviction, **params)
@@ -297,6 +362,7 @@ def test_decode_keeps_the_same_slots(tiny, monkeypatch, policy, params, eviction
     monkeypatch.setattr(snapkv, "avg_pool", avg_pool_before)
     monkeypatch.setattr(snapkv.SnapKV, "update", snapkv_update_before)
     monkeypatch.setattr(rkv.RKV, "update", rkv_update_before)
+    monkeypatch.setattr(roco.RoCo, "score", roco_score_with_bool_masks)
     before = kept_slots(tiny, policy, budget, eviction, **params)
     assert len(fast) == len(before) == 70  # the prefill and 69 decode steps
     assert all(torch.equal(a, b) for step_a, step_b in zip(fast, before) for a, b in zip(step_a, step_b))

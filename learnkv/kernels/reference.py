@@ -49,6 +49,19 @@ def protected_or_dead(positions: Tensor, n_sink, n_recent) -> Tensor:
     return (positions < n_sink) | (positions > newest - n_recent)
 
 
+def protected_or_dead_mask(positions: Tensor, n_sink, n_recent) -> Tensor:
+    """`protected_or_dead` as a float32 mask: 1.0 at the slots an eviction never chooses among, 0.0 elsewhere. For
+    policies that combine it arithmetically (`learnkv.policies.roco`): on a CPU a bool mask's conversion, and ops
+    under it, cost several times a float op (bench/RESULTS.md, "The tracker's update without bool masks"). The
+    positions compare as float32, exact below 2**24."""
+    B = positions.shape[0]
+    n_sink = per_row(n_sink, B, positions.device).clamp(min=0)
+    newest = positions.max(dim=-1, keepdim=True).values - per_row(n_recent, B, positions.device)
+    at = torch.empty(positions.shape, dtype=torch.float32, device=positions.device).copy_(positions)
+    sink = at.clone().lt_(n_sink.float())
+    return torch.maximum(sink, at.gt_(newest.float()), out=sink)
+
+
 def rank_prefer_recent(priority: Tensor) -> Tensor:
     """Slot indices ``[B, H, T]`` from highest to lowest priority; ties go to the more recent (higher) slot.
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from learnkv import kernels
-from learnkv.features import NORMS, SPARE_ROWS, FeatureTracker, fill_unknown
+from learnkv.features import NORMS, SPARE_ROWS, FeatureTracker, fill_unknown, stacked
 from learnkv.fields import setting
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import POOLING
@@ -50,6 +50,13 @@ class Decoding:
     scorer: Scorer
     tracker: FeatureTracker
     fused: tuple[int, int, Tensor, Tensor] | None = None
+
+    def scorer_on(self, device: torch.device) -> Scorer:
+        """The scorer, moved to ``device`` if it is not there (`Module.to` walks every parameter: once, not at
+        every layer's score)."""
+        if self.scorer.w1.device != device:
+            self.scorer.to(device)
+        return self.scorer
 
 
 @dataclass
@@ -189,14 +196,18 @@ class Learned(Policy):
         B, H, T = views[0].positions.shape
         per_read_out = max(1, READ_OUT_SLOTS // (B * H * T))
         scores = []
+        model = run.scorer_on(view.positions.device)
         for start in range(0, len(views), per_read_out):
             part = views[start : start + per_read_out]
-            for v in part:  # each layer's unknown norms, into the state the stacked rows share
-                run.tracker.fill_norms(v.keys, v.values, v.state)
             rows = view.of_layers(start, start + len(part))
+            # the layers' unknown norms and content terms, one search and one fill for them all, into the state the
+            # stacked rows share
+            run.tracker.fill_norms([v.keys for v in part], [v.values for v in part], rows.state)
+            content = cached_content(rows.state, part, model) if model.content_dim else None
             feats = run.tracker.features(rows.attn, None, None, rows.positions, rows.layers, rows.step, rows.state,
                                          feature_major=True)
-            scores += [self._scored(v, feats[i * B : (i + 1) * B]) for i, v in enumerate(part)]
+            rows_of = lambda x, i: None if x is None else x[i * B : (i + 1) * B]  # noqa: E731 - layer i's rows
+            scores += [self._scored(v, rows_of(feats, i), rows_of(content, i)) for i, v in enumerate(part)]
         return torch.cat(scores)
 
     def _fused(self, view: LayerView) -> Tensor | None:
@@ -214,11 +225,13 @@ class Learned(Policy):
             feats = self._features(self._loaded(view).tracker, view, _due_rows(view) if due_rows_only else None)
         return self._scored(view, feats)
 
-    def _scored(self, view: LayerView, feats: Tensor) -> Tensor:
+    def _scored(self, view: LayerView, feats: Tensor, content: Tensor | None = None) -> Tensor:
         """The scorer's scores of one layer's view from its features ``[B, H, T, F]`` (this call's own: they are
-        standardised in place)."""
-        model = self._loaded(view).scorer.to(feats.device)
-        content = cached_content(view, model) if model.content_dim else None
+        standardised in place) and, for a scorer with content features, its rows' content terms (``content``: from
+        `cached_content`, else read here)."""
+        model = self._loaded(view).scorer_on(feats.device)
+        if model.content_dim and content is None:
+            content = cached_content(view.state, [view], model)
         return model(feats, view.layer, view.values if model.content_dim else None, content=content, consume=True)
 
     @staticmethod
@@ -253,15 +266,18 @@ def mark_new_content(view: LayerView) -> None:
         view.state[CONTENT][..., -view.n_new :] = float("nan")
 
 
-def cached_content(view: LayerView, model: Scorer) -> Tensor | None:
-    """The content term of every slot of one layer's view, from `CONTENT` (the unknown ones computed from the
+def cached_content(state: dict[str, Tensor], views: Sequence[LayerView], model: Scorer) -> Tensor | None:
+    """The content term of every slot of ``state``'s rows, from `CONTENT` (the unknown ones computed from the
     values first, in place: a token's once, at its first score; its value vector never changes), or None where the
     policy keeps none (not on a CPU: the scorer computes it from the values, with no host read of what is unknown).
-    The same values as the scorer's own `Scorer.content_term` of every slot (tests/test_refresh.py)."""
-    cached = view.state.get(CONTENT)
+    ``views`` are the layers whose rows ``state`` holds, layer-major (one layer's view and its own state, or the
+    layers of a stacked refresh: one search and one fill serve them all). The same values as the scorer's own
+    `Scorer.content_term` of every slot (tests/test_refresh.py)."""
+    cached = state.get(CONTENT)
     if cached is None:
         return None
-    return fill_unknown(cached, torch.isnan, lambda first: model.content_term(view.values[..., first:, :], view.layer))
+    return fill_unknown(cached, torch.isnan,
+                        lambda first: stacked([model.content_term(v.values[..., first:, :], v.layer) for v in views]))
 
 
 def _due_rows(view: LayerView) -> list[int] | None:

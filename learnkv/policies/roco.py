@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from learnkv import kernels
-from learnkv.kernels.reference import protected_or_dead
+from learnkv.kernels.reference import protected_or_dead_mask
 from learnkv.policies.base import LayerView, Policy
 from learnkv.fields import setting
 
@@ -56,11 +56,13 @@ class RoCo(Policy):
             return
         if "s1" in st and view.n_new == 1:
             # a decode step, in place (a cache that preallocates the state never copies it): its one query is the
-            # newest slot, so it sees every valid slot if it is valid itself; the same values as `accumulate`
-            valid = view.positions >= 0
+            # newest slot, so it sees every valid slot if it is valid itself; the same values as `accumulate`. The
+            # mask is float 0/1, as the feature tracker's (`FeatureTracker._update_decode`: bool masks cost more here)
+            valid = torch.empty(view.positions.shape, dtype=torch.float32, device=view.positions.device)
+            valid.copy_(view.positions).ge_(0)
             st["s1"].add_(view.attn_sum)
             st["s2"].add_(view.attn_sq_sum)
-            st["count"].add_(valid & valid[..., -1:])
+            st["count"].addcmul_(valid, valid[..., -1:])
             return
         accumulate(view)
 
@@ -72,10 +74,14 @@ class RoCo(Policy):
         # per row: E tokens to evict, scope = max(keep - r, E) with r = int(recent_ratio * keep)
         keep = view.keep_rows()
         scope_size = [max(k - int(self.recent_ratio * k), live - k, 0) for k, live in zip(keep, view.live_tokens())]
-        out_of_scope = protected_or_dead(view.positions, self.n_sink, self.n_recent)
-        std = std.masked_fill(out_of_scope, float("inf"))
-        in_scope = lowest_first(std, scope_size) & ~out_of_scope
-        return mean.masked_fill(~in_scope, float("inf"))
+        # float 0/1 masks, and +inf put in by a maximum with +-inf, not bool masks and ``masked_fill`` (several times
+        # a float op's cost on a CPU): the same values, the statistics being finite and >= 0 (a maximum with -inf
+        # leaves them, one with +inf is +inf)
+        out_of_scope = protected_or_dead_mask(view.positions, self.n_sink, self.n_recent)
+        std = torch.maximum(std, out_of_scope.sub(0.5).mul_(float("inf")))  # +inf out of scope
+        in_scope = lowest_first(std, scope_size)
+        in_scope.addcmul_(in_scope, out_of_scope, value=-1)  # and in scope
+        return torch.maximum(mean, in_scope.sub_(0.5).mul_(float("-inf")))  # +inf where not in scope
 
 
 def accumulate(view: LayerView) -> None:
@@ -94,16 +100,17 @@ def accumulate(view: LayerView) -> None:
 
 
 def lowest_first(values: Tensor, sizes: list[int]) -> Tensor:
-    """``[R, H, T]`` bool: in each row ``r`` and head, the ``sizes[r]`` lowest values, ties to the lower slot, i.e.
-    the first ``sizes[r]`` of a stable ascending argsort (NaN-free ``values``).
+    """``[R, H, T]`` float32, 1.0 at the chosen slots, else 0.0: in each row ``r`` and head, the ``sizes[r]`` lowest
+    values, ties to the lower slot, i.e. the first ``sizes[r]`` of a stable ascending argsort (NaN-free ``values``).
 
     Why not that argsort: it sorts every row to find one threshold (29 ms of a 36 ms score over 30 layers x 8 rows x
     790 slots, one thread); a selection (``kthvalue``) finds the threshold in linear time, and the slots tied at it
     are taken in slot order by a running count, so the set is the same, bit for bit. One selection per distinct
-    size (rows of different budgets: at most one per batch row)."""
+    size (rows of different budgets: at most one per batch row). The masks are float 0/1 (their counts exact
+    below 2**24): bool ones, their sum and running count cost several times more on a CPU."""
     R, H, T = values.shape
     threshold = values.new_empty(R, H, 1)
-    size = torch.tensor(sizes, device=values.device).view(R, 1, 1)
+    size = torch.tensor(sizes, dtype=torch.float32, device=values.device).view(R, 1, 1)
     if len(set(sizes)) == 1 and sizes[0] > 0:  # one budget for every row: one selection, no gathered copy
         threshold = values.kthvalue(min(sizes[0], T), dim=-1, keepdim=True).values
     for k in set(sizes) if len(set(sizes)) > 1 or sizes[0] == 0 else ():
@@ -113,7 +120,7 @@ def lowest_first(values: Tensor, sizes: list[int]) -> Tensor:
             threshold[index] = float("-inf")
         else:
             threshold[index] = values[index].kthvalue(min(k, T), dim=-1, keepdim=True).values
-    below = values < threshold
-    tied = values == threshold
+    below = values.clone().lt_(threshold)
+    tied = values.clone().eq_(threshold)
     room = size - below.sum(-1, keepdim=True)  # how many of the tied slots still fit, the lower slots first
-    return below | (tied & (tied.cumsum(-1) <= room))
+    return below.add_(tied.cumsum(-1).le_(room).mul_(tied))
