@@ -14,7 +14,8 @@
                                                       # zeroing of the filler slots' state
     python bench/scoring_ab.py --masks --threads 2  # the learned tracker's decode update with bool or float
                                                     # masks; a refresh's norms and content terms filled by layer or
-                                                    # once for a few stacked layers
+                                                    # once for a few stacked layers; RoCo's score and
+                                                    # LazyEviction's update with bool or float masks
     python bench/scoring_ab.py --rkv-model # R-KV's redundancy on SmolLM2's own keys (a batch-8 prefill; minutes)
     python bench/scoring_ab.py --refresh-model  # the learned policy's eviction time over a SmolLM2 decode (minutes)
     python bench/scoring_ab.py --refresh-model --unpadded --rounds 4  # the same on 4 unpadded 400-token prompts
@@ -58,7 +59,9 @@ steps after the last refresh; a scorer with 64 content dims): each layer's own s
 to the device at each layer (before: the code until ac1fd22) against one search and fill for each read-out's
 `learned.READ_OUT_SLOTS` worth of layers (after, `Learned.score_layers`); and RoCo's score of the 30 stacked layers
 (rows of 8 budgets, 762-789, as goal 1's) with bool masks and ``masked_fill`` (before, its code until ac1fd22,
-`test_scoring_speed.roco_score_with_bool_masks`) or float masks and maximums with +-inf (after; the same bits). It
+`test_scoring_speed.roco_score_with_bool_masks`) or float masks and maximums with +-inf (after; the same bits); and
+LazyEviction's decode update of the 30 stacked layers with a bool mask and ``masked_fill_`` (before, its code until
+4aac568, `test_scoring_speed.lazy_update_with_bool_mask`) or a float mask times the jump (after; the same bits). It
 first prints what single ops cost on a bool and on a float mask of that shape.
 
 ``--stacked-refresh``: the refresh's feature read-out of 30 layers at batch 8, 3 KV heads, 790 slots, one
@@ -109,18 +112,20 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo root first (learnkv 
 from test_fast_paths import update_decode_before, update_decode_with_bool_masks  # noqa: E402
 from test_refresh import scorer_before  # noqa: E402
 from test_scoring_speed import (avg_pool_before, near_keys, one_drop_victims_before, redundancy_before,  # noqa: E402
-                                redundancy_dense, roco_score_with_bool_masks, window_std_before)
+                                lazy_update_with_bool_mask, redundancy_dense, roco_score_with_bool_masks,
+                                window_std_before)
 
 import learnkv.features as features  # noqa: E402
 
 from learnkv.kernels.cpu import mark_victims, one_drop_victims, select_keep_one_drop  # noqa: E402
 from learnkv.eval.stats import bootstrap_ci  # noqa: E402
-from learnkv.features import NORMS, STATE, WINDOW, FeatureTracker, group_mean_max  # noqa: E402
+from learnkv.features import MEAN, NORMS, STATE, WINDOW, FeatureTracker, group_mean_max  # noqa: E402
 from learnkv.features import SPARE_ROWS as FEATURE_SPARE_ROWS  # noqa: E402
 from learnkv.scorer.model import Scorer  # noqa: E402
 from learnkv.policies.snapkv import SPARE_ROWS, SnapKV  # noqa: E402
 from learnkv.policies import learned, rkv  # noqa: E402
 from learnkv.policies.base import LayerView  # noqa: E402
+from learnkv.policies.lazy import LazyEviction  # noqa: E402
 from learnkv.policies.roco import RoCo  # noqa: E402
 from learnkv.policies.snapkv import avg_pool  # noqa: E402
 from learnkv.kernels.reference import mark_dead  # noqa: E402
@@ -540,12 +545,27 @@ def masks_cases(g) -> list:
                           attn_sq_sum=None, keep=budgets, state=roco_state)
     roco_policy = RoCo()
     assert torch.equal(roco_policy.score(roco_view), roco_score_with_bool_masks(roco_policy, roco_view))
+    lazy_policy, lazy_states, lazy_steps = LazyEviction(), {"before": {}, "after": {}}, {"before": 11, "after": 11}
+    for side in lazy_states.values():
+        side.update(ts=(torch.rand(L * B, H, T, generator=g) * 10).floor(), mri=(torch.rand(L * B, H, T) * 3).floor())
+
+    def lazy_update(side, fn):
+        def call():
+            lazy_steps[side] += 1
+            fn(lazy_policy, LayerView(layer=0, step=lazy_steps[side], keys=None, values=None, positions=pos, n_new=1,
+                                      attn=attn[:, :, MEAN, -1:, :], attn_sum=None, attn_sq_sum=None, keep=T,
+                                      state=lazy_states[side]))
+        return call
+
     return [(f"tracker decode update [{L * B}, {H}, {T}]: bool masks (before), float masks (after)",
              update("before", update_decode_with_bool_masks), update("after", FeatureTracker._update_decode), 3),
             (f"norms and content terms of {L} layers {[B, H, T]}, 8 new slots: by layer (before), {per_read_out} "
              "layers a fill (after)", fills_by_layer, fills_stacked, 3),
             (f"RoCo score [{L * B}, {H}, {T}], {B} row budgets: bool masks (before), float masks (after)",
-             lambda: roco_score_with_bool_masks(roco_policy, roco_view), lambda: roco_policy.score(roco_view), 3)]
+             lambda: roco_score_with_bool_masks(roco_policy, roco_view), lambda: roco_policy.score(roco_view), 3),
+            (f"LazyEviction decode update [{L * B}, {H}, {T}]: bool mask and masked_fill_ (before), float mask "
+             "(after)", lazy_update("before", lazy_update_with_bool_mask), lazy_update("after", LazyEviction.update),
+             10)]
 
 
 def layout_cases(g) -> list:

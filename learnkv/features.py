@@ -268,6 +268,13 @@ def zero_dead_slots(columns: Tensor, positions: Tensor, by_index: bool) -> None:
         columns.masked_fill_(dead, 0.0)
 
 
+def live_mask(positions: Tensor) -> Tensor:
+    """1.0 at the live slots (position >= 0), 0.0 at the dead, as float32: a comparison in place on a float copy,
+    which on a CPU costs a third of one into a bool tensor (bench/RESULTS.md, "The tracker's update without bool
+    masks"). Positions are exact in float32 below 2**24."""
+    return torch.empty(positions.shape, dtype=torch.float32, device=positions.device).copy_(positions).ge_(0)
+
+
 def _check_mean_max(attn: Tensor) -> None:
     if attn.ndim != 5 or attn.shape[2] != 2:
         raise ValueError(f"the feature tracker reads the group mean and max, attn [B, H, 2, q, T] (`group_mean_max`), "

@@ -16,7 +16,7 @@ from learnkv import kernels
 from conftest import random_ids
 from kernel_checks import one_drop_case
 from learnkv import generate
-from learnkv.policies import rkv, roco, snapkv
+from learnkv.policies import lazy, rkv, roco, snapkv
 from learnkv.kernels.cpu import one_drop_rows, one_drop_victims
 from learnkv.kernels.reference import protected_or_dead, protected_slots
 from learnkv.policies.base import LayerView
@@ -164,6 +164,54 @@ def test_roco_score_with_float_masks_is_the_replaced_code(R, H, T, statistics):
         assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), f"trial {trial}"
         mixed.append(bool((ours == float("inf")).any() and (ours < float("inf")).any()))
     assert any(mixed) or T == 1  # some trial had slots in scope and out of it
+
+
+def lazy_update_with_bool_mask(self, view):
+    """`LazyEviction.update` before its float mask (commit 4aac568), verbatim."""
+    st, t = view.state, view.step
+    if "ts" not in st:  # prompt tokens start at TS = 0, MRI = 0 (the code creates the state zero-filled)
+        zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.positions.device)
+        st["ts"], st["mri"] = zeros, zeros.clone()
+    if t == 0:  # the prefill observes nothing
+        return
+    if view.n_new == 1 and kernels.use_triton(st["ts"], view.attn):
+        # a decode step on the kernel path: TS and MRI in one fused in-place launch
+        kernels.update_token_state(None, view.attn[:, :, -1, :], view.positions, t, 1, self.alpha,
+                                   ts=st["ts"], mri=st["mri"])  # fmt: skip
+        return
+    # in place, so the cache's buffers stay the state's (no copy at the next append)
+    ts = st["ts"]
+    ts[..., -view.n_new :] = t - 1  # a new token starts as if last seen one step ago
+    prev = ts.clone()
+    ts.masked_fill_(view.attn[:, :, -1, :] >= self.alpha, float(t))
+    torch.maximum(st["mri"], ts - prev, out=st["mri"])
+
+
+@pytest.mark.parametrize("B, H, T", [(1, 1, 1), (2, 3, 17), (240, 3, 790)])
+@pytest.mark.parametrize("alpha", [0.0, 1e-4, 0.25])
+def test_lazy_update_with_a_float_mask_is_the_replaced_code(B, H, T, alpha):
+    """LazyEviction's update with a float mask: bit for bit the replaced code's TS and MRI over 12 steps of 1-3 new
+    slots each, with attention exactly at alpha, NaN on dead slots, and zeros; the state after both is checked."""
+    from learnkv.policies.lazy import LazyEviction
+
+    g = torch.Generator().manual_seed(B * 100 + T)
+    policy = LazyEviction(alpha=alpha)
+    ours, theirs = {}, {}
+    for step in range(12):
+        n_new = 1 + step % 3 if step else T
+        positions = torch.arange(T).expand(B, H, T).clone()
+        positions[..., : T // 4] = -1  # dead and padding slots
+        attn = torch.rand(B, H, 2, T, generator=g) * 2 * max(alpha, 1e-3)
+        attn[..., ::5] = alpha  # exactly at the threshold
+        attn[..., 1::7] = 0.0
+        attn = attn.masked_fill((positions < 0)[:, :, None, :], float("nan"))
+        for state, update in ((ours, LazyEviction.update), (theirs, lazy_update_with_bool_mask)):
+            update(policy, LayerView(layer=0, step=step, keys=None, values=None, positions=positions,
+                                     n_new=min(n_new, T), attn=attn, attn_sum=None, attn_sq_sum=None, keep=T,
+                                     state=state))
+        assert torch.equal(ours["ts"].view(torch.int32), theirs["ts"].view(torch.int32)), f"step {step}"
+        assert torch.equal(ours["mri"].view(torch.int32), theirs["mri"].view(torch.int32)), f"step {step}"
+    assert bool((ours["mri"] > 0).any()) or T == 1  # some slot's recurrence interval grew
 
 
 def snapkv_score_before(window_attn, window, k):
@@ -350,11 +398,13 @@ def kept_slots(model, policy, budget, eviction=None, **params):
     ("snapkv", {"window": 20}, {"prefill_policy": "h2o"}),  # the window fills during the decode
     ("roco", {}, {}), ("roco", {"n_recent": 4}, {"slack": 4}),  # dead slots between compactions
     ("roco", {}, {"budget": [48, 36]}),  # rows of budgets of their own
+    ("lazy", {}, {"prefill_policy": "snapkv"}),
+    ("lazy", {"window": 4, "alpha": 0.02}, {"prefill_policy": "snapkv", "slack": 4}),  # dead slots, compactions
 ])
 def test_decode_keeps_the_same_slots(tiny, monkeypatch, policy, params, eviction):
     """The optimised paths keep the slots of the code before them, bit for bit, over 69 decode steps: R-KV's
-    blockwise redundancy, SnapKV's pooling, RoCo's float masks, and both windows kept among spare rows (SnapKV's
-    wraps to the top four times, R-KV's every ninth step)."""
+    blockwise redundancy, SnapKV's pooling, RoCo's and LazyEviction's float masks, and both windows kept among
+    spare rows (SnapKV's wraps to the top four times, R-KV's every ninth step)."""
     eviction = dict(eviction)
     budget = eviction.pop("budget", 48)
     fast = kept_slots(tiny, policy, budget, eviction, **params)
@@ -363,6 +413,7 @@ def test_decode_keeps_the_same_slots(tiny, monkeypatch, policy, params, eviction
     monkeypatch.setattr(snapkv.SnapKV, "update", snapkv_update_before)
     monkeypatch.setattr(rkv.RKV, "update", rkv_update_before)
     monkeypatch.setattr(roco.RoCo, "score", roco_score_with_bool_masks)
+    monkeypatch.setattr(lazy.LazyEviction, "update", lazy_update_with_bool_mask)
     before = kept_slots(tiny, policy, budget, eviction, **params)
     assert len(fast) == len(before) == 70  # the prefill and 69 decode steps
     assert all(torch.equal(a, b) for step_a, step_b in zip(fast, before) for a, b in zip(step_a, step_b))

@@ -37,16 +37,23 @@ def protected_slots(positions: Tensor, n_sink, n_recent) -> Tensor:
     return protected_or_dead(positions, n_sink, n_recent) & (positions >= 0)
 
 
+def protection_bounds(positions: Tensor, n_sink, n_recent) -> tuple[Tensor, Tensor]:
+    """The positions an eviction may choose among, per row: from the first after the row's sinks (``[B, 1, 1]``,
+    sinks clamped at zero) to the last before its recent window (``[B, H, 1]``, the row's newest position minus
+    ``n_recent``). Slots outside, dead ones included, are `protected_or_dead`."""
+    B = positions.shape[0]
+    first = per_row(n_sink, B, positions.device).clamp(min=0)
+    last = positions.max(dim=-1, keepdim=True).values - per_row(n_recent, B, positions.device)
+    return first, last
+
+
 def protected_or_dead(positions: Tensor, n_sink, n_recent) -> Tensor:
     """``protected_slots(positions, n_sink, n_recent) | (positions < 0)``, the slots an eviction never chooses among,
     in two comparisons instead of seven passes: with ``n_sink >= 0`` every dead slot is below it, and a dead slot's
     newness no longer matters. (A decode step of 30 layers x 8 rows x ~800 slots asks for it at every eviction:
     ~0.2 against ~0.8 ms on two cores.)"""
-    B = positions.shape[0]
-    n_sink = per_row(n_sink, B, positions.device).clamp(min=0)
-    n_recent = per_row(n_recent, B, positions.device)
-    newest = positions.max(dim=-1, keepdim=True).values
-    return (positions < n_sink) | (positions > newest - n_recent)
+    first_unprotected, last_unprotected = protection_bounds(positions, n_sink, n_recent)
+    return (positions < first_unprotected) | (positions > last_unprotected)
 
 
 def protected_or_dead_mask(positions: Tensor, n_sink, n_recent) -> Tensor:
@@ -54,12 +61,10 @@ def protected_or_dead_mask(positions: Tensor, n_sink, n_recent) -> Tensor:
     policies that combine it arithmetically (`learnkv.policies.roco`): on a CPU a bool mask's conversion, and ops
     under it, cost several times a float op (bench/RESULTS.md, "The tracker's update without bool masks"). The
     positions compare as float32, exact below 2**24."""
-    B = positions.shape[0]
-    n_sink = per_row(n_sink, B, positions.device).clamp(min=0)
-    newest = positions.max(dim=-1, keepdim=True).values - per_row(n_recent, B, positions.device)
+    first_unprotected, last_unprotected = protection_bounds(positions, n_sink, n_recent)
     at = torch.empty(positions.shape, dtype=torch.float32, device=positions.device).copy_(positions)
-    sink = at.clone().lt_(n_sink.float())
-    return torch.maximum(sink, at.gt_(newest.float()), out=sink)
+    sink = at.clone().lt_(first_unprotected.float())
+    return torch.maximum(sink, at.gt_(last_unprotected.float()), out=sink)
 
 
 def rank_prefer_recent(priority: Tensor) -> Tensor:

@@ -83,9 +83,14 @@ class LazyEviction(Policy):
         # in place, so the cache's buffers stay the state's (no copy at the next append)
         ts = st["ts"]
         ts[..., -view.n_new :] = t - 1  # a new token starts as if last seen one step ago
-        prev = ts.clone()
-        ts.masked_fill_(view.attn[:, :, -1, :] >= self.alpha, float(t))
-        torch.maximum(st["mri"], ts - prev, out=st["mri"])
+        # TS <- t where the attention reaches alpha, and MRI <- max(MRI, TS's jump): the jump is t - TS there and
+        # 0 elsewhere, a float 0/1 mask times t - TS. Not a bool mask and `masked_fill_`: on a CPU those cost ~3x
+        # (bench/RESULTS.md, "LazyEviction's update without a bool mask"). Exact: TS holds whole numbers of steps
+        # below 2**24, at most t, so t - TS is exact and >= 0, and the mask times it is it or +0.0.
+        # (The comparison stays in the attention's dtype, as ``>=`` compares; the product is TS's float32.)
+        jump = torch.rsub(ts, t).mul_(view.attn[:, :, -1, :].clone().ge_(self.alpha))
+        ts.add_(jump)
+        torch.maximum(st["mri"], jump, out=st["mri"])
 
     def score(self, view: LayerView) -> Tensor:
         # a function of integer state (steps since activation, recurrence interval): equal state, equal score

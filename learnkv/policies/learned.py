@@ -197,6 +197,7 @@ class Learned(Policy):
         per_read_out = max(1, READ_OUT_SLOTS // (B * H * T))
         scores = []
         model = run.scorer_on(view.positions.device)
+        rows_of = lambda x, i: None if x is None else x[i * B : (i + 1) * B]  # noqa: E731 - layer i's rows
         for start in range(0, len(views), per_read_out):
             part = views[start : start + per_read_out]
             rows = view.of_layers(start, start + len(part))
@@ -206,7 +207,6 @@ class Learned(Policy):
             content = cached_content(rows.state, part, model) if model.content_dim else None
             feats = run.tracker.features(rows.attn, None, None, rows.positions, rows.layers, rows.step, rows.state,
                                          feature_major=True)
-            rows_of = lambda x, i: None if x is None else x[i * B : (i + 1) * B]  # noqa: E731 - layer i's rows
             scores += [self._scored(v, rows_of(feats, i), rows_of(content, i)) for i, v in enumerate(part)]
         return torch.cat(scores)
 

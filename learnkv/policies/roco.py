@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from learnkv import kernels
+from learnkv.features import live_mask
 from learnkv.kernels.reference import protected_or_dead_mask
 from learnkv.policies.base import LayerView, Policy
 from learnkv.fields import setting
@@ -58,8 +59,7 @@ class RoCo(Policy):
             # a decode step, in place (a cache that preallocates the state never copies it): its one query is the
             # newest slot, so it sees every valid slot if it is valid itself; the same values as `accumulate`. The
             # mask is float 0/1, as the feature tracker's (`FeatureTracker._update_decode`: bool masks cost more here)
-            valid = torch.empty(view.positions.shape, dtype=torch.float32, device=view.positions.device)
-            valid.copy_(view.positions).ge_(0)
+            valid = live_mask(view.positions)
             st["s1"].add_(view.attn_sum)
             st["s2"].add_(view.attn_sq_sum)
             st["count"].addcmul_(valid, valid[..., -1:])
