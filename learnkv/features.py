@@ -164,8 +164,7 @@ class FeatureTracker:
         more and below 2**24 (steps, gaps, counts; new slots start at zero): every difference is exact, ``b + (a -
         b)`` is ``a`` and ``b + 0 * (a - b)`` is ``b`` (never -0.0), so each value is bit for bit the select's
         (tests/test_fast_paths.py keeps the code before)."""
-        valid = torch.empty(positions.shape, dtype=torch.float32, device=positions.device)
-        valid.copy_(positions).ge_(0)  # 1.0 at the live slots, 0.0 at the dead
+        valid = live_mask(positions)
         m = attn[:, :, MEAN, -1, :]  # [B, H, T]
         state["f.acc"].add_(m)
         state["f.acc_sq"].addcmul_(m, m)
