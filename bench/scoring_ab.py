@@ -547,7 +547,7 @@ def masks_cases(g) -> list:
     assert torch.equal(roco_policy.score(roco_view), roco_score_with_bool_masks(roco_policy, roco_view))
     lazy_policy, lazy_states, lazy_steps = LazyEviction(), {"before": {}, "after": {}}, {"before": 11, "after": 11}
     for side in lazy_states.values():
-        side.update(ts=(torch.rand(L * B, H, T, generator=g) * 10).floor(), mri=(torch.rand(L * B, H, T) * 3).floor())
+        side.update(ts=(torch.rand(L * B, H, T, generator=g) * 10).floor(), mri=(torch.rand(L * B, H, T, generator=g) * 3).floor())
 
     def lazy_update(side, fn):
         def call():
