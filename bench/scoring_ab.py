@@ -474,7 +474,8 @@ def mask_primitives(g) -> None:
 
 def masks_cases(g) -> list:
     """The ``--masks`` cases: the tracker's decode update with bool or float masks; a refresh's fills of norms and
-    content terms by layer or for a few stacked layers at once."""
+    content terms by layer or for a few stacked layers at once; RoCo's score and LazyEviction's decode update with
+    bool masks (the replaced code) or float ones."""
     L, (B, H, T, D) = 30, (8, 3, 790, 64)
     pos = torch.arange(T).expand(L * B, H, T).clone()
     pos[::5, :, :17] = -1

@@ -62,6 +62,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import Cache
 
@@ -157,9 +158,11 @@ class BudgetCache(Cache):
     slack : int
         Slots a layer may leave dead in every row before it compacts (see `BudgetLayer`). 0 compacts whenever a
         slot is free in every row. The kept tokens are the same for any slack; memory grows by ``slack`` slots per
-        layer and the compaction runs once per ``slack + 1`` evicted tokens instead of at every eviction. Ignored
-        wherever neighbouring slots are grouped: block eviction (the block mode, PagedEviction) and R-KV's max pool
-        (``needs_dense_slots``): there every eviction compacts (``dense``), also one that only a narrower row makes.
+        layer and the compaction runs once per ``slack + 1`` evicted tokens instead of at every eviction. Where
+        neighbouring slots are grouped (block eviction: the block mode, PagedEviction; R-KV's max pool,
+        ``needs_dense_slots``) no dead slot may lie between live ones: there every eviction compacts (``dense``)
+        the rows that evict (`BudgetLayer.keep_slots`), and the slack counts the slots dead in every row that stay
+        at the left, where padding is, before every row is compacted.
         (SnapKV's average pool reads live neighbours only, `policies.snapkv.live_order`, so slack applies to it.)
     capacity : int, optional
         Slots to preallocate per layer; by default what the budget needs (`slots_to_allocate`).
@@ -213,11 +216,12 @@ class BudgetCache(Cache):
         self._shared_scores: dict[int, Tensor] = {}
         self._shared_keep: list[int] | None = None
         self.last_step = last_step  # index of the last forward pass, if known (lets lagged policies keep more)
-        # where a block or a pool groups neighbouring slots they must stay dense: every eviction compacts; elsewhere
-        # up to ``slack`` dead slots are tolerated before a compaction
+        # where a block or a pool groups neighbouring slots they must stay dense: every eviction compacts the rows
+        # that evict, and up to ``slack`` slots dead in every row stay at the left; elsewhere up to ``slack`` dead
+        # slots are tolerated anywhere before a compaction
         self.dense = (shared_block is not None or self.decode_policy.block_size > 1
                       or self.decode_policy.needs_dense_slots)
-        self.slack = 0 if self.dense else slack
+        self.slack = slack
         self.capacity = capacity  # slots preallocated per layer (None: the steady-state need, see slots_to_allocate)
         self.max_slots: int | None = None  # the most slots the decode can ever fill (known once it starts)
         self.keep: list[int] | None = None  # per row: slots kept if the row evicts in the current step
@@ -509,9 +513,11 @@ class BudgetCache(Cache):
     def _score(self, order: list[int], stats: list[tuple], view: LayerView, keep: list[int]) -> Tensor:
         """The scores of the view of the layers ``order`` (see "Batching" and "Refresh" in the module docstring): the
         latest refresh's where the policy refreshes; of a view of several layers, in one call, or one per layer where
-        the policy reads a layer's own keys or index; of a rowwise lagged policy's one layer, of the rows that
-        evict now only (`LayerView.due_rows`; the others keep every live token whatever their scores, so they get
-        zeros) unless the decision is shared or every row is due; else of every row."""
+        the policy reads a layer's own keys or index; of a rowwise policy's one layer, lagged or in a dense cache
+        (`_select_due_rows`), of the rows that evict now only (`LayerView.due_rows`; the others keep every live
+        token whatever their scores, so they get zeros: a lagged policy's rows come due at different steps, and
+        rows reach their budgets at different steps) unless the decision is shared or every row is due; else of
+        every row."""
         policy = self.policy
         if policy.refresh > 1:
             # the tokens appended since the last refresh, one per decode step, are the last slots (the cache appends
@@ -524,7 +530,8 @@ class BudgetCache(Cache):
         if len(order) > 1 and policy.reads_layer:
             return policy.score_layers(view, self._layer_views(order, stats, view, keep))  # layer-major
         rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
-        if len(order) > 1 or not (policy.rowwise and self._lagged(rows)) or self.shared_block is not None:
+        by_rows = policy.rowwise and (self.dense or self._lagged(rows)) and self.shared_block is None
+        if len(order) > 1 or not by_rows:
             return policy.score(view)
         due = view.due_rows()
         if len(due) == view.positions.shape[0]:
@@ -548,13 +555,57 @@ class BudgetCache(Cache):
         if pooling is not None:
             index = shared_keep_slots(scores, positions, _one_or_rows(keep), _one_or_rows(sinks),
                                       _one_or_rows(recents), block, pooling)
+            index = self._dense_width(layers[0], index)
             return index, self._keep_slots(layers, index, positions, None)
         L = len(layers)
         if block == 1 and self._mark_one_drop(layers, positions, scores, keep, sinks, recents):
             return None, False
-        index = kernels.select_keep(scores, positions, _one_or_rows(keep * L), _one_or_rows(sinks * L),
-                                    _one_or_rows(recents * L), block, live=layers[0].live * L)
+        if L == 1 and self.dense:
+            index = self._select_due_rows(scores, positions, keep, sinks, recents, block, layers[0].live)
+        else:
+            index = kernels.select_keep(scores, positions, _one_or_rows(keep * L), _one_or_rows(sinks * L),
+                                        _one_or_rows(recents * L), block, live=layers[0].live * L)
+        index = self._dense_width(layers[0], index)
         return index, self._keep_slots(layers, index, positions, keep if block == 1 else None)
+
+    def _dense_width(self, layer: BudgetLayer, index: Tensor) -> Tensor:
+        """The kept slots ``index [., H, K]`` of a dense cache's ``layer`` at the layer's width, where a compaction to
+        ``K`` would free at most ``slack`` slots in every row: -1 entries before each row's (dead slots at the left,
+        where padding is), so that only the rows whose slots change move (`BudgetLayer.keep_slots`); else as
+        given."""
+        K, n = index.shape[-1], layer.n_slots
+        if not self.dense or K >= n or n - K > self.slack:
+            return index
+        return F.pad(index, (n - K, 0), value=-1)
+
+    @staticmethod
+    def _select_due_rows(scores: Tensor, positions: Tensor, keep: list[int], sinks: list[int], recents: list[int],
+                         block: int, live: list[int]) -> Tensor:
+        """`kernels.select_keep` of one layer of a dense cache (``dense``) where some rows evict: the rows that
+        evict select (their scores, the only ones computed, `_score`), and each other row keeps its live slots where
+        they lie. The same index as the selection of every row: a dense cache compacts at every eviction, so a
+        row's dead slots (padding, the fillers of a compaction) precede its live ones. That is checked; a row
+        that breaks it (a dead slot among live ones) has every row select."""
+        due = [b for b, (k, n) in enumerate(zip(keep, live)) if k < n]
+        if len(due) == len(keep):
+            return kernels.select_keep(scores, positions, _one_or_rows(keep), _one_or_rows(sinks),
+                                       _one_or_rows(recents), block, live=live)
+        rows = torch.tensor(due, device=positions.device)
+        chosen = kernels.select_keep(scores.index_select(0, rows), positions.index_select(0, rows),
+                                     *([v[b] for b in due] for v in (keep, sinks, recents)), block,
+                                     live=[live[b] for b in due])
+        T = positions.shape[-1]
+        width = max([chosen.shape[-1]] + [n for b, n in enumerate(live) if b not in due])
+        held = torch.arange(T - width, T, device=positions.device).expand_as(positions[..., T - width :])
+        index = torch.where(positions[..., T - width :] >= 0, held, -1)
+        index.index_copy_(0, rows, F.pad(chosen, (width - chosen.shape[-1], 0), value=-1))
+        # ascending after the -1 entries, and no live slot of a row that does not evict left out (one
+        # synchronisation, as the selection's own)
+        left_out = (positions[..., : T - width] >= 0).index_fill_(0, rows, False)
+        if bool((index[..., 1:] < index[..., :-1]).any() | left_out.any()):
+            return kernels.select_keep(scores, positions, _one_or_rows(keep), _one_or_rows(sinks),
+                                       _one_or_rows(recents), block, live=live)
+        return index
 
     def _mark_one_drop(self, layers: list[BudgetLayer], positions: Tensor, scores: Tensor, keep: list[int],
                        sinks: list[int], recents: list[int]) -> bool:

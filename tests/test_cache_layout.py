@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import params_for, prefill_for, random_ids, scorer_for
-from learnkv import generate
+from learnkv import generate, kernels
 from learnkv.cache import BudgetCache
+from learnkv.kernels.reference import select_keep_reference
 from learnkv.policies import make_policy
 from learnkv.policies.base import LayerView, Policy
 from learnkv import slots
@@ -70,16 +71,27 @@ def test_slack_keeps_the_same_tokens(tiny, policy, slack):
     assert ours.peak_kv_bytes <= base.peak_kv_bytes * (12 + slack + 1) / (12 + 1)
 
 
-@pytest.mark.parametrize("policy, extra", [("rkv", {}), ("paged", {"budget": 40}),
+@pytest.mark.parametrize("policy, extra", [("rkv", {}), ("paged", {"policy_params": {"block_size": 4}}),
                                            ("h2o", {"granularity": "block", "block_size": 4})])
-def test_slack_is_ignored_where_slots_are_grouped(tiny, policy, extra):
-    """R-KV's max pool reads neighbouring slots and block eviction groups them: a dead slot in between would change
-    both."""
-    dead = []
-    kw = {"budget": 12, **extra}
-    generate(tiny, input_ids=random_ids(30, seed=1), policy=policy, max_new_tokens=20, slack=8,
-             observer=lambda c: dead.append((c.slack, [layer.n_dead for layer in c.layers])), **kw)
-    assert all(s == 0 and not any(d) for s, d in dead)
+@pytest.mark.parametrize("slack", [5, 8])  # each eviction frees 3 (R-KV's buffer at this budget) or 4 slots
+def test_slack_leaves_dead_slots_only_at_the_left_where_slots_are_grouped(tiny, policy, extra, slack):
+    """R-KV's max pool reads neighbouring slots and block eviction groups them: a dead slot between live ones would
+    change both. There the slack leaves dead slots only at the left of every row, where padding is (up to ``slack``
+    in every row), and the same tokens are kept as without it."""
+    runs = {}
+    for s in (0, slack):
+        seen = runs[s] = []
+        generate(tiny, input_ids=random_ids(30, seed=1), policy=policy, max_new_tokens=40, slack=s,
+                 observer=lambda c, seen=seen: seen.append([(c.slack, layer.n_dead, live_positions(layer),
+                                                             layer.positions.clone()) for layer in c.layers]),
+                 **{"budget": 12, **extra})
+    assert len(runs[0]) == len(runs[slack]) == 40  # the prefill and 39 decode steps
+    for ours, base in zip(runs[slack], runs[0]):
+        for (s, dead, live, positions), (s0, dead0, live0, _) in zip(ours, base):
+            assert (s, s0, dead0) == (slack, 0, 0) and dead <= slack and torch.equal(live, live0)
+            held = (positions >= 0).int()
+            assert bool((held[..., 1:] >= held[..., :-1]).all())  # no dead slot after a live one
+    assert max(dead for step in runs[slack] for _, dead, _, _ in step) > 0  # the slack was used
 
 
 def test_decode_steps_write_into_preallocated_slots(tiny):
@@ -149,6 +161,98 @@ def test_a_compaction_zeroes_the_filler_slots_alone(tiny, policy, slack, monkeyp
             assert torch.equal(x, y)
         for name, value in layer.state.items():
             torch.testing.assert_close(value, ref.state[name], rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+def staggered_decode(model, policy, extra):
+    """A batch of four prompts of 14-21 tokens (left-padded; two unpadded, so a row that evicts can start at slot 0 as
+    a wider one that does not) within budgets of their own, which the rows reach at different steps (3, 6, 5 and
+    11): the tokens, every step's live positions and policy state per layer, and the cache."""
+    ids = random_ids(21, batch=4, seed=11)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate([0, 0, 3, 7]):
+        mask[row, :pad] = 0
+    live, states, caches = [], [], []
+
+    def observe(cache):
+        live.append([live_positions(layer) for layer in cache.layers])
+        states.append([{name: t.clone() for name, t in layer.state.items()} for layer in cache.layers])
+        caches[:] = [cache]
+
+    result = generate(model, input_ids=ids, attention_mask=mask, policy=policy, max_new_tokens=60, stop_at_eos=False,
+                      observer=observe, **{"budget": [24, 27, 23, 25], **extra})  # fmt: skip
+    return result, live, states, caches[0]
+
+
+@pytest.mark.parametrize("policy, extra", [
+    ("paged", {"policy_params": {"block_size": 4}}), ("paged", {"budget": [40, 43, 39, 41]}),  # blocks of 16
+    ("rkv", {"policy_params": {"buffer": 4, "window": 2}}),
+    ("h2o", {"granularity": "block", "block_size": 4}),  # one decision for every layer, with state
+    ("paged", {"policy_params": {"block_size": 4}, "slack": 6}),  # dead slots left at the left, at the same width
+    ("rkv", {"policy_params": {"buffer": 4, "window": 2}, "slack": 5}),
+])
+def test_a_dense_compaction_moves_only_the_rows_that_evict(tiny, monkeypatch, policy, extra):
+    """Where slots stay dense every eviction compacts, also one only some rows make: only those rows are scored
+    (`BudgetCache._score`), select (`BudgetCache._select_due_rows`) and are gathered, in place
+    (`BudgetLayer._keep_moved_rows`); the others are left as they are. The same tokens, live slots and state at
+    every step, and at the end the same live keys and values and positions, as every row scored, selecting and
+    compacted."""
+    real, moved = BudgetLayer._keep_moved_rows, []
+
+    def spy(layer, index):
+        moved.append(real(layer, index))
+        return moved[-1]
+
+    selected, select = [], kernels.select_keep
+    monkeypatch.setattr(BudgetLayer, "_keep_moved_rows", spy)
+    monkeypatch.setattr(kernels, "select_keep", lambda scores, *a, **k: selected.append(len(scores)) or select(
+        scores, *a, **k))
+    ours, live, states, cache = staggered_decode(tiny, policy, extra)
+    assert cache.dense and sum(moved) >= 4  # the path under test ran, again and again
+    assert min(selected) < 4 or cache.shared_block  # and the due rows' selection, where each layer decides
+    monkeypatch.setattr(kernels, "select_keep", select)
+    monkeypatch.setattr(BudgetLayer, "_keep_moved_rows", lambda layer, index: False)
+    monkeypatch.setattr(LayerView, "due_rows", lambda view: list(range(view.positions.shape[0])))
+    monkeypatch.setattr(BudgetCache, "_select_due_rows", staticmethod(
+        lambda scores, positions, keep, sinks, recents, block, live: select_keep_reference(
+            scores, positions, keep, sinks, recents, block)))
+    base, base_live, base_states, base_cache = staggered_decode(tiny, policy, extra)
+    assert ours.tokens.tolist() == base.tokens.tolist()
+    assert all(torch.equal(x, y) for a, b in zip(live, base_live) for x, y in zip(a, b))
+    for step, (a, b) in enumerate(zip(states, base_states)):  # a dead slot's state too (zero, as left padding's)
+        for layer, (x, y) in enumerate(zip(a, b)):
+            assert x.keys() == y.keys()
+            for name, value in x.items():
+                assert torch.equal(value, y[name]), f"step {step}, layer {layer}: {name}"
+    for layer, ref in zip(cache.layers, base_cache.layers):
+        assert torch.equal(layer.positions, ref.positions)
+        held = (layer.positions >= 0)[..., None]  # a dead slot's keys and values are never read
+        for x, y in ((layer.keys, ref.keys), (layer.values, ref.values)):
+            assert torch.equal(x * held, y * held)
+
+
+@pytest.mark.parametrize("block", [1, 4])
+@pytest.mark.parametrize("B, H, T", [(2, 1, 12), (5, 3, 40), (16, 2, 97)])
+@pytest.mark.parametrize("interior", [False, True])
+def test_due_rows_select_as_every_row(block, B, H, T, interior):
+    """`BudgetCache._select_due_rows`: the rows that evict select, the others keep their live slots where they lie;
+    the index of every row selecting (`kernels.reference.select_keep_reference`), with rows of any width. A row with a
+    dead slot among its live ones (``interior``; never in a dense cache) has every row select, the same index."""
+    g = torch.Generator().manual_seed(B * T + block)
+    for trial in range(10):
+        first = torch.randint(0, T // 2, (B,), generator=g)  # each row's dead slots at its left
+        first[torch.randint(0, B, (1,), generator=g)] = 0  # the widest row
+        positions = (torch.arange(T) - first[:, None]).expand(H, B, T).transpose(0, 1).clone()
+        positions[positions < 0] = -1
+        if interior:
+            positions[B - 1, :, T - 3] = -1
+        live = (positions[:, 0] >= 0).sum(-1).tolist()
+        due = (torch.rand(B, generator=g) < 0.4).tolist()
+        due[trial % B] = True
+        keep = [max(n - block - 3, 3) if d else n for n, d in zip(live, due)]
+        sinks, recents = [2] * B, [1] * B
+        scores = torch.rand(B, H, T, generator=g)
+        ours = BudgetCache._select_due_rows(scores, positions, keep, sinks, recents, block, live)
+        assert torch.equal(ours, select_keep_reference(scores, positions, keep, sinks, recents, block))
 
 
 @pytest.mark.parametrize("B, H, K", [(1, 1, 1), (2, 3, 9), (8, 3, 64)])
