@@ -586,10 +586,13 @@ class BudgetCache(Cache):
         they lie. The same index as the selection of every row: a dense cache compacts at every eviction, so a
         row's dead slots (padding, the fillers of a compaction) precede its live ones. That is checked; a row
         that breaks it (a dead slot among live ones) has every row select."""
-        due = [b for b, (k, n) in enumerate(zip(keep, live)) if k < n]
-        if len(due) == len(keep):
+        def every_row() -> Tensor:
             return kernels.select_keep(scores, positions, _one_or_rows(keep), _one_or_rows(sinks),
                                        _one_or_rows(recents), block, live=live)
+
+        due = [b for b, (k, n) in enumerate(zip(keep, live)) if k < n]
+        if len(due) == len(keep):
+            return every_row()
         rows = torch.tensor(due, device=positions.device)
         chosen = kernels.select_keep(scores.index_select(0, rows), positions.index_select(0, rows),
                                      *([v[b] for b in due] for v in (keep, sinks, recents)), block,
@@ -603,8 +606,7 @@ class BudgetCache(Cache):
         # synchronisation, as the selection's own)
         left_out = (positions[..., : T - width] >= 0).index_fill_(0, rows, False)
         if bool((index[..., 1:] < index[..., :-1]).any() | left_out.any()):
-            return kernels.select_keep(scores, positions, _one_or_rows(keep), _one_or_rows(sinks),
-                                       _one_or_rows(recents), block, live=live)
+            return every_row()
         return index
 
     def _mark_one_drop(self, layers: list[BudgetLayer], positions: Tensor, scores: Tensor, keep: list[int],
