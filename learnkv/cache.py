@@ -20,7 +20,8 @@ for the end of the forward pass. For a rowwise policy that evicts at every overf
 a decode step does exactly that ("stacked layers"): `end_step` hands the policy one view of every layer's rows (the
 layers' positions and state are views of one stacked buffer each; `LayerView.layers` names them), scores it in one
 call (one per layer where it reads a layer's keys or scorer) and selects and marks dead slots once for the whole
-model. On a CPU at batch 1 a small tensor op costs more in dispatch than in arithmetic: per layer, the learned
+model. In a dense cache (block eviction, R-KV) the rows that evict are scored and select once for every layer, and
+are moved in place, every layer's positions and state at once (`learnkv.slots.keep_moved_rows_of_layers`). On a CPU at batch 1 a small tensor op costs more in dispatch than in arithmetic: per layer, the learned
 policy's ~60 ops per step cost ~20% of the decode; stacked, ~6% (bench/RESULTS.md, "Stacked layers"). A rowwise
 lagged policy (interval > 1) is scored on the rows that evict only: its rows come due at different steps, each on
 its own phase, so most of a batch's scoring is saved (bench/RESULTS.md, "Lagged policies score only the rows that
@@ -72,7 +73,7 @@ from learnkv.allocation import (Allocation, allocate, as_allocation, head_budget
                                 normalise_scores)
 from learnkv.policies.base import LayerView, Policy
 from learnkv.pooling import shared_keep_slots
-from learnkv.slots import BudgetLayer, Link, Workspace, link_layers
+from learnkv.slots import BudgetLayer, Link, Workspace, keep_moved_rows_of_layers, link_layers
 
 
 def blind_prefill_error(policy: Policy, prompt_tokens: int, budget: int) -> str | None:
@@ -131,6 +132,27 @@ def _row_view(row: Tensor | None, rows: Tensor | None) -> bool:
         return False
     view = rows.select(-2, 0)
     return row.data_ptr() == view.data_ptr() and row.shape == view.shape and row.stride() == view.stride()
+
+
+def _scatter_rows(scores: Tensor, rows: list[int], shape: torch.Size) -> Tensor:
+    """``scores`` of the rows ``rows`` of a view of ``shape``, as scores of every row: zeros in the others."""
+    return scores.new_zeros(shape).index_copy_(0, torch.tensor(rows, device=scores.device), scores)
+
+
+class _Selected(Sequence):
+    """``views[i].select_rows(rows[i])``, each built when read: a policy that scores several layers' rows from
+    their state alone (PagedEviction's ratios) copies no layer's keys and values."""
+
+    def __init__(self, views: list[LayerView], rows: list[list[int]]):
+        self._views, self._rows = views, rows
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self._views[i].select_rows(self._rows[i])
 
 
 def _one_or_rows(values: list[int]) -> int | list[int]:
@@ -298,8 +320,8 @@ class BudgetCache(Cache):
             self.keep = [p.keep_target(b, steps_left) for p, b in zip(self.row_policies, self.budgets)]
         policy = self.decode_policy
         self._stack_step = (self.step >= 1 and positions.shape[1] == 1 and policy.evicts and policy.rowwise
-                            and not self._lagged(self.row_policies) and not self.dense
-                            and policy.block_size_at(self.step) == 1 and not kernels.use_triton(self.step_positions)
+                            and not self._lagged(self.row_policies) and self.shared_block is None
+                            and not kernels.use_triton(self.step_positions)
                             and self.allocation.mode == "uniform")  # fmt: skip
 
     def end_step(self) -> None:
@@ -433,7 +455,10 @@ class BudgetCache(Cache):
         refreshing = policy.refresh > 1 and (_REFRESHED not in view.state or self.step % policy.refresh == 0)
         view.scored = refreshing if policy.refresh > 1 else due  # `score` follows the update (else a refresh's scores)
         t0 = time.perf_counter()
-        policy.update(view)
+        if linked is not None and policy.reads_layer:
+            policy.update_layers(view, self._layer_views(order, stats, view, keep))
+        else:
+            policy.update(view)
         if linked is not None:
             self._store_state(layers, view.state, linked[1])
         if refreshing:
@@ -453,14 +478,14 @@ class BudgetCache(Cache):
                 if error := blind_prefill_error(policy, live, budget):
                     raise ValueError(error)
         if due:
-            scores = self._score(order, stats, view, keep)
+            scores, scored_rows = self._score(order, stats, view, keep)
             if self.shared_block is not None:
                 self._shared_scores[order[0]] = scores  # decided in end_step, once every layer has scored
                 self._shared_keep = keep
             else:
                 rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
                 self._evict(layers, view.positions, scores, keep, [p.n_sink for p in rows],
-                            [p.n_recent for p in rows], policy.block_size_at(self.step))
+                            [p.n_recent for p in rows], policy.block_size_at(self.step), rows=scored_rows)
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
         self.eviction_s += time.perf_counter() - t0
 
@@ -510,14 +535,15 @@ class BudgetCache(Cache):
                 for i, layer in enumerate(layers):
                     layer.state[name] = t[i * B : (i + 1) * B]
 
-    def _score(self, order: list[int], stats: list[tuple], view: LayerView, keep: list[int]) -> Tensor:
-        """The scores of the view of the layers ``order`` (see "Batching" and "Refresh" in the module docstring): the
-        latest refresh's where the policy refreshes; of a view of several layers, in one call, or one per layer where
-        the policy reads a layer's own keys or index; of a rowwise policy's one layer, lagged or in a dense cache
-        (`_select_due_rows`), of the rows that evict now only (`LayerView.due_rows`; the others keep every live
-        token whatever their scores, so they get zeros: a lagged policy's rows come due at different steps, and
-        rows reach their budgets at different steps) unless the decision is shared or every row is due; else of
-        every row."""
+    def _score(self, order: list[int], stats: list[tuple], view: LayerView,
+               keep: list[int]) -> tuple[Tensor, list[int] | None]:
+        """The scores of the view of the layers ``order`` (see "Batching" and "Refresh" in the module docstring), and
+        the rows of the view they are of (None: every row): the latest refresh's where the policy refreshes; of a
+        view of several layers, in one call (`Policy.score_layers` where the policy reads a layer's keys or index);
+        of a rowwise policy, lagged or in a dense cache (`_select_due_rows`), of the rows that evict now only
+        (`LayerView.due_rows`; the others keep every live token whatever their scores: a lagged policy's rows come
+        due at different steps, and rows reach their budgets at different steps) unless the decision is shared or
+        every row is due; else of every row."""
         policy = self.policy
         if policy.refresh > 1:
             # the tokens appended since the last refresh, one per decode step, are the last slots (the cache appends
@@ -526,22 +552,25 @@ class BudgetCache(Cache):
             scores = view.state[_REFRESHED].clone()
             if unscored:
                 scores[..., -unscored:] = float("inf")
-            return scores
-        if len(order) > 1 and policy.reads_layer:
-            return policy.score_layers(view, self._layer_views(order, stats, view, keep))  # layer-major
+            return scores, None
         rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
         by_rows = policy.rowwise and (self.dense or self._lagged(rows)) and self.shared_block is None
-        if len(order) > 1 or not by_rows:
-            return policy.score(view)
-        due = view.due_rows()
-        if len(due) == view.positions.shape[0]:
-            return policy.score(view)
-        some = policy.score(view.select_rows(due))
-        return some.new_zeros(view.positions.shape).index_copy_(0, torch.tensor(due, device=some.device), some)
+        due = view.due_rows() if by_rows else None
+        layers = len(order) > 1 and policy.reads_layer
+        if due is None or len(due) == view.positions.shape[0]:
+            views = self._layer_views(order, stats, view, keep) if layers else None
+            return policy.score_layers(view, views) if layers else policy.score(view), None
+        some = view.select_rows(due)
+        if not layers:
+            return policy.score(some), due
+        # each layer's view of its due rows, selected (a copy of its keys and values) only if the policy reads it
+        B, views = view.positions.shape[0] // len(order), self._layer_views(order, stats, view, keep)
+        of_layer = [[d - i * B for d in due if i * B <= d < (i + 1) * B] for i in range(len(order))]
+        return policy.score_layers(some, _Selected(views, of_layer)), due
 
     def _evict(self, layers: list[BudgetLayer], positions: Tensor, scores: Tensor | list[Tensor], keep: list[int],
-               sinks: list[int], recents: list[int], block: int,
-               pooling: str | None = None) -> tuple[Tensor | None, bool]:
+               sinks: list[int], recents: list[int], block: int, pooling: str | None = None,
+               rows: list[int] | None = None) -> tuple[Tensor | None, bool]:
         """The one eviction of the cache: ``scores`` -> the slots each row keeps -> compact or mark dead.
 
         ``layers`` decide as rows of one selection, layer-major (one layer, or a stacked step's every layer:
@@ -549,7 +578,12 @@ class BudgetCache(Cache):
         one tensor per layer pooled into one score per slot (`learnkv.pooling.shared_keep_slots`). ``keep``,
         ``sinks`` and ``recents`` are per row of one layer. Returns the kept slots (None where a one-drop step
         marked its victims without listing them, `_mark_one_drop`) and whether the layers were compacted (else the
-        evicted slots were marked dead in place)."""
+        evicted slots were marked dead in place). ``rows``: the rows ``scores`` are of, if not every row (`_score`):
+        a dense cache's due rows select alone (`_select_due_rows`); elsewhere the other rows get zeros, and keep
+        every live slot as their ``keep`` asks."""
+        dense_rows = self.dense and pooling is None and self.allocation.mode == "uniform"
+        if rows is not None and not dense_rows:
+            scores = _scatter_rows(scores, rows, positions.shape)
         if self.allocation.mode in ("head", "global") and pooling is None:
             return self._evict_per_head(layers[0], positions, scores, sinks, recents)
         if pooling is not None:
@@ -560,8 +594,9 @@ class BudgetCache(Cache):
         L = len(layers)
         if block == 1 and self._mark_one_drop(layers, positions, scores, keep, sinks, recents):
             return None, False
-        if L == 1 and self.dense:
-            index = self._select_due_rows(scores, positions, keep, sinks, recents, block, layers[0].live)
+        if dense_rows:
+            index = self._select_due_rows(scores, rows, positions, keep * L, sinks * L, recents * L, block,
+                                          layers[0].live * L)
         else:
             index = kernels.select_keep(scores, positions, _one_or_rows(keep * L), _one_or_rows(sinks * L),
                                         _one_or_rows(recents * L), block, live=layers[0].live * L)
@@ -579,32 +614,35 @@ class BudgetCache(Cache):
         return F.pad(index, (n - K, 0), value=-1)
 
     @staticmethod
-    def _select_due_rows(scores: Tensor, positions: Tensor, keep: list[int], sinks: list[int], recents: list[int],
-                         block: int, live: list[int]) -> Tensor:
-        """`kernels.select_keep` of one layer of a dense cache (``dense``) where some rows evict: the rows that
-        evict select (their scores, the only ones computed, `_score`), and each other row keeps its live slots where
-        they lie. The same index as the selection of every row: a dense cache compacts at every eviction, so a
-        row's dead slots (padding, the fillers of a compaction) precede its live ones. That is checked; a row
-        that breaks it (a dead slot among live ones) has every row select."""
+    def _select_due_rows(scores: Tensor, rows: list[int] | None, positions: Tensor, keep: list[int], sinks: list[int],
+                         recents: list[int], block: int, live: list[int]) -> Tensor:
+        """`kernels.select_keep` of a dense cache (``dense``) where some rows evict: the rows that evict select (with
+        their scores, the only ones computed: ``scores`` are of ``rows``, or of every row where ``rows`` is None),
+        and each other row keeps its live slots where they lie. The same index as the selection of every row: a
+        dense cache compacts at every eviction, so a row's dead slots (padding, the fillers of a compaction) precede
+        its live ones. That is checked; a row that breaks it (a dead slot among live ones) has every row select."""
         def every_row() -> Tensor:
-            return kernels.select_keep(scores, positions, _one_or_rows(keep), _one_or_rows(sinks),
+            full = scores if rows is None else _scatter_rows(scores, rows, positions.shape)
+            return kernels.select_keep(full, positions, _one_or_rows(keep), _one_or_rows(sinks),
                                        _one_or_rows(recents), block, live=live)
 
-        due = [b for b, (k, n) in enumerate(zip(keep, live)) if k < n]
+        due = rows if rows is not None else [b for b, (k, n) in enumerate(zip(keep, live)) if k < n]
         if len(due) == len(keep):
             return every_row()
-        rows = torch.tensor(due, device=positions.device)
-        chosen = kernels.select_keep(scores.index_select(0, rows), positions.index_select(0, rows),
+        at = torch.tensor(due, device=positions.device)
+        chosen = kernels.select_keep(scores if rows is not None else scores.index_select(0, at),
+                                     positions.index_select(0, at),
                                      *([v[b] for b in due] for v in (keep, sinks, recents)), block,
                                      live=[live[b] for b in due])
         T = positions.shape[-1]
-        width = max([chosen.shape[-1]] + [n for b, n in enumerate(live) if b not in due])
+        evicting = set(due)
+        width = max([chosen.shape[-1]] + [n for b, n in enumerate(live) if b not in evicting])
         held = torch.arange(T - width, T, device=positions.device).expand_as(positions[..., T - width :])
         index = torch.where(positions[..., T - width :] >= 0, held, -1)
-        index.index_copy_(0, rows, F.pad(chosen, (width - chosen.shape[-1], 0), value=-1))
+        index.index_copy_(0, at, F.pad(chosen, (width - chosen.shape[-1], 0), value=-1))
         # ascending after the -1 entries, and no live slot of a row that does not evict left out (one
         # synchronisation, as the selection's own)
-        left_out = (positions[..., : T - width] >= 0).index_fill_(0, rows, False)
+        left_out = (positions[..., : T - width] >= 0).index_fill_(0, at, False)
         if bool((index[..., 1:] < index[..., :-1]).any() | left_out.any()):
             return every_row()
         return index
@@ -642,18 +680,32 @@ class BudgetCache(Cache):
         first = layers[0]
         B = first.positions.shape[0]
         compacts = self._compacts(first, index.shape[-1])
-        if compacts:
+        if not compacts:
+            mark_dead(positions, index)  # a stacked view writes through to every layer's positions
+        elif not self._moved_rows_of_linked_layers(layers, index):
             for i, layer in enumerate(layers):
                 part = index[i * B : (i + 1) * B] if index.shape[0] > B else index
                 heads = layer.positions.shape[1]
                 layer.keep_slots(part if part.shape[1] == heads else part.expand(-1, heads, -1))
-        else:
-            mark_dead(positions, index)  # a stacked view writes through to every layer's positions
         live = list(live) if live is not None else first.count_live()
         for layer in layers:
             layer.live = list(live)
             layer.heads_alike = first.heads_alike
         return compacts
+
+    def _moved_rows_of_linked_layers(self, layers: list[BudgetLayer], index: Tensor) -> bool:
+        """Keep the slots ``index`` (at the layers' width) of a stacked step's layers by moving only the rows that
+        change, every layer's positions and state at once (`learnkv.slots.keep_moved_rows_of_layers`). Returns
+        whether it did (else each layer keeps its slots itself)."""
+        first = layers[0]
+        if (len(layers) == 1 or len(layers) != len(self.layers) or index.shape[-1] != first.n_slots
+                or index.shape[0] != len(layers) * first.positions.shape[0]):
+            return False
+        n = first.n_slots
+        for layer in layers:  # entries the policy rebound this step, into their channels (as `keep_slots` does)
+            if layer.state:
+                layer._pack_state(n, n)
+        return self._link_layers(layers) is not None and keep_moved_rows_of_layers(layers, index, self._stack)
 
     def _link_layers(self, layers: list[BudgetLayer]) -> tuple[Tensor, dict[str, Tensor]] | None:
         """The stacked positions and state of ``layers`` (`learnkv.slots.link_layers`), or None."""

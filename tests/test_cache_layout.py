@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import params_for, prefill_for, random_ids, scorer_for
-from learnkv import generate, kernels
+from learnkv import cache as cache_module, generate, kernels
 from learnkv.cache import BudgetCache
 from learnkv.kernels.reference import select_keep_reference
 from learnkv.policies import make_policy
@@ -193,27 +193,36 @@ def staggered_decode(model, policy, extra):
 def test_a_dense_compaction_moves_only_the_rows_that_evict(tiny, monkeypatch, policy, extra):
     """Where slots stay dense every eviction compacts, also one only some rows make: only those rows are scored
     (`BudgetCache._score`), select (`BudgetCache._select_due_rows`) and are gathered, in place
-    (`BudgetLayer._keep_moved_rows`); the others are left as they are. The same tokens, live slots and state at
+    (`BudgetLayer._keep_moved_rows`, or on a stacked step every layer's at once, `slots.keep_moved_rows_of_layers`);
+    the others are left as they are. The same tokens, live slots and state at
     every step, and at the end the same live keys and values and positions, as every row scored, selecting and
     compacted."""
-    real, moved = BudgetLayer._keep_moved_rows, []
+    real, real_linked, moved, linked = BudgetLayer._keep_moved_rows, cache_module.keep_moved_rows_of_layers, [], []
 
     def spy(layer, index):
         moved.append(real(layer, index))
         return moved[-1]
 
+    def spy_linked(layers, index, link):  # a stacked step's layers at once
+        moved.append(real_linked(layers, index, link))
+        linked.append(moved[-1])
+        return moved[-1]
+
     selected, select = [], kernels.select_keep
     monkeypatch.setattr(BudgetLayer, "_keep_moved_rows", spy)
+    monkeypatch.setattr(cache_module, "keep_moved_rows_of_layers", spy_linked)
     monkeypatch.setattr(kernels, "select_keep", lambda scores, *a, **k: selected.append(len(scores)) or select(
         scores, *a, **k))
     ours, live, states, cache = staggered_decode(tiny, policy, extra)
     assert cache.dense and sum(moved) >= 4  # the path under test ran, again and again
+    assert any(linked) == (policy == "paged")  # stacked layers at once (R-KV here is lagged; the block mode shared)
     assert min(selected) < 4 or cache.shared_block  # and the due rows' selection, where each layer decides
     monkeypatch.setattr(kernels, "select_keep", select)
     monkeypatch.setattr(BudgetLayer, "_keep_moved_rows", lambda layer, index: False)
+    monkeypatch.setattr(cache_module, "keep_moved_rows_of_layers", lambda layers, index, link: False)
     monkeypatch.setattr(LayerView, "due_rows", lambda view: list(range(view.positions.shape[0])))
     monkeypatch.setattr(BudgetCache, "_select_due_rows", staticmethod(
-        lambda scores, positions, keep, sinks, recents, block, live: select_keep_reference(
+        lambda scores, rows, positions, keep, sinks, recents, block, live: select_keep_reference(
             scores, positions, keep, sinks, recents, block)))
     base, base_live, base_states, base_cache = staggered_decode(tiny, policy, extra)
     assert ours.tokens.tolist() == base.tokens.tolist()
@@ -235,8 +244,9 @@ def test_a_dense_compaction_moves_only_the_rows_that_evict(tiny, monkeypatch, po
 @pytest.mark.parametrize("interior", [False, True])
 def test_due_rows_select_as_every_row(block, B, H, T, interior):
     """`BudgetCache._select_due_rows`: the rows that evict select, the others keep their live slots where they lie;
-    the index of every row selecting (`kernels.reference.select_keep_reference`), with rows of any width. A row with a
-    dead slot among its live ones (``interior``; never in a dense cache) has every row select, the same index."""
+    the index of every row selecting (`kernels.reference.select_keep_reference`), with rows of any width, given every
+    row's scores or the due rows' alone. A row with a dead slot among its live ones (``interior``; never in a dense
+    cache) has every row select, the same index."""
     g = torch.Generator().manual_seed(B * T + block)
     for trial in range(10):
         first = torch.randint(0, T // 2, (B,), generator=g)  # each row's dead slots at its left
@@ -251,8 +261,17 @@ def test_due_rows_select_as_every_row(block, B, H, T, interior):
         keep = [max(n - block - 3, 3) if d else n for n, d in zip(live, due)]
         sinks, recents = [2] * B, [1] * B
         scores = torch.rand(B, H, T, generator=g)
-        ours = BudgetCache._select_due_rows(scores, positions, keep, sinks, recents, block, live)
-        assert torch.equal(ours, select_keep_reference(scores, positions, keep, sinks, recents, block))
+        expected = select_keep_reference(scores, positions, keep, sinks, recents, block)
+        ours = BudgetCache._select_due_rows(scores, None, positions, keep, sinks, recents, block, live)
+        assert torch.equal(ours, expected)
+        # the due rows' scores alone, as `BudgetCache._score` gives them: the index of every row selecting with zero
+        # scores in the others (the same index as above, but where a block selection drops a block from a row that
+        # is not due: a dead slot among its live ones makes it hold more slots than it keeps)
+        rows = [b for b in range(B) if keep[b] < live[b]]
+        zeros = torch.zeros_like(scores).index_copy_(0, torch.tensor(rows), scores[rows])
+        some = BudgetCache._select_due_rows(scores[rows], rows, positions, keep, sinks, recents, block, live)
+        assert torch.equal(some, select_keep_reference(zeros, positions, keep, sinks, recents, block))
+        assert torch.equal(some, expected) or (interior and block > 1)
 
 
 @pytest.mark.parametrize("B, H, K", [(1, 1, 1), (2, 3, 9), (8, 3, 64)])

@@ -17,7 +17,7 @@ from learnkv import generate
 import learnkv.features
 from learnkv.features import FeatureTracker, group_mean_max, window_std
 from learnkv.policies import make_policy
-from learnkv.policies.base import LayerView, exact_map
+from learnkv.policies.base import LayerView, exact_map, reduce_heads
 
 
 def rank_select(scores, positions, keep, n_sink, n_recent):
@@ -768,6 +768,38 @@ def test_knorm_cached_norms_keep_what_every_keys_norm_kept(tiny, monkeypatch, sl
     assert torch.equal(cached[0], before[0])
     assert len(cached[1]) == len(before[1]) == 20  # the prefill and 19 decode steps
     assert all(torch.equal(a, b) for step_a, step_b in zip(cached[1], before[1]) for a, b in zip(step_a, step_b))
+
+
+@pytest.mark.parametrize("slack, prefill, budget, block", [(0, None, 14, 4), (4, "snapkv", 14, 4), (3, None, 16, 1),
+                                                          (0, "snapkv", [12, 19], 4), (5, None, [24, 20], 4)])
+def test_paged_cached_ratios_keep_what_every_tokens_ratio_kept(tiny, monkeypatch, slack, prefill, budget, block):
+    """PagedEviction keeps each slot's ||V|| / ||K|| as state, computed by the update that appends it: every layer's
+    slots after every step and the tokens are those of computing every slot's ratio at every eviction (the code
+    before), padded, with a prefill policy handing over, with rows reaching their budgets at different steps."""
+    from learnkv.policies.paged import RATIO, PagedEviction
+
+    ids = torch.cat([random_ids(30, seed=11), random_ids(30, seed=12)])
+    mask = torch.ones_like(ids)
+    mask[-1, :5] = 0
+
+    def run():
+        seen = []
+        r = generate(tiny, input_ids=ids, attention_mask=mask, policy="paged", budget=budget, max_new_tokens=24,
+                     slack=slack, stop_at_eos=False, policy_params={"block_size": block}, prefill_policy=prefill,
+                     observer=lambda cache: seen.append([(layer.positions.clone(), RATIO in layer.state)
+                                                         for layer in cache.layers]))
+        return r.tokens, seen
+
+    cached = run()
+    assert all(held for step in cached[1][1:] for _, held in step)  # the state was there at every decode step
+    monkeypatch.setattr(PagedEviction, "update", lambda self, view: None)
+    monkeypatch.setattr(PagedEviction, "score", lambda self, view: reduce_heads(
+        view.values.float().norm(dim=-1) / view.keys.float().norm(dim=-1).clamp(min=1e-6)))
+    before = run()
+    assert torch.equal(cached[0], before[0])
+    assert len(cached[1]) == len(before[1]) == 24  # the prefill and 23 decode steps
+    assert all(torch.equal(a, b) for step_a, step_b in zip(cached[1], before[1])
+               for (a, _), (b, _) in zip(step_a, step_b))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -114,9 +114,11 @@ def test_scores_are_the_callers_to_keep(tiny, policy, monkeypatch):
     """What `score` returns stays what it was when later steps update the policy's state in place: trace
     recording keeps teacher scores until a decision's horizon has passed."""
     cls = POLICIES[policy]
-    real, returned = cls.score, []
+    real, real_layers, returned = cls.score, cls.score_layers, []
     monkeypatch.setattr(cls, "score", lambda self, view: returned.append(((s := real(self, view)), s.clone()))
                         or s)
+    monkeypatch.setattr(cls, "score_layers", lambda self, view, views: returned.append(
+        ((s := real_layers(self, view, views)), s.clone())) or s)  # a stacked step's (PagedEviction's from state)
     # slack: evicted slots stay in place, so the state is updated in place between compactions (as in a
     # recording, which never evicts)
     generate(tiny, input_ids=random_ids(12, seed=3), policy=policy, budget=16, max_new_tokens=16,

@@ -66,7 +66,8 @@ class LayerView:
 
     The cache may hand a `Policy.rowwise` policy the rows of several layers in one view, layer-major along the batch
     axis (`BudgetCache`, "Batching"): ``layer`` is then the first, ``layers`` names them all, and keys and values are
-    None; `score` of a policy that reads them or the layer (``reads_layer``) gets one layer's view.
+    None; a policy that reads them or the layer (``reads_layer``) also gets one view per layer (`update_layers`,
+    `score_layers`).
     """
 
     layer: int
@@ -236,10 +237,12 @@ class Policy:
     #: applies them per row (protected windows, the lagged headroom); every other field must be equal
     per_row_fields: ClassVar[tuple[str, ...]] = ("n_sink", "n_recent", "interval")
     #: whether `update` and `score` compute each row of a view from that row alone: a row's state and scores are the
-    #: same whichever rows share its view (nothing is read by row index or from another row), and `update` reads no
-    #: layer's own keys, values or index. The cache uses it to batch rows (`BudgetCache`, "Batching")
+    #: same whichever rows share its view (nothing is read by row index or from another row). The cache uses it to
+    #: batch rows (`BudgetCache`, "Batching")
     rowwise: ClassVar[bool] = False
-    #: whether `score` reads one layer's own keys, values or index (``view.keys``, ``view.values``, ``view.layer``)
+    #: whether `update` or `score` reads one layer's own keys, values or index (``view.keys``, ``view.values``,
+    #: ``view.layer``): a view of several layers' rows then comes with one view per layer (`update_layers`,
+    #: `score_layers`)
     reads_layer: ClassVar[bool] = False
 
     n_sink: int | float = setting(0, ge=0, fraction=True)
@@ -293,6 +296,13 @@ class Policy:
 
     def update(self, view: LayerView) -> None:
         """Fold this step's attention into ``view.state`` (in place). Called every step, every layer."""
+
+    def update_layers(self, view: LayerView, views: Sequence[LayerView]) -> None:
+        """The update of a view of several layers (``view``, layer-major), with ``views``, one view per layer (for a
+        policy that reads one layer's keys, values or index: ``reads_layer``), whose state entries are views of
+        ``view``'s: by default `update` of ``view``'s rows at once, which reads no layer's own tensors. A policy
+        whose update does (PagedEviction's ratios of the appended slots) reads them from ``views``."""
+        self.update(view)
 
     def score(self, view: LayerView) -> Tensor:
         """``[B, H, T]`` importance, higher means keep. Called only when the cache evicts. The caller owns the

@@ -1,12 +1,19 @@
 """PagedEviction: block-wise eviction by ||V|| / ||K|| that fits a paged cache."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from learnkv import kernels
+from learnkv.features import token_norms
 from learnkv.policies.base import LayerView, Policy, reduce_heads
 from learnkv.fields import setting
+
+#: each slot's ||V|| / ||K|| per KV head, per-token state on the torch path: a token's keys and values never change in
+#: the cache, so the update computes the ratio of the slots it appends and an eviction reads no key or value
+RATIO = "paged.ratio"
 
 
 @dataclass
@@ -46,11 +53,40 @@ class PagedEviction(Policy):
     def block_size_at(self, step: int) -> int:
         return 1 if step == 0 else self.block_size
 
+    def update(self, view: LayerView) -> None:
+        # not on the kernel path, where the eviction's one fused pass over K and V costs fewer launches than this
+        # update at every step (a GPU's small-model step is host-bound, bench/RESULTS.md "On an H100")
+        if view.keys is not None and not kernels.use_triton(view.keys, view.values):
+            self.update_layers(view, [view])
+
+    def update_layers(self, view: LayerView, views: Sequence[LayerView]) -> None:
+        # a padding slot's ratio is zero, as the state of a dead slot (`BudgetLayer.keep_slots`): the same state
+        # whether or not a compaction moved its row
+        ratio = view.state.get(RATIO)
+        if ratio is None:  # the state starts here: every slot is new
+            ratio = torch.cat([token_ratio(v.keys, v.values) for v in views])
+            view.state[RATIO] = ratio.masked_fill_(view.positions < 0, 0.0)
+        elif view.n_new:
+            new = slice(-view.n_new, None)
+            ratio[..., new] = token_ratio(*(torch.cat([x[..., new, :] for x in xs]) for xs in (
+                [v.keys for v in views], [v.values for v in views]))).masked_fill_(view.positions[..., new] < 0, 0.0)
+
     def score(self, view: LayerView) -> Tensor:
         if kernels.use_triton(view.keys, view.values):
             # one fused pass over K and V (`kernels.block_scores` with blocks of one slot = the head-averaged token
             # score); the cache's selection then averages whole blocks, over non-padding slots, as on the torch path
             B, H, T, _ = view.keys.shape
             return kernels.block_scores(view.keys, view.values, 1)[:, None].expand(B, H, T)
-        ratio = view.values.float().norm(dim=-1) / view.keys.float().norm(dim=-1).clamp(min=1e-6)
-        return reduce_heads(ratio)
+        ratio = view.state.get(RATIO)
+        return reduce_heads(token_ratio(view.keys, view.values) if ratio is None else ratio)
+
+    def score_layers(self, view: LayerView, views: Sequence[LayerView]) -> Tensor:
+        # with the ratios as state (the torch path, where the cache stacks layers), every layer's rows at once
+        ratio = view.state.get(RATIO)
+        return super().score_layers(view, views) if ratio is None else reduce_heads(ratio)
+
+
+def token_ratio(keys: Tensor, values: Tensor) -> Tensor:
+    """``[..., T, D]`` keys and values -> ``[..., T]``: each token's fp32 ||V|| / ||K|| (PagedEviction's token score
+    before the mean over KV heads)."""
+    return token_norms(values) / token_norms(keys).clamp(min=1e-6)
