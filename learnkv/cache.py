@@ -557,12 +557,12 @@ class BudgetCache(Cache):
         rows = self.row_policies if policy is self.decode_policy else self.prefill_rows
         by_rows = policy.rowwise and (self.dense or self._lagged(rows)) and self.shared_block is None
         due = view.due_rows() if by_rows else None
-        layers = len(order) > 1 and policy.reads_layer
+        per_layer = len(order) > 1 and policy.reads_layer  # the policy gets one view per layer too
         if due is None or len(due) == view.positions.shape[0]:
-            views = self._layer_views(order, stats, view, keep) if layers else None
-            return policy.score_layers(view, views) if layers else policy.score(view), None
+            views = self._layer_views(order, stats, view, keep) if per_layer else None
+            return policy.score_layers(view, views) if per_layer else policy.score(view), None
         some = view.select_rows(due)
-        if not layers:
+        if not per_layer:
             return policy.score(some), due
         # each layer's view of its due rows, selected (a copy of its keys and values) only if the policy reads it
         B, views = view.positions.shape[0] // len(order), self._layer_views(order, stats, view, keep)
