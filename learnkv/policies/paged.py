@@ -3,11 +3,10 @@
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from learnkv import kernels
-from learnkv.features import token_norms
+from learnkv.features import stacked, token_norms
 from learnkv.policies.base import LayerView, Policy, reduce_heads
 from learnkv.fields import setting
 
@@ -64,11 +63,11 @@ class PagedEviction(Policy):
         # whether or not a compaction moved its row
         ratio = view.state.get(RATIO)
         if ratio is None:  # the state starts here: every slot is new
-            ratio = torch.cat([token_ratio(v.keys, v.values) for v in views])
+            ratio = stacked([token_ratio(v.keys, v.values) for v in views])
             view.state[RATIO] = ratio.masked_fill_(view.positions < 0, 0.0)
         elif view.n_new:
             new = slice(-view.n_new, None)
-            ratio[..., new] = token_ratio(*(torch.cat([x[..., new, :] for x in xs]) for xs in (
+            ratio[..., new] = token_ratio(*(stacked([x[..., new, :] for x in xs]) for xs in (
                 [v.keys for v in views], [v.values for v in views]))).masked_fill_(view.positions[..., new] < 0, 0.0)
 
     def score(self, view: LayerView) -> Tensor:
