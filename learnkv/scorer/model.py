@@ -95,7 +95,11 @@ class Scorer(nn.Module):
         """The content gate's score of each token: ``values [..., H, T, D]`` -> ``[..., H, T]`` for an int ``layer``
         (``[N, H, T, D]`` with ``layer [N, ...]`` in training)."""
         if isinstance(layer, int):
-            return torch.einsum("...htd,hd->...ht", values.float(), self.wc[layer])
+            # a product summed over D, not a matmul: a token's term must not depend on the tokens beside it (the
+            # learned policy caches each token's, computed with the step's new tokens alone, `learned.cached_content`),
+            # and a matmul of one token takes another kernel than of several, which rounds otherwise on some CPUs
+            # (AVX-512: ~1e-6 apart)
+            return (values.float() * self.wc[layer][:, None, :]).sum(-1)
         return torch.einsum("nhtd,nhd->nht", values.float(), self.wc[layer.reshape(-1)])
 
     def _mlp(self, features: Tensor, layer: int | Tensor, consume: bool = False) -> Tensor:
