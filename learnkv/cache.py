@@ -578,8 +578,9 @@ class BudgetCache(Cache):
         ``positions`` and ``scores`` ``[L * B, H, T]``), or, with ``pooling``, share one decision whose scores are
         one tensor per layer pooled into one score per slot (`learnkv.pooling.shared_keep_slots`). ``keep``,
         ``sinks`` and ``recents`` are per row of one layer. Returns the kept slots (None where a one-drop step
-        marked its victims without listing them, `_mark_one_drop`) and whether the layers were compacted (else the
-        evicted slots were marked dead in place). ``rows``: the rows ``scores`` are of, if not every row (`_score`):
+        marked its victims without listing them, `_mark_one_drop`, or a stacked step of a dense cache listed only
+        the rows that evict) and whether the layers were compacted (else the evicted slots were marked dead in
+        place). ``rows``: the rows ``scores`` are of, if not every row (`_score`):
         a dense cache's due rows select alone (`_select_due_rows`); elsewhere the other rows get zeros, and keep
         every live slot as their ``keep`` asks."""
         dense_rows = self.dense and pooling is None and self.allocation.mode == "uniform"
@@ -595,14 +596,18 @@ class BudgetCache(Cache):
         L = len(layers)
         if block == 1 and self._mark_one_drop(layers, positions, scores, keep, sinks, recents):
             return None, False
+        moving = None
         if dense_rows:
-            index = self._select_due_rows(scores, rows, positions, keep * L, sinks * L, recents * L, block,
-                                          layers[0].live * L)
+            # a stacked step's layers move only the rows that change (`_moved_rows_of_linked_layers`), so the
+            # others need no index
+            index, moving = self._select_due_rows(scores, rows, positions, keep * L, sinks * L, recents * L, block,
+                                                  layers[0].live * L, self.slack if L > 1 else None)
         else:
             index = kernels.select_keep(scores, positions, _one_or_rows(keep * L), _one_or_rows(sinks * L),
                                         _one_or_rows(recents * L), block, live=layers[0].live * L)
         index = self._dense_width(layers[0], index)
-        return index, self._keep_slots(layers, index, positions, keep if block == 1 else None)
+        compacts = self._keep_slots(layers, index, positions, keep if block == 1 else None, moving)
+        return (None if moving is not None else index), compacts
 
     def _dense_width(self, layer: BudgetLayer, index: Tensor) -> Tensor:
         """The kept slots ``index [., H, K]`` of a dense cache's ``layer`` at the layer's width, where a compaction to
@@ -616,16 +621,21 @@ class BudgetCache(Cache):
 
     @staticmethod
     def _select_due_rows(scores: Tensor, rows: list[int] | None, positions: Tensor, keep: list[int], sinks: list[int],
-                         recents: list[int], block: int, live: list[int]) -> Tensor:
+                         recents: list[int], block: int, live: list[int],
+                         slack: int | None = None) -> tuple[Tensor, list[int] | None]:
         """`kernels.select_keep` of a dense cache (``dense``) where some rows evict: the rows that evict select (with
         their scores, the only ones computed: ``scores`` are of ``rows``, or of every row where ``rows`` is None),
         and each other row keeps its live slots where they lie. The same index as the selection of every row: a
         dense cache compacts at every eviction, so a row's dead slots (padding, the fillers of a compaction) precede
-        its live ones. That is checked; a row that breaks it (a dead slot among live ones) has every row select."""
-        def every_row() -> Tensor:
+        its live ones. That is checked; a row that breaks it (a dead slot among live ones) has every row select.
+        Returns the index and None, or with ``slack``, where the index would be padded to the width anyway
+        (`_dense_width`: it frees at most ``slack`` slots in every row), the index of the rows that evict alone, at
+        the width, and those rows: every other keeps each slot where it lies (for a caller that moves only the rows
+        that change, `learnkv.slots.keep_moved_rows_of_layers`)."""
+        def every_row() -> tuple[Tensor, None]:
             full = scores if rows is None else _scatter_rows(scores, rows, positions.shape)
             return kernels.select_keep(full, positions, _one_or_rows(keep), _one_or_rows(sinks),
-                                       _one_or_rows(recents), block, live=live)
+                                       _one_or_rows(recents), block, live=live), None
 
         due = rows if rows is not None else [b for b, (k, n) in enumerate(zip(keep, live)) if k < n]
         if len(due) == len(keep):
@@ -638,6 +648,13 @@ class BudgetCache(Cache):
         T = positions.shape[-1]
         evicting = set(due)
         width = max([chosen.shape[-1]] + [n for b, n in enumerate(live) if b not in evicting])
+        if slack is not None and T - width <= slack:
+            # each other row keeps its slots where they lie if no live slot precedes a dead one (one
+            # synchronisation, as the selection's own)
+            alive = positions >= 0
+            if bool((alive[..., :-1] > alive[..., 1:]).index_fill_(0, at, False).any()):
+                return every_row()
+            return F.pad(chosen, (T - chosen.shape[-1], 0), value=-1), due
         held = torch.arange(T - width, T, device=positions.device).expand_as(positions[..., T - width :])
         index = torch.where(positions[..., T - width :] >= 0, held, -1)
         index.index_copy_(0, at, F.pad(chosen, (width - chosen.shape[-1], 0), value=-1))
@@ -646,7 +663,7 @@ class BudgetCache(Cache):
         left_out = (positions[..., : T - width] >= 0).index_fill_(0, at, False)
         if bool((index[..., 1:] < index[..., :-1]).any() | left_out.any()):
             return every_row()
-        return index
+        return index, None
 
     def _mark_one_drop(self, layers: list[BudgetLayer], positions: Tensor, scores: Tensor, keep: list[int],
                        sinks: list[int], recents: list[int]) -> bool:
@@ -672,18 +689,24 @@ class BudgetCache(Cache):
         more than the cache's ``slack`` slots would be dead in every row."""
         return self.dense or layer.n_slots - kept > self.slack
 
-    def _keep_slots(self, layers: list[BudgetLayer], index: Tensor, positions: Tensor, live: list[int] | None) -> bool:
+    def _keep_slots(self, layers: list[BudgetLayer], index: Tensor, positions: Tensor, live: list[int] | None,
+                    moving: list[int] | None = None) -> bool:
         """Keep the slots ``index`` (ascending, -1 = none, see `kernels.select_keep`; ``[L * B, H, K]`` layer-major
         for ``L`` layers, or ``[B, 1, K]`` for every layer and KV head alike) in ``layers``, whose positions are
         ``positions`` (one layer's, or their stacked view): compact, or mark the rest dead (`_compacts`).
         ``live``: each row's live tokens afterwards, if the caller knows them (token eviction: what it asked to
-        keep); else counted. Returns whether the layers were compacted."""
+        keep); else counted. ``moving``: the only rows whose slots may change, if the caller knows
+        (`_select_due_rows`), and ``index`` is of those alone. Returns whether the layers were compacted."""
         first = layers[0]
         B = first.positions.shape[0]
         compacts = self._compacts(first, index.shape[-1])
         if not compacts:
             mark_dead(positions, index)  # a stacked view writes through to every layer's positions
-        elif not self._moved_rows_of_linked_layers(layers, index):
+        elif not self._moved_rows_of_linked_layers(layers, index, moving):
+            if moving is not None:  # every row's index: each other row's live slots where they lie
+                held = torch.arange(index.shape[-1], device=index.device).expand_as(positions)
+                at = torch.tensor(moving, device=index.device)
+                index = torch.where(positions >= 0, held, -1).index_copy_(0, at, index)
             for i, layer in enumerate(layers):
                 part = index[i * B : (i + 1) * B] if index.shape[0] > B else index
                 heads = layer.positions.shape[1]
@@ -694,19 +717,21 @@ class BudgetCache(Cache):
             layer.heads_alike = first.heads_alike
         return compacts
 
-    def _moved_rows_of_linked_layers(self, layers: list[BudgetLayer], index: Tensor) -> bool:
+    def _moved_rows_of_linked_layers(self, layers: list[BudgetLayer], index: Tensor, moving: list[int] | None) -> bool:
         """Keep the slots ``index`` (at the layers' width) of a stacked step's layers by moving only the rows that
-        change, every layer's positions and state at once (`learnkv.slots.keep_moved_rows_of_layers`). Returns
-        whether it did (else each layer keeps its slots itself)."""
+        change (of ``moving``, if not None), every layer's positions and state at once
+        (`learnkv.slots.keep_moved_rows_of_layers`). Returns whether it did (else each layer keeps its slots
+        itself)."""
         first = layers[0]
+        rows = len(layers) * first.positions.shape[0] if moving is None else len(moving)
         if (len(layers) == 1 or len(layers) != len(self.layers) or index.shape[-1] != first.n_slots
-                or index.shape[0] != len(layers) * first.positions.shape[0]):
+                or index.shape[0] != rows):
             return False
         n = first.n_slots
         for layer in layers:  # entries the policy rebound this step, into their channels (as `keep_slots` does)
             if layer.state:
                 layer._pack_state(n, n)
-        return self._link_layers(layers) is not None and keep_moved_rows_of_layers(layers, index, self._stack)
+        return self._link_layers(layers) is not None and keep_moved_rows_of_layers(layers, index, self._stack, moving)
 
     def _link_layers(self, layers: list[BudgetLayer]) -> tuple[Tensor, dict[str, Tensor]] | None:
         """The stacked positions and state of ``layers`` (`learnkv.slots.link_layers`), or None."""

@@ -258,13 +258,15 @@ class BudgetLayer(DynamicLayer):
         link = (self._buffers[2][None], {dtype: buf[None] for dtype, buf in self._packed.items()})
         return keep_moved_rows_of_layers([self], index, link)
 
-    def _move_keys_values(self, moved: Tensor, rows: Tensor, first: int) -> None:
-        """Into the slots from ``first`` of the rows ``moved``, their slots ``rows [len(moved), H, W]``: row r's by
-        advanced indexing, then written back."""
-        H, W = rows.shape[1:]
-        at = (moved[:, None, None], torch.arange(H, device=rows.device)[None, :, None], rows)
+    def _move_keys_values(self, row: int, slots: Tensor, first: int) -> None:
+        """Into the slots from ``first`` of row ``row``, its slots ``slots [H, W]``: gathered as whole slots
+        (`kernels.gather_tokens`, one contiguous read a slot, where advanced indexing read one index an element at
+        twice the time) into the owner's workspace, then copied back."""
         for buf in self._buffers[:2]:  # [B, H, C, D]
-            buf.narrow(2, first, W).index_copy_(0, moved, buf[at])
+            one = buf.narrow(0, row, 1)
+            shape = [1, *slots.shape, buf.shape[-1]]
+            kept = kernels.gather_tokens(one, slots[None], -2, out=self.owner.workspace(shape, buf.dtype, buf.device))
+            one.narrow(2, first, slots.shape[-1]).copy_(kept)
 
     def _state_in_place(self, capacity: int) -> bool:
         """Whether a compaction to ``capacity`` slots keeps the positions and state in their buffers (gathered
@@ -299,34 +301,41 @@ def _move_state(buf: Tensor, moved: Tensor, rows: Tensor, first: int) -> None:
     buf.narrow(3, first, rows.shape[-1]).index_copy_(0, moved, kept.masked_fill_(filler[:, :, None, :], 0))
 
 
-def keep_moved_rows_of_layers(layers: list[BudgetLayer], index: Tensor, link: Link) -> bool:
+def keep_moved_rows_of_layers(layers: list[BudgetLayer], index: Tensor, link: Link,
+                              rows: list[int] | None = None) -> bool:
     """`BudgetLayer._keep_moved_rows` of layers whose positions and state are linked (``link``, `link_layers`), for
     their kept slots ``index [L * B, H, n_slots]`` (layer-major): the positions and state of every layer's moved
     rows at once, then each layer's keys and values. The same slots and state as layer by layer, in a few ops where
-    each layer's took ~20 (a row's block eviction in a 30-layer model). Returns False, having done nothing, where
-    every row of every layer moves."""
+    each layer's took ~20 (a row's block eviction in a 30-layer model). With ``rows`` (layer-major), ``index`` is of
+    those rows alone and every other row keeps its slots where they lie: the others are neither listed nor compared
+    (at batch 16 and ~1.3k slots over 30 layers, listing and comparing every row cost ~15 ms an eviction). Returns
+    False, having done nothing, where every row of every layer moves."""
     B, n = layers[0].positions.shape[0], layers[0].n_slots
     positions = link[0][..., :n].flatten(0, 1)
-    kept = positions.gather(-1, index.clamp(min=0)).masked_fill_(index < 0, -1)
+    compared = None if rows is None else torch.tensor(rows, dtype=torch.long, device=positions.device)
+    held = positions if compared is None else positions.index_select(0, compared)
+    kept = held.gather(-1, index.clamp(min=0)).masked_fill_(index < 0, -1)
     # a row moves where a slot would hold another token or turn dead (live positions are unique within a row)
-    changed = (kept != positions).any(1)  # [L * B, n]
-    moved = changed.any(1).nonzero().flatten()
+    changed = (kept != held).any(1)  # [rows, n]
+    moved_of = changed.any(1).nonzero().flatten()  # of the rows compared
+    moved = moved_of if compared is None else compared[moved_of]
     if len(moved) == positions.shape[0]:  # one synchronisation, as the whole compaction's own
         return False
-    positions.copy_(kept)
     if len(moved) == 0:
         return True
-    # the slots before the first that changes hold what they held: a block evicted halfway along a row moves
-    # the second half alone
-    first = int(changed.any(0).int().argmax())
-    rows = index.index_select(0, moved)[..., first:]
+    positions.index_copy_(0, moved, kept.index_select(0, moved_of))
+    # the slots before the first that changes and from the one after the last hold what they held: a block
+    # evicted halfway along a row (live slots at its right) moves the first half alone
+    first, last = changed.any(0).nonzero()[[0, -1], 0].tolist()
+    slots = index.index_select(0, moved_of)[..., first : last + 1]
     for buf in link[1].values():  # [L, B, H, S, C]
-        _move_state(buf.flatten(0, 1), moved, rows, first)
-    at = moved.tolist()  # ascending: each layer's moved rows are a run of them
+        _move_state(buf.flatten(0, 1), moved, slots, first)
+    moved_rows = moved.tolist()  # ascending: each layer's moved rows are a run of them
+    slots = slots.clamp(min=0)
     for i, layer in enumerate(layers):
-        start, stop = bisect.bisect_left(at, i * B), bisect.bisect_left(at, (i + 1) * B)
-        if start < stop:
-            layer._move_keys_values(moved[start:stop] - i * B, rows[start:stop].clamp(min=0), first)
+        start, stop = bisect.bisect_left(moved_rows, i * B), bisect.bisect_left(moved_rows, (i + 1) * B)
+        for j in range(start, stop):
+            layer._move_keys_values(moved_rows[j] - i * B, slots[j], first)
     return True
 
 

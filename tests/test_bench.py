@@ -464,3 +464,29 @@ def test_omp_teams_benchmark_prints_both_sides():
                           "--threads", "1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "us an op, beside an idle team" in res.stdout and "; beside / alone " in res.stdout
+
+
+def test_profile_eviction_timers(small, tmp_path):
+    """`bench/profile_eviction.py --timers` on the tiny model: the eviction path's functions timed per eviction,
+    without the profiler; the wrapped functions are the real ones again afterwards."""
+    import importlib.util
+
+    from learnkv.cache import BudgetCache
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "bench/profile_eviction.py", "--model", str(saved_model(small, tmp_path)),
+                          "--policies", "paged", "--batch", "2", "--new-tokens", "40", "--fraction", "0.9",
+                          "--timers"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {line.split(" | ")[0].strip("|` "): line.split(" | ")[1:] for line in res.stdout.splitlines()
+            if line.startswith("| `")}
+    assert {"_step", "_evict", "_select_due_rows", "_keep_slots"} <= rows.keys()
+    assert int(rows["_evict"][0]) > 0 and float(rows["_evict"][2].rstrip(" |")) > 0
+    spec = importlib.util.spec_from_file_location("bench_profile", ROOT / "bench" / "profile_eviction.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = [vars(owner)[name] for owner, name in module.TIMED]
+    with module.timers() as spent:
+        BudgetCache._select_due_rows(torch.rand(1, 1, 4), None, torch.arange(4).view(1, 1, 4), [2], [0], [0], 1, [4])
+    assert list(spent) == ["_select_due_rows"] and len(spent["_select_due_rows"]) == 1
+    assert [vars(owner)[name] for owner, name in module.TIMED] == before

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import params_for, prefill_for, random_ids, scorer_for
 from learnkv import cache as cache_module, generate, kernels
@@ -197,14 +198,16 @@ def test_a_dense_compaction_moves_only_the_rows_that_evict(tiny, monkeypatch, po
     the others are left as they are. The same tokens, live slots and state at
     every step, and at the end the same live keys and values and positions, as every row scored, selecting and
     compacted."""
-    real, real_linked, moved, linked = BudgetLayer._keep_moved_rows, cache_module.keep_moved_rows_of_layers, [], []
+    real, real_linked = BudgetLayer._keep_moved_rows, cache_module.keep_moved_rows_of_layers
+    moved, linked, told = [], [], []
 
     def spy(layer, index):
         moved.append(real(layer, index))
         return moved[-1]
 
-    def spy_linked(layers, index, link):  # a stacked step's layers at once
-        moved.append(real_linked(layers, index, link))
+    def spy_linked(layers, index, link, rows=None):  # a stacked step's layers at once
+        told.append(rows is not None)  # only the rows that select compared, as the selection tells
+        moved.append(real_linked(layers, index, link, rows))
         linked.append(moved[-1])
         return moved[-1]
 
@@ -216,14 +219,21 @@ def test_a_dense_compaction_moves_only_the_rows_that_evict(tiny, monkeypatch, po
     ours, live, states, cache = staggered_decode(tiny, policy, extra)
     assert cache.dense and sum(moved) >= 4  # the path under test ran, again and again
     assert any(linked) == (policy == "paged")  # stacked layers at once (R-KV here is lagged; the block mode shared)
+    assert all(told)
     assert min(selected) < 4 or cache.shared_block  # and the due rows' selection, where each layer decides
     monkeypatch.setattr(kernels, "select_keep", select)
     monkeypatch.setattr(BudgetLayer, "_keep_moved_rows", lambda layer, index: False)
-    monkeypatch.setattr(cache_module, "keep_moved_rows_of_layers", lambda layers, index, link: False)
+    monkeypatch.setattr(cache_module, "keep_moved_rows_of_layers", lambda layers, index, link, rows=None: False)
+    # where the layers cannot move their rows at once, the due rows' index is spread to every row's, and each layer
+    # compacts itself
+    spread, spread_live, spread_states, _ = staggered_decode(tiny, policy, extra)
+    assert spread.tokens.tolist() == ours.tokens.tolist()
+    assert all(torch.equal(x, y) for a, b in zip(live, spread_live) for x, y in zip(a, b))
+    assert all(torch.equal(x[name], y[name]) for a, b in zip(states, spread_states) for x, y in zip(a, b) for name in x)
     monkeypatch.setattr(LayerView, "due_rows", lambda view: list(range(view.positions.shape[0])))
     monkeypatch.setattr(BudgetCache, "_select_due_rows", staticmethod(
-        lambda scores, rows, positions, keep, sinks, recents, block, live: select_keep_reference(
-            scores, positions, keep, sinks, recents, block)))
+        lambda scores, rows, positions, keep, sinks, recents, block, live, slack=None: (select_keep_reference(
+            scores, positions, keep, sinks, recents, block), None)))
     base, base_live, base_states, base_cache = staggered_decode(tiny, policy, extra)
     assert ours.tokens.tolist() == base.tokens.tolist()
     assert all(torch.equal(x, y) for a, b in zip(live, base_live) for x, y in zip(a, b))
@@ -262,16 +272,27 @@ def test_due_rows_select_as_every_row(block, B, H, T, interior):
         sinks, recents = [2] * B, [1] * B
         scores = torch.rand(B, H, T, generator=g)
         expected = select_keep_reference(scores, positions, keep, sinks, recents, block)
-        ours = BudgetCache._select_due_rows(scores, None, positions, keep, sinks, recents, block, live)
-        assert torch.equal(ours, expected)
+        ours, moving = BudgetCache._select_due_rows(scores, None, positions, keep, sinks, recents, block, live)
+        assert torch.equal(ours, expected) and moving is None  # every row's index
+        rows = [b for b in range(B) if keep[b] < live[b]]
         # the due rows' scores alone, as `BudgetCache._score` gives them: the index of every row selecting with zero
         # scores in the others (the same index as above, but where a block selection drops a block from a row that
         # is not due: a dead slot among its live ones makes it hold more slots than it keeps)
-        rows = [b for b in range(B) if keep[b] < live[b]]
         zeros = torch.zeros_like(scores).index_copy_(0, torch.tensor(rows), scores[rows])
-        some = BudgetCache._select_due_rows(scores[rows], rows, positions, keep, sinks, recents, block, live)
+        some, moving = BudgetCache._select_due_rows(scores[rows], rows, positions, keep, sinks, recents, block, live)
+        assert moving is None
         assert torch.equal(some, select_keep_reference(zeros, positions, keep, sinks, recents, block))
         assert torch.equal(some, expected) or (interior and block > 1)
+        # with a slack that covers the width (a stacked step that moves only the rows that change): the due rows'
+        # index alone at the width, the others keeping their live slots where they lie; or every row's
+        alone, moving = BudgetCache._select_due_rows(scores[rows], rows, positions, keep, sinks, recents, block, live,
+                                                     slack=T)
+        if moving is None:  # every row selected
+            assert (interior or len(rows) == B) and torch.equal(alone, some)
+        else:
+            assert moving == rows
+            held = torch.where(positions >= 0, torch.arange(T), -1).index_copy_(0, torch.tensor(rows), alone)
+            assert torch.equal(held, F.pad(some, (T - some.shape[-1], 0), value=-1))
 
 
 @pytest.mark.parametrize("B, H, K", [(1, 1, 1), (2, 3, 9), (8, 3, 64)])
