@@ -156,6 +156,13 @@ class _Selected(Sequence):
         return self._views[i].select_rows(self._rows[i])
 
 
+def _held_where_they_lie(positions: Tensor, first: int = 0) -> Tensor:
+    """The kept-slot index of rows that keep every live slot where it lies, for ``positions [., H, K]``, the slots
+    from ``first``: each live slot's own number, -1 at a dead one."""
+    held = torch.arange(first, first + positions.shape[-1], device=positions.device).expand_as(positions)
+    return torch.where(positions >= 0, held, -1)
+
+
 def _one_or_rows(values: list[int]) -> int | list[int]:
     """One int when every row has the same value (the kernels' fast path), else the per-row list."""
     return values[0] if len(set(values)) == 1 else values
@@ -655,8 +662,7 @@ class BudgetCache(Cache):
             if bool((alive[..., :-1] > alive[..., 1:]).index_fill_(0, at, False).any()):
                 return every_row()
             return F.pad(chosen, (T - chosen.shape[-1], 0), value=-1), due
-        held = torch.arange(T - width, T, device=positions.device).expand_as(positions[..., T - width :])
-        index = torch.where(positions[..., T - width :] >= 0, held, -1)
+        index = _held_where_they_lie(positions[..., T - width :], T - width)
         index.index_copy_(0, at, F.pad(chosen, (width - chosen.shape[-1], 0), value=-1))
         # ascending after the -1 entries, and no live slot of a row that does not evict left out (one
         # synchronisation, as the selection's own)
@@ -704,9 +710,8 @@ class BudgetCache(Cache):
             mark_dead(positions, index)  # a stacked view writes through to every layer's positions
         elif not self._moved_rows_of_linked_layers(layers, index, moving):
             if moving is not None:  # every row's index: each other row's live slots where they lie
-                held = torch.arange(index.shape[-1], device=index.device).expand_as(positions)
                 at = torch.tensor(moving, device=index.device)
-                index = torch.where(positions >= 0, held, -1).index_copy_(0, at, index)
+                index = _held_where_they_lie(positions).index_copy_(0, at, index)
             for i, layer in enumerate(layers):
                 part = index[i * B : (i + 1) * B] if index.shape[0] > B else index
                 heads = layer.positions.shape[1]

@@ -8,7 +8,6 @@ that one op updates or marks the whole model (the cache's stacked decode steps).
 
 from __future__ import annotations
 
-import bisect
 import math
 import weakref
 from typing import Protocol
@@ -330,12 +329,9 @@ def keep_moved_rows_of_layers(layers: list[BudgetLayer], index: Tensor, link: Li
     slots = index.index_select(0, moved_of)[..., first : last + 1]
     for buf in link[1].values():  # [L, B, H, S, C]
         _move_state(buf.flatten(0, 1), moved, slots, first)
-    moved_rows = moved.tolist()  # ascending: each layer's moved rows are a run of them
     slots = slots.clamp(min=0)
-    for i, layer in enumerate(layers):
-        start, stop = bisect.bisect_left(moved_rows, i * B), bisect.bisect_left(moved_rows, (i + 1) * B)
-        for j in range(start, stop):
-            layer._move_keys_values(moved_rows[j] - i * B, slots[j], first)
+    for j, row in enumerate(moved.tolist()):  # layer-major: row r is row r % B of layer r // B
+        layers[row // B]._move_keys_values(row % B, slots[j], first)
     return True
 
 
