@@ -32,7 +32,7 @@ import torch
 # the repo root first: learnkv from this checkout, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learnkv import cache as cache_module, generate, load_model  # noqa: E402
+from learnkv import cache as cache_module, generate, kernels, load_model  # noqa: E402
 from learnkv.cache import BudgetCache  # noqa: E402
 from learnkv.slots import BudgetLayer  # noqa: E402
 from learnkv.cli import thread_count  # noqa: E402
@@ -43,8 +43,8 @@ from learnkv.prompts import load_prompts  # noqa: E402
 
 #: what ``--timers`` times: (owner, attribute name), outermost first
 TIMED = [(BudgetCache, "_step"), (BudgetCache, "_evict"), (BudgetCache, "_score"), (BudgetCache, "_select_due_rows"),
-         (BudgetCache, "_keep_slots"), (cache_module, "keep_moved_rows_of_layers"), (BudgetLayer, "keep_slots"),
-         (BudgetLayer, "_move_keys_values")]
+         (kernels, "select_keep"), (BudgetCache, "_keep_slots"), (cache_module, "keep_moved_rows_of_layers"),
+         (BudgetLayer, "keep_slots"), (BudgetLayer, "_move_keys_values")]
 
 
 @contextlib.contextmanager

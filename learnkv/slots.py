@@ -17,6 +17,7 @@ from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
 from learnkv import kernels
+from learnkv.kernels.cpu import move_slot_run, slot_runs
 
 #: every layer's slot positions ``[L, B, H, C]`` and packed state ``{dtype: [L, B, H, S, C]}``, stacked
 Link = tuple[Tensor, dict[torch.dtype, Tensor]]
@@ -329,10 +330,24 @@ def keep_moved_rows_of_layers(layers: list[BudgetLayer], index: Tensor, link: Li
     slots = index.index_select(0, moved_of)[..., first : last + 1]
     for buf in link[1].values():  # [L, B, H, S, C]
         _move_state(buf.flatten(0, 1), moved, slots, first)
+    moved = moved.tolist()  # layer-major: row r is row r % B of layer r // B
+    runs = slot_runs(slots, first) if _in_place(layers) else None
+    if runs is not None:  # each run's keys and values shifted in place
+        for j, head, dest, length, shift in runs:
+            for buf in layers[moved[j] // B]._buffers[:2]:
+                move_slot_run(buf, moved[j] % B, head, dest, length, shift)
+        return True
     slots = slots.clamp(min=0)
-    for j, row in enumerate(moved.tolist()):  # layer-major: row r is row r % B of layer r // B
+    for j, row in enumerate(moved):
         layers[row // B]._move_keys_values(row % B, slots[j], first)
     return True
+
+
+def _in_place(layers: list[BudgetLayer]) -> bool:
+    """Whether the moved rows' keys and values of ``layers`` shift in place (`kernels.cpu.move_slot_run`: contiguous
+    CPU buffers on the torch path), rather than through `BudgetLayer._move_keys_values`."""
+    return all(not kernels.use_triton(buf) and buf.device.type == "cpu" and buf.is_contiguous()
+               for layer in layers for buf in layer._buffers[:2])
 
 
 def _filled_prefix(filler: Tensor) -> int:

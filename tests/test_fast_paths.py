@@ -2,7 +2,8 @@
 
 Each shortcut saves tensor ops (on CPU every op costs a dispatch) or memory traffic in the decode loop, and must
 give exactly what the plain formulation gives, so that the kept tokens do not change: the reference selection's
-token path, the reference gather of whole slots, `exact_map`'s distinct tuples, the learned policy scoring only the
+token path, the selection's kept slots listed by a cumulative sum, the reference gather of whole slots, the moved
+rows' keys and values shifted in place, `exact_map`'s distinct tuples, the learned policy scoring only the
 rows that evict, the cache's state buffers that need no zeroing at an append, and the learned refresh's feature
 read-out (its columns laid out feature by feature, its dead slots zeroed by index).
 """
@@ -84,6 +85,88 @@ def test_select_keep_one_drop_equals_the_reference(B, H, T, kind, one_keep):
         assert taken == 0
     elif kind != "special":
         assert taken >= 15, f"the shortcut decided only {taken} of 20 steps"
+
+
+@pytest.mark.parametrize("B, H, T", [(1, 1, 1), (1, 3, 17), (2, 2, 33), (4, 3, 129), (16, 3, 40)])
+@pytest.mark.parametrize("block", [1, 4, 16])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_listed_selection_equals_the_reference(B, H, T, block, ties, per_row):
+    """`kernels.cpu.select_keep_listed` (kept slots listed by a cumulative sum) keeps the reference's slots in the
+    reference's order (which sorts every slot), tokens and blocks, rows keeping fewer than the widest included;
+    where the reference refuses (a row without the blocks to drop), so does it."""
+    from learnkv import kernels
+    from learnkv.kernels.cpu import select_keep_listed
+
+    g = torch.Generator().manual_seed(B * 1000 + T + block)
+    compared = 0
+    for trial in range(20):
+        pos = torch.arange(T).expand(B, H, T).clone()
+        pos[0, :, : int(torch.randint(0, T, (1,), generator=g))] = -1  # left padding
+        if block == 1:
+            pos[torch.rand(B, H, T, generator=g) < 0.1] = -1  # dead slots
+        scores = torch.randint(0, 3, (B, H, T), generator=g).float() if ties else torch.randn(B, H, T, generator=g)
+        low = 0 if block == 1 else T // 2  # a row of blocks keeps at least its trailing partial block
+        draw = lambda: int(torch.randint(low, T + 2, (1,), generator=g))  # noqa: E731
+        keep = [draw() for _ in range(B)] if per_row else draw()
+        args = (scores, pos, keep, trial % 3, trial % 5, block)
+        try:
+            expected = ref.select_keep_reference(*args)
+        except ValueError:
+            with pytest.raises(ValueError):
+                select_keep_listed(*args)
+            continue
+        assert torch.equal(select_keep_listed(*args), expected), f"trial {trial}"
+        assert torch.equal(kernels.select_keep(*args), expected)
+        compared += 1
+    assert compared >= 5
+
+
+@pytest.mark.parametrize("M, H, C, D", [(1, 1, 4, 1), (2, 3, 40, 8), (5, 2, 300, 16)])
+@pytest.mark.parametrize("kind", ["blocks", "subsets"])
+def test_slot_runs_move_what_a_gather_moves(M, H, C, D, kind):
+    """The moved rows' keys and values shifted in place (`kernels.cpu.slot_runs`, one memmove a run,
+    `move_slot_run`) hold every kept slot a gather would put there, and leave every other slot as it was; a kept
+    slot that would move left has no runs (the caller gathers)."""
+    from learnkv.kernels.cpu import move_slot_run, slot_runs
+
+    g = torch.Generator().manual_seed(M * 100 + C)
+    for trial in range(20):
+        n = int(torch.randint(1, C + 1, (1,), generator=g))
+        first = int(torch.randint(0, n, (1,), generator=g))
+        W = n - first
+        slots = torch.full((M, H, W), -1)
+        for m in range(M):
+            for h in range(H):
+                if kind == "blocks":  # a dense row: live slots at its right, a block of them evicted
+                    live = int(torch.randint(0, n + 1, (1,), generator=g))
+                    start = n - live + int(torch.randint(0, live + 1, (1,), generator=g))
+                    size = int(torch.randint(0, n - start + 1, (1,), generator=g))
+                    kept = [s for s in range(n - live, n) if not start <= s < start + size]
+                else:  # any ascending subset
+                    kept = sorted(torch.randperm(n, generator=g)[: int(torch.randint(0, n + 1, (1,), generator=g))])
+                kept = [s for s in kept if s < n][-W:] if W else []
+                if kept:
+                    slots[m, h, W - len(kept) :] = torch.tensor(kept)
+        buf = torch.randn(M, H, C, D, generator=g)
+        runs = slot_runs(slots, first)
+        assert runs is not None  # kept slots listed at a row's right never move left
+        expected = buf.clone()
+        held = slots >= 0
+        for m, h, i in held.nonzero().tolist():
+            expected[m, h, first + i] = buf[m, h, slots[m, h, i]]
+        for run in runs:
+            move_slot_run(buf, *run)
+        moved = torch.zeros(M, H, C, dtype=torch.bool)
+        moved[..., first:n] = held
+        assert torch.equal(buf[moved], expected[moved]), f"trial {trial}"
+        touched = torch.zeros_like(moved)
+        for m, h, dest, length, _ in runs:
+            touched[m, h, dest : dest + length] = True
+        assert torch.equal(buf[~touched], expected[~touched])
+    assert slot_runs(torch.tensor([[[2, 3]]]), 0) is None  # slots 2, 3 to 0, 1: left
+    with pytest.raises(ValueError, match="no run"):
+        move_slot_run(torch.zeros(1, 1, 4, 2), 0, 0, 3, 2, 1)  # past the buffer
 
 
 @pytest.mark.parametrize("shape, dim", [((2, 3, 9, 4), -2), ((1, 1, 5, 1), 2), ((3, 2, 7, 4, 2), 2),

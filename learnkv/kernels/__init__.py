@@ -128,7 +128,7 @@ def select_keep(scores, positions, keep, n_sink, n_recent, block_size=1, live=No
             index = select_keep_one_drop(scores, positions, keep, n_sink, n_recent, live)
             if index is not None:
                 return index
-        from learnkv.kernels.reference import select_keep_reference as impl
+        from learnkv.kernels.cpu import select_keep_listed as impl
     return impl(scores, positions, keep, n_sink, n_recent, block_size)
 
 

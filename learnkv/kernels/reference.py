@@ -142,24 +142,27 @@ def select_keep_reference(
         where a left-padded row has its padding. With one ``keep`` for every row there is no -1 entry.
     """
     B, H, T = scores.shape
-    device = scores.device
     if isinstance(keep, int) and T <= keep:
-        return torch.arange(T, device=device).expand(B, H, T).clone()
+        return torch.arange(T, device=scores.device).expand(B, H, T).clone()
+    return list_kept_reference(kept_slots_reference(scores, positions, keep, n_sink, n_recent, block_size))
+
+
+def kept_slots_reference(
+    scores: Tensor, positions: Tensor, keep, n_sink, n_recent, block_size: int = 1
+) -> Tensor:
+    """``[B, H, T]`` bool: the slots `select_keep_reference` keeps (same arguments), as a mask."""
+    B, H, T = scores.shape
+    device = scores.device
     keep_b = per_row(keep, B, device).view(B)
     valid = positions >= 0
     protected = protected_slots(positions, n_sink, n_recent)
 
     if block_size <= 1:
-        # a row keeps its first min(keep, T) slots in priority order, listed ascending; a row that keeps fewer
-        # than the widest has its surplus entries set to -1, which sort first
+        # a row keeps its first min(keep, T) slots in priority order
         prio = scores.float().masked_fill(~valid, float("-inf")).masked_fill(protected, float("inf"))
         order = rank_prefer_recent(prio)
-        if isinstance(keep, int):
-            return order[..., : min(keep, T)].sort(dim=-1).values
-        n_kept = keep_b.clamp(max=T)
-        K = int(n_kept.max()) if B * H else 0
-        top = order[..., :K].masked_fill(torch.arange(K, device=device) >= n_kept.view(B, 1, 1), -1)
-        return top.sort(dim=-1).values
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(T, device=device).expand_as(order))
+        return rank < keep_b.clamp(max=T).view(B, 1, 1)
 
     # blocks: rank them by mean score, keep whole ones, then list the kept slots
     first, n_full, n_kept = block_layout(positions, keep_b, block_size)
@@ -180,10 +183,16 @@ def select_keep_reference(
     order = order.gather(-1, torch.argsort(~exists.gather(-1, order), dim=-1, stable=True))  # real blocks first
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(NB, device=device).expand_as(order).contiguous())
     kept_block = rank < n_kept[..., None]
-    kept = (in_full & kept_block.gather(-1, unit.clamp(max=NB - 1))) | ((rel >= 0) & ~in_full)  # + the tail
-    n_kept = n_kept * bs + (T - first - n_full * bs)
-    K = int(n_kept.max()) if B * H else 0
+    return (in_full & kept_block.gather(-1, unit.clamp(max=NB - 1))) | ((rel >= 0) & ~in_full)  # + the tail
+
+
+def list_kept_reference(kept: Tensor) -> Tensor:
+    """The slots ``kept [B, H, T]`` marks, as `select_keep_reference` lists them: ``[B, H, K]``, ``K`` the most any row
+    keeps, each row's kept slots ascending after ``K - k_b`` entries of -1 (``k_b`` the slots it keeps)."""
+    T = kept.shape[-1]
+    K = int(kept.sum(-1).max()) if kept.numel() else 0
     # kept slots sort after the rest (key T + slot), so a row's last K keys are its filler then its kept slots
+    slots = torch.arange(T, device=kept.device)
     key = torch.where(kept, T + slots, slots).sort(dim=-1).values[..., T - K :]
     return torch.where(key >= T, key - T, torch.full_like(key, -1))
 
