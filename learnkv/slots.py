@@ -259,9 +259,10 @@ class BudgetLayer(DynamicLayer):
         return keep_moved_rows_of_layers([self], index, link)
 
     def _move_keys_values(self, row: int, slots: Tensor, first: int) -> None:
-        """Into the slots from ``first`` of row ``row``, its slots ``slots [H, W]``: gathered as whole slots
-        (`kernels.gather_tokens`, one contiguous read a slot, where advanced indexing read one index an element at
-        twice the time) into the owner's workspace, then copied back."""
+        """Into the slots from ``first`` of row ``row``, its slots ``slots [H, W]`` (the Triton path's move, and the
+        fallback where `kernels.cpu.slot_runs` finds none): gathered as whole slots (`kernels.gather_tokens`, one
+        contiguous read a slot, where advanced indexing read one index an element at twice the time) into the
+        owner's workspace, then copied back."""
         for buf in self._buffers[:2]:  # [B, H, C, D]
             one = buf.narrow(0, row, 1)
             shape = [1, *slots.shape, buf.shape[-1]]
@@ -305,11 +306,12 @@ def keep_moved_rows_of_layers(layers: list[BudgetLayer], index: Tensor, link: Li
                               rows: list[int] | None = None) -> bool:
     """`BudgetLayer._keep_moved_rows` of layers whose positions and state are linked (``link``, `link_layers`), for
     their kept slots ``index [L * B, H, n_slots]`` (layer-major): the positions and state of every layer's moved
-    rows at once, then each layer's keys and values. The same slots and state as layer by layer, in a few ops where
-    each layer's took ~20 (a row's block eviction in a 30-layer model). With ``rows`` (layer-major), ``index`` is of
-    those rows alone and every other row keeps its slots where they lie: the others are neither listed nor compared
-    (at batch 16 and ~1.3k slots over 30 layers, listing and comparing every row cost ~15 ms an eviction). Returns
-    False, having done nothing, where every row of every layer moves."""
+    rows at once, then each layer's keys and values (on the CPU shifted in place, one memmove a run of slots,
+    `kernels.cpu.move_slot_run`; else gathered, `BudgetLayer._move_keys_values`). The same slots and state as layer
+    by layer, in a few ops where each layer's took ~20 (a row's block eviction in a 30-layer model). With ``rows``
+    (layer-major), ``index`` is of those rows alone and every other row keeps its slots where they lie: the others
+    are neither listed nor compared (at batch 16 and ~1.3k slots over 30 layers, listing and comparing every row
+    cost ~15 ms an eviction). Returns False, having done nothing, where every row of every layer moves."""
     B, n = layers[0].positions.shape[0], layers[0].n_slots
     positions = link[0][..., :n].flatten(0, 1)
     compared = None if rows is None else torch.tensor(rows, dtype=torch.long, device=positions.device)

@@ -118,7 +118,8 @@ def select_keep(scores, positions, keep, n_sink, n_recent, block_size=1, live=No
     """Kept slot indices ``[B, H, K]`` (ascending) from scores ``[B, H, T]``; see `kernels.reference`.
 
     ``live``: each row's live slots (one int, or one per row), if the caller knows them; on the torch path it lets
-    a step that drops at most one live slot per row take `kernels.cpu.select_keep_one_drop` (the same result)."""
+    a step that drops at most one live slot per row take `kernels.cpu.select_keep_one_drop` (the same result).
+    Elsewhere the torch path lists the kept slots by a cumulative sum (`kernels.cpu.select_keep_listed`)."""
     if _use_triton(scores, positions):
         from learnkv.kernels.select import select_keep as impl
     else:
