@@ -386,6 +386,19 @@ def test_random_stacked_scores_are_each_layers_own(seed, L, B, H, T):
             assert torch.equal(policy.score(one), _random_scores_before(seed, one)), f"layer {layer}, step {step}"
 
 
+def test_random_hash_in_place_is_the_hash():
+    """`_mix32_` (in place, one scratch tensor) hashes every value below 2**32 as `_mix32` does, the edges included,
+    and as `_mix32` hashes each value as a Python int."""
+    from learnkv.policies.random import _mix32, _mix32_
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.tensor([0, 1, 2**16 - 1, 2**16, 2**31 - 1, 2**31, 2**32 - 1]),
+                   torch.randint(0, 2**32, (5000,), generator=g)]).view(-1, 1, 1).expand(-1, 2, 3).contiguous()
+    expected = _mix32(x)
+    assert torch.equal(_mix32_(x.clone()), expected)
+    assert [_mix32(v) for v in x[:7, 0, 0].tolist()] == expected[:7, 0, 0].tolist()
+
+
 # -- 7. RoCo ----------------------------------------------------------------------------------------------------
 
 

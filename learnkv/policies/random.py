@@ -23,6 +23,16 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+def _mix32_(x: Tensor) -> Tensor:
+    """`_mix32` of an int64 tensor the caller owns, in place, with one scratch tensor where `_mix32` makes a fresh
+    one per operator (at batch 16, 30 layers and ~1.3k slots: ~9 against ~15 ms a decode step, 2 threads)."""
+    x.bitwise_and_(_MASK32)
+    shifted = torch.empty_like(x)
+    for _ in range(2):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted)).mul_(0x45D9F3B).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted))
+
+
 @dataclass
 class RandomEviction(Policy):
     """Evicts uniformly random tokens (EasyKV's ``random``), seeded so runs repeat.
@@ -55,6 +65,6 @@ class RandomEviction(Policy):
         head_keys = torch.tensor([[_mix32(k ^ h) for h in range(heads)] for k in step_keys],
                                  dtype=torch.int64, device=view.positions.device)  # [layers, H]
         head_keys = head_keys.repeat_interleave(rows // len(layers), dim=0)[:, :, None]  # layer-major rows
-        bits = _mix32(head_keys ^ view.positions.clamp(min=0))
+        bits = _mix32_(head_keys ^ view.positions.clamp(min=0))
         # bits < 2**32 round to float32 as their float64 quotient by 2**32 would (a power of two: only the scale)
         return bits.to(torch.float32).mul_(2.0**-32)
