@@ -54,7 +54,7 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
-from learnkv.kernels.reference import per_row, rank_prefer_recent
+from learnkv.kernels.reference import per_row, place_in_order, rank_prefer_recent
 from learnkv.fields import check_fields, setting
 from learnkv.pooling import rank_percentiles
 
@@ -253,9 +253,7 @@ def _check_protected(n_protected: Tensor, quota: Tensor, what: str) -> None:
 
 def _ranks(prio: Tensor) -> Tensor:
     """Each slot's place in its head's order (0 = kept first), with the reference kernel's tie-break."""
-    order = rank_prefer_recent(prio)
-    ranks = torch.empty_like(order)
-    return ranks.scatter_(-1, order, torch.arange(prio.shape[-1], device=prio.device).expand_as(order).contiguous())
+    return place_in_order(rank_prefer_recent(prio))
 
 
 def _pool_keep(prio: Tensor, valid: Tensor, total: Tensor, floor: Tensor) -> Tensor:

@@ -78,6 +78,13 @@ def rank_prefer_recent(priority: Tensor) -> Tensor:
     return T - 1 - order
 
 
+def place_in_order(order: Tensor) -> Tensor:
+    """Each slot's place in ``order [..., T]`` (each row a permutation of its slots, e.g. `rank_prefer_recent`'s):
+    0 for the slot listed first."""
+    places = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, places)
+
+
 def block_layout(
     positions: Tensor, keep: Tensor, block_size: int, check: bool = True
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -160,9 +167,7 @@ def kept_slots_reference(
     if block_size <= 1:
         # a row keeps its first min(keep, T) slots in priority order
         prio = scores.float().masked_fill(~valid, float("-inf")).masked_fill(protected, float("inf"))
-        order = rank_prefer_recent(prio)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(T, device=device).expand_as(order))
-        return rank < keep_b.clamp(max=T).view(B, 1, 1)
+        return place_in_order(rank_prefer_recent(prio)) < keep_b.clamp(max=T).view(B, 1, 1)
 
     # blocks: rank them by mean score, keep whole ones, then list the kept slots
     first, n_full, n_kept = block_layout(positions, keep_b, block_size)
@@ -181,8 +186,7 @@ def kept_slots_reference(
     order = rank_prefer_recent(bprio)
     exists = torch.arange(NB, device=device) < n_full[..., None]  # [B, H, NB]
     order = order.gather(-1, torch.argsort(~exists.gather(-1, order), dim=-1, stable=True))  # real blocks first
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(NB, device=device).expand_as(order).contiguous())
-    kept_block = rank < n_kept[..., None]
+    kept_block = place_in_order(order) < n_kept[..., None]
     return (in_full & kept_block.gather(-1, unit.clamp(max=NB - 1))) | ((rel >= 0) & ~in_full)  # + the tail
 
 
