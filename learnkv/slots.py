@@ -21,6 +21,10 @@ from learnkv.kernels.cpu import move_slot_run, slot_runs
 
 #: every layer's slot positions ``[L, B, H, C]`` and packed state ``{dtype: [L, B, H, S, C]}``, stacked
 Link = tuple[Tensor, dict[torch.dtype, Tensor]]
+#: the most runs of slots a moved row and KV head shifts in place (`kernels.cpu.slot_runs`); with more, its keys and
+#: values are gathered: a block eviction makes one a head, R-KV's ~128 tokens evicted along a row one a token, and
+#: each run is a call from Python (at batch 16 and ~1.3k slots, a row's gather cost what ~100 runs did)
+RUNS_IN_PLACE = 8
 
 
 class SlotOwner(Protocol):
@@ -308,7 +312,8 @@ def keep_moved_rows_of_layers(layers: list[BudgetLayer], index: Tensor, link: Li
     their kept slots ``index [L * B, H, n_slots]`` (layer-major): the positions and state of every layer's moved
     rows at once, then each layer's keys and values (on the CPU shifted in place, one memmove a run of slots,
     `kernels.cpu.move_slot_run`; else gathered, `BudgetLayer._move_keys_values`). The same slots and state as layer
-    by layer, in a few ops where each layer's took ~20 (a row's block eviction in a 30-layer model). With ``rows``
+    by layer, in a few ops where each layer's took ~20 (a row's block eviction in a 30-layer model); gathered where
+    a row and head would take more than `RUNS_IN_PLACE` runs. With ``rows``
     (layer-major), ``index`` is of those rows alone and every other row keeps its slots where they lie: the others
     are neither listed nor compared (at batch 16 and ~1.3k slots over 30 layers, listing and comparing every row
     cost ~15 ms an eviction). Returns False, having done nothing, where every row of every layer moves."""
@@ -333,7 +338,8 @@ def keep_moved_rows_of_layers(layers: list[BudgetLayer], index: Tensor, link: Li
     for buf in link[1].values():  # [L, B, H, S, C]
         _move_state(buf.flatten(0, 1), moved, slots, first)
     moved = moved.tolist()  # layer-major: row r is row r % B of layer r // B
-    runs = slot_runs(slots, first) if _in_place(layers) else None
+    most = RUNS_IN_PLACE * slots.shape[0] * slots.shape[1]
+    runs = slot_runs(slots, first, most) if _in_place(layers) else None
     if runs is not None:  # each run's keys and values shifted in place
         for j, head, dest, length, shift in runs:
             for buf in layers[moved[j] // B]._buffers[:2]:

@@ -191,13 +191,15 @@ def staggered_decode(model, policy, extra):
     ("paged", {"policy_params": {"block_size": 4}, "slack": 6}),  # dead slots left at the left, at the same width
     ("rkv", {"policy_params": {"buffer": 4, "window": 2}, "slack": 5}),
 ])
-def test_a_dense_compaction_moves_only_the_rows_that_evict(tiny, monkeypatch, policy, extra):
+@pytest.mark.parametrize("runs_in_place", [slots.RUNS_IN_PLACE, 1])  # 1: R-KV's rows gathered
+def test_a_dense_compaction_moves_only_the_rows_that_evict(tiny, monkeypatch, policy, extra, runs_in_place):
     """Where slots stay dense every eviction compacts, also one only some rows make: only those rows are scored
     (`BudgetCache._score`), select (`BudgetCache._select_due_rows`) and are gathered, in place
     (`BudgetLayer._keep_moved_rows`, or on a stacked step every layer's at once, `slots.keep_moved_rows_of_layers`);
     the others are left as they are. The same tokens, live slots and state at
     every step, and at the end the same live keys and values and positions, as every row scored, selecting and
-    compacted."""
+    compacted. The moved rows' keys and values shifted in place, or gathered where they would take too many runs.
+    """
     real, real_linked = BudgetLayer._keep_moved_rows, cache_module.keep_moved_rows_of_layers
     moved, linked, told = [], [], []
 
@@ -212,6 +214,9 @@ def test_a_dense_compaction_moves_only_the_rows_that_evict(tiny, monkeypatch, po
         return moved[-1]
 
     selected, select = [], kernels.select_keep
+    gathered, gather = [], BudgetLayer._move_keys_values
+    monkeypatch.setattr(slots, "RUNS_IN_PLACE", runs_in_place)
+    monkeypatch.setattr(BudgetLayer, "_move_keys_values", lambda *a: gathered.append(1) or gather(*a))
     monkeypatch.setattr(BudgetLayer, "_keep_moved_rows", spy)
     monkeypatch.setattr(cache_module, "keep_moved_rows_of_layers", spy_linked)
     monkeypatch.setattr(kernels, "select_keep", lambda scores, *a, **k: selected.append(len(scores)) or select(
@@ -220,6 +225,8 @@ def test_a_dense_compaction_moves_only_the_rows_that_evict(tiny, monkeypatch, po
     assert cache.dense and sum(moved) >= 4  # the path under test ran, again and again
     assert any(linked) == (policy == "paged")  # stacked layers at once (R-KV here is lagged; the block mode shared)
     assert all(told)
+    # R-KV's 4 tokens evicted along a row are up to 5 runs a head: shifted in place, or gathered past 1
+    assert bool(gathered) == (policy == "rkv" and runs_in_place == 1)
     assert min(selected) < 4 or cache.shared_block  # and the due rows' selection, where each layer decides
     monkeypatch.setattr(kernels, "select_keep", select)
     monkeypatch.setattr(BudgetLayer, "_keep_moved_rows", lambda layer, index: False)

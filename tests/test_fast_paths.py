@@ -127,7 +127,7 @@ def test_listed_selection_equals_the_reference(B, H, T, block, ties, per_row):
 def test_slot_runs_move_what_a_gather_moves(M, H, C, D, kind):
     """The moved rows' keys and values shifted in place (`kernels.cpu.slot_runs`, one memmove a run,
     `move_slot_run`) hold every kept slot a gather would put there, and leave every other slot as it was; a kept
-    slot that would move left has no runs (the caller gathers)."""
+    slot that would move left, or more runs than asked for, give none (the caller gathers)."""
     from learnkv.kernels.cpu import move_slot_run, slot_runs
 
     g = torch.Generator().manual_seed(M * 100 + C)
@@ -164,6 +164,8 @@ def test_slot_runs_move_what_a_gather_moves(M, H, C, D, kind):
         for m, h, dest, length, _ in runs:
             touched[m, h, dest : dest + length] = True
         assert torch.equal(buf[~touched], expected[~touched])
+        assert slot_runs(slots, first, most=len(runs)) == runs
+        assert not runs or slot_runs(slots, first, most=len(runs) - 1) is None  # too many: the caller gathers
     assert slot_runs(torch.tensor([[[2, 3]]]), 0) is None  # slots 2, 3 to 0, 1: left
     with pytest.raises(ValueError, match="no run"):
         move_slot_run(torch.zeros(1, 1, 4, 2), 0, 0, 3, 2, 1)  # past the buffer

@@ -282,6 +282,65 @@ def test_window_std_is_the_replaced_code(B, H, W, T, kind, threads):
         torch.set_num_threads(old)
 
 
+
+def redundancy_by_head(keys: Tensor, valid: Tensor, threshold: float, block: int = 64) -> Tensor:
+    """`learnkv.policies.rkv.redundancy` before its KV heads were folded into the batch (commit d68a139), verbatim
+    but for its docstring."""
+    B, H, T, D = keys.shape
+    k = keys.float()
+    norm = k.norm(dim=-1, keepdim=True)
+    k = k / (norm + 1e-8)
+    square = (norm / (norm + 1e-8))[..., 0].double() ** 2  # each unit key's own cosine (0 for a zero key)
+    first = valid.int().argmax(dim=-1)  # [B, H] the oldest cached slot (the source's fallback index 0)
+    n_valid = valid.sum(dim=-1).clamp_min(1)
+    padded = not bool(valid.all())  # one synchronisation per call; without padding the masks change nothing
+    out = torch.empty(B, H, T, device=keys.device)
+    for h in range(H):
+        kh, v = k[:, h], valid[:, h]
+        last, value = newest_near_before(kh, v if padded else None, threshold, block, first[:, h])
+        k64 = kh.double()
+        total = v.double()[:, None, :] @ k64  # [B, 1, D] the sum of the valid keys
+        col = (k64 @ total.transpose(-1, -2))[..., 0] - square[:, h]  # the column sums, diagonal excluded
+        col.scatter_add_(-1, last, -(value.double() * v))  # less each valid row's zeroed entry
+        mean = (col / n_valid[:, h, None]).float()
+        out[:, h] = mean.masked_fill(~v, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    return out
+
+
+def newest_near_before(k: Tensor, valid: Tensor | None, threshold: float, block: int, first: Tensor) -> tuple[Tensor, Tensor]:
+    """`learnkv.policies.rkv._newest_near` before the first block compared every row by its diagonal and
+    each block took its newest near slot by a maximum (commit d68a139), verbatim but for its docstring."""
+    B, T, D = k.shape
+    rows = torch.arange(T, device=k.device).expand(B, T)  # the rows compared with the next block
+    last, value = torch.zeros(B, T, dtype=torch.long, device=k.device), torch.zeros(B, T, device=k.device)
+    left = torch.ones(B, T, dtype=torch.bool, device=k.device) if valid is None else valid.clone()
+    c1, size = T, block
+    while c1 > 0:
+        c0 = max(c1 - size, 0)
+        q = k if c1 == T else k.gather(1, rows[..., None].expand(*rows.shape, D))
+        cos = q @ k[:, c0:c1].transpose(-1, -2)  # [B, rows, c1 - c0]
+        own = (rows - c0).clamp(0, c1 - c0 - 1)[..., None]
+        cos.scatter_(-1, own, cos.gather(-1, own) * ((rows < c0) | (rows >= c1))[..., None])  # the diagonal: 0
+        if valid is not None:
+            cos.masked_fill_(~valid[:, None, c0:c1], 0.0)  # padding: 0, never near (threshold >= 0)
+        near = (cos > threshold).flip(-1)  # newest slot first
+        found = near.view(torch.uint8).argmax(dim=-1, keepdim=True)  # the first True, or 0 if the row has none
+        hit = near.gather(-1, found)[..., 0] & left.gather(1, rows)  # rows no longer looking were gathered as padding
+        col = c1 - c0 - 1 - found
+        last.scatter_(1, rows, torch.where(hit, col[..., 0] + c0, last.gather(1, rows)))
+        value.scatter_(1, rows, torch.where(hit, cos.gather(-1, col)[..., 0], value.gather(1, rows)))
+        left.scatter_(1, rows, left.gather(1, rows) & ~hit)
+        c1, size = c0, size * 2
+        n = int(left.sum(dim=-1).max()) if c1 > 0 else 0  # one synchronisation per block
+        if n == 0:
+            break
+        rows = torch.sort((~left).to(torch.uint8), dim=-1, stable=True).indices[:, :n]  # the rows left first
+    # no near-duplicate anywhere: the oldest valid slot (the diagonal's 0 for that slot itself)
+    nobody = left if valid is None else left & valid
+    fallback = (k @ k.gather(1, first[:, None, None].expand(B, 1, D)).transpose(-1, -2))[..., 0]  # [B, T]
+    fallback[torch.arange(B, device=k.device), first] = 0.0
+    return torch.where(nobody, first[:, None], last), torch.where(nobody, fallback, value)
+
 def same_bits(a, b):
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
@@ -334,6 +393,33 @@ def test_redundancy_matches_the_dense_code(B, H, T, D, pad, threshold, block, sh
         got, _ = rkv._newest_near(k[:, h], valid[:, h] if padded else None, threshold, block, first[:, h])
         v = valid[:, h]
         assert torch.equal(got[v], want[:, h][v]), f"head {h}"
+
+
+
+@pytest.mark.parametrize("B,H,T,D", [(1, 1, 1, 4), (2, 3, 9, 4), (3, 2, 130, 8), (2, 3, 300, 64), (2, 3, 1100, 64)])
+@pytest.mark.parametrize("pad", [0, 5])
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("block,shared", [(1, 0.0), (4, 2.0), (64, 0.0), (64, 2.0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_redundancy_is_the_code_before(B, H, T, D, pad, threshold, block, shared, threads):
+    """The redundancy with its KV heads folded into the batch and each block's newest near slot taken by a maximum:
+    the same bits as head by head with a flip and an ``argmax`` (kept above), at one and two threads, with
+    left padding, a row with nothing cached, keys with and without near-duplicates and an exact duplicate."""
+    g = torch.Generator().manual_seed(B * 1000 + T * 10 + D)
+    keys = near_keys(B, H, T, D, g, shared)
+    valid = torch.ones(B, H, T, dtype=torch.bool)
+    valid[0, :, : min(pad, T - 1)] = False
+    if B > 2:
+        valid[2] = False
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        new = rkv.redundancy(keys, valid, threshold, block=block)
+        before = redundancy_by_head(keys, valid, threshold, block=block)
+        sliced = rkv.redundancy(torch.cat([keys, keys], dim=2)[:, :, :T], valid, threshold, block=block)  # strided
+    finally:
+        torch.set_num_threads(old)
+    assert same_bits(new, before) and same_bits(sliced, before)
 
 
 @pytest.mark.parametrize("T,D", [(40, 8), (300, 64), (700, 64)])

@@ -131,16 +131,18 @@ def list_kept(kept: Tensor, K: int, counts: Tensor) -> Tensor:
     return out[..., :K]
 
 
-def slot_runs(slots: Tensor, first: int) -> list[tuple[int, int, int, int, int]] | None:
+def slot_runs(slots: Tensor, first: int, most: int | None = None) -> list[tuple[int, int, int, int, int]] | None:
     """The runs of kept slots that move right when each of ``M`` rows takes into its slots ``first, first + 1, ..``
     the slots ``slots [M, H, W]`` (ascending where >= 0; a -1 entry leaves a dead slot, whose keys and values are
     never read). A run is ``(row, head, dest, length, shift)``: slots ``[dest - shift, dest - shift + length)`` go
     to ``[dest, dest + length)``. Listed right to left within each row's head, the order `move_slot_run` must
     take them in: a run's destination then holds no slot a run still to move reads. None where a kept slot would
-    move left (no such order; the caller gathers instead).
+    move left (no such order; the caller gathers instead), or where there are more than ``most`` runs (each is a
+    call from Python, ~1.5 us: a gather of the rows costs less than ~100 of them a row and head).
 
     A block eviction of a dense cache shifts a row's live slots left of the block right by the block (its fillers
-    are dead, and the slots right of it stay), so a moved row is one run a head."""
+    are dead, and the slots right of it stay), so a moved row is one run a head; R-KV's tokens evicted all along a
+    row make one a token."""
     W = slots.shape[-1]
     shift = torch.arange(first, first + W, device=slots.device) - slots
     moves = (slots >= 0) & (shift != 0)
@@ -148,6 +150,8 @@ def slot_runs(slots: Tensor, first: int) -> list[tuple[int, int, int, int, int]]
     shift = shift.masked_fill(~moves, torch.iinfo(torch.int64).min)
     differs = shift[..., 1:] != shift[..., :-1]
     starts = (moves & F.pad(differs, (1, 0), value=True)).nonzero()
+    if most is not None and len(starts) > most:
+        return None
     ends = (moves & F.pad(differs, (0, 1), value=True)).nonzero()[:, 2]
     shifts = shift[tuple(starts.unbind(1))]
     if bool((shifts < 0).any()):

@@ -160,58 +160,69 @@ def redundancy(keys: Tensor, valid: Tensor, threshold: float, block: int = 64) -
     B, H, T, D = keys.shape
     k = keys.float()
     norm = k.norm(dim=-1, keepdim=True)
-    k = k / (norm + 1e-8)
-    square = (norm / (norm + 1e-8))[..., 0].double() ** 2  # each unit key's own cosine (0 for a zero key)
-    first = valid.int().argmax(dim=-1)  # [B, H] the oldest cached slot (the source's fallback index 0)
-    n_valid = valid.sum(dim=-1).clamp_min(1)
+    k = (k / (norm + 1e-8)).view(B * H, T, D)  # the KV heads folded into the batch: one search for every head
+    square = (norm / (norm + 1e-8))[..., 0].double().view(B * H, T) ** 2  # each unit key's own cosine (0 if zero)
+    v = valid.reshape(B * H, T)
+    first = v.int().argmax(dim=-1)  # [B * H] the oldest cached slot (the source's fallback index 0)
     padded = not bool(valid.all())  # one synchronisation per call; without padding the masks change nothing
-    out = torch.empty(B, H, T, device=keys.device)
-    for h in range(H):
-        kh, v = k[:, h], valid[:, h]
-        last, value = _newest_near(kh, v if padded else None, threshold, block, first[:, h])
-        k64 = kh.double()
-        total = v.double()[:, None, :] @ k64  # [B, 1, D] the sum of the valid keys
-        col = (k64 @ total.transpose(-1, -2))[..., 0] - square[:, h]  # the column sums, diagonal excluded
-        col.scatter_add_(-1, last, -(value.double() * v))  # less each valid row's zeroed entry
-        mean = (col / n_valid[:, h, None]).float()
-        out[:, h] = mean.masked_fill(~v, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
-    return out
+    last, value = _newest_near(k, v if padded else None, threshold, block, first)
+    k64 = k.double()
+    total = v.double()[:, None, :] @ k64  # [B * H, 1, D] the sum of the valid keys
+    col = (k64 @ total.transpose(-1, -2))[..., 0] - square  # the column sums, diagonal excluded
+    col.scatter_add_(-1, last, -(value.double() * v))  # less each valid row's zeroed entry
+    mean = (col / v.sum(dim=-1, keepdim=True).clamp_min(1)).float()
+    return mean.masked_fill(~v, float("-inf")).softmax(dim=-1).nan_to_num(0.0).view(B, H, T)
 
 
 def _newest_near(k: Tensor, valid: Tensor | None, threshold: float, block: int, first: Tensor) -> tuple[Tensor, Tensor]:
-    """Each row's entry R-KV zeroes in the cosine matrix of ``k [B, T, D]`` (unit rows; ``valid [B, T]``, or None
-    without padding): the column of the newest other valid key with cosine > ``threshold``, else the oldest valid
-    slot ``first [B]`` (the source's fallback); and that cosine (0 on the diagonal). ``[B, T]`` long and float.
+    """Each valid row's entry R-KV zeroes in the cosine matrix of ``k [B, T, D]`` (unit rows; ``valid [B, T]``, or
+    None without padding; a padding row's entries are never read): the column of the newest other valid key with
+    cosine > ``threshold``, else the oldest valid slot ``first [B]`` (the source's fallback); and that cosine (0 on
+    the diagonal). ``[B, T]`` long and float.
 
     Blocks of slots from the newest (``block``, then doubling), each compared with the rows that have found nothing
-    newer: the first with every row, later ones with the rows left, gathered (one synchronisation per block)."""
+    newer: the first with every row (whose own slots are then a diagonal of the block), later ones with the rows
+    left, gathered (one synchronisation per block)."""
     B, T, D = k.shape
-    rows = torch.arange(T, device=k.device).expand(B, T)  # the rows compared with the next block
-    last, value = torch.zeros(B, T, dtype=torch.long, device=k.device), torch.zeros(B, T, device=k.device)
     left = torch.ones(B, T, dtype=torch.bool, device=k.device) if valid is None else valid.clone()
-    c1, size = T, block
+    c0 = max(T - block, 0)
+    cos = k @ k[:, c0:].transpose(-1, -2)  # [B, T, T - c0]
+    cos[:, c0:].diagonal(dim1=-2, dim2=-1).zero_()  # row c0 + i against slot c0 + i
+    col, hit = _newest_above(cos, threshold, valid, c0)  # a padding row's find is never read (`redundancy`)
+    last = torch.where(hit, col + c0, 0)
+    value = torch.where(hit, cos.gather(-1, col[..., None])[..., 0], 0.0)
+    left &= ~hit
+    c1, size = c0, block * 2
     while c1 > 0:
-        c0 = max(c1 - size, 0)
-        q = k if c1 == T else k.gather(1, rows[..., None].expand(*rows.shape, D))
-        cos = q @ k[:, c0:c1].transpose(-1, -2)  # [B, rows, c1 - c0]
-        own = (rows - c0).clamp(0, c1 - c0 - 1)[..., None]
-        cos.scatter_(-1, own, cos.gather(-1, own) * ((rows < c0) | (rows >= c1))[..., None])  # the diagonal: 0
-        if valid is not None:
-            cos.masked_fill_(~valid[:, None, c0:c1], 0.0)  # padding: 0, never near (threshold >= 0)
-        near = (cos > threshold).flip(-1)  # newest slot first
-        found = near.view(torch.uint8).argmax(dim=-1, keepdim=True)  # the first True, or 0 if the row has none
-        hit = near.gather(-1, found)[..., 0] & left.gather(1, rows)  # rows no longer looking were gathered as padding
-        col = c1 - c0 - 1 - found
-        last.scatter_(1, rows, torch.where(hit, col[..., 0] + c0, last.gather(1, rows)))
-        value.scatter_(1, rows, torch.where(hit, cos.gather(-1, col)[..., 0], value.gather(1, rows)))
-        left.scatter_(1, rows, left.gather(1, rows) & ~hit)
-        c1, size = c0, size * 2
-        n = int(left.sum(dim=-1).max()) if c1 > 0 else 0  # one synchronisation per block
+        n = int(left.sum(dim=-1).max())  # one synchronisation per block
         if n == 0:
             break
         rows = torch.sort((~left).to(torch.uint8), dim=-1, stable=True).indices[:, :n]  # the rows left first
+        c0 = max(c1 - size, 0)
+        cos = k.gather(1, rows[..., None].expand(*rows.shape, D)) @ k[:, c0:c1].transpose(-1, -2)  # [B, n, c1 - c0]
+        own = (rows - c0).clamp(0, c1 - c0 - 1)[..., None]
+        cos.scatter_(-1, own, cos.gather(-1, own) * ((rows < c0) | (rows >= c1))[..., None])  # the diagonal: 0
+        col, hit = _newest_above(cos, threshold, valid, c0)
+        hit &= left.gather(1, rows)  # rows no longer looking were gathered as padding
+        last.scatter_(1, rows, torch.where(hit, col + c0, last.gather(1, rows)))
+        value.scatter_(1, rows, torch.where(hit, cos.gather(-1, col[..., None])[..., 0], value.gather(1, rows)))
+        left.scatter_(1, rows, left.gather(1, rows) & ~hit)
+        c1, size = c0, size * 2
     # no near-duplicate anywhere: the oldest valid slot (the diagonal's 0 for that slot itself)
     nobody = left if valid is None else left & valid
     fallback = (k @ k.gather(1, first[:, None, None].expand(B, 1, D)).transpose(-1, -2))[..., 0]  # [B, T]
     fallback[torch.arange(B, device=k.device), first] = 0.0
     return torch.where(nobody, first[:, None], last), torch.where(nobody, fallback, value)
+
+
+def _newest_above(cos: Tensor, threshold: float, valid: Tensor | None, c0: int) -> tuple[Tensor, Tensor]:
+    """In ``cos [B, R, C]``, the cosines of R rows with the slots ``c0 .. c0 + C`` (``valid [B, T]`` or None), each
+    row's newest valid slot with cosine > ``threshold`` as a column of the block (0 where none), and whether it has
+    one: ``[B, R]`` long and bool. The largest of the columns' numbers 1..C where near (one pass to compare, one to
+    take the maximum), where a flip and an ``argmax`` over bytes took three."""
+    C = cos.shape[-1]
+    number = torch.arange(1, C + 1, dtype=cos.dtype, device=cos.device)  # exact in fp32 up to 2**24 slots
+    if valid is not None:
+        number = number * valid[:, None, c0 : c0 + C]  # a padding slot is never near
+    newest = torch.where(cos > threshold, number, 0.0).amax(dim=-1)
+    return (newest.long() - 1).clamp_min(0), newest > 0
