@@ -17,6 +17,7 @@
                                                     # once for a few stacked layers; RoCo's score and
                                                     # LazyEviction's update with bool or float masks
     python bench/scoring_ab.py --rkv-model # R-KV's redundancy on SmolLM2's own keys (a batch-8 prefill; minutes)
+    python bench/scoring_ab.py --rkv-event --threads 2  # the same keys, 1 and 2 rows: what a decode's eviction scores
     python bench/scoring_ab.py --refresh-model  # the learned policy's eviction time over a SmolLM2 decode (minutes)
     python bench/scoring_ab.py --refresh-model --unpadded --rounds 4  # the same on 4 unpadded 400-token prompts
     python bench/scoring_ab.py --refresh-model --same --rounds 2       # control: the code after on both sides
@@ -84,7 +85,11 @@ unknown as after 7 stacked decode steps, and the scorer standardising in place (
 and `Scorer.forward(consume=True)`). ``--rkv-model``: the keys R-KV
 scores when it compresses a batch of 8 held-out chain prompts (~1k tokens, left-padded) after the prefill in the
 bundled SmolLM2 (budget 50%), all 30 layers per round; it also prints the share of valid rows whose newest
-near-duplicate is among the newest 64 slots (the blockwise search's first block). ``--refresh-model``: the learned
+near-duplicate is among the newest 64 slots (the blockwise search's first block). ``--rkv-event``: the same keys'
+first 1 and 2 rows, all 30 layers per round, as an eviction of a decode scores them (at batch 16 the rows reach
+their budgets at different steps, ~1.6 rows an eviction at goal 2's 50%): head by head with a flip and an ``argmax``
+(before, its code until d68a139, `test_scoring_speed.redundancy_by_head`) against the heads folded into the batch
+and each block's newest near slot by a maximum (after; the same bits, checked). ``--refresh-model``: the learned
 policy (a random-init scorer bound to SmolLM2: the timing does not depend on its weights) decoding 48 tokens after 8
 held-out chain prompts (~1k tokens, left-padded) in the bundled SmolLM2, budget 50%, refresh 8, slack 16: the cache's
 eviction seconds over the decode steps after the prefill (`BudgetCache.eviction_s`: the tracker's updates, the
@@ -112,7 +117,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo root first (learnkv 
 from test_fast_paths import update_decode_before, update_decode_with_bool_masks  # noqa: E402
 from test_refresh import scorer_before  # noqa: E402
 from test_scoring_speed import (avg_pool_before, near_keys, one_drop_victims_before, redundancy_before,  # noqa: E402
-                                lazy_update_with_bool_mask, redundancy_dense, roco_score_with_bool_masks,
+                                lazy_update_with_bool_mask, redundancy_by_head, redundancy_dense,
+                                roco_score_with_bool_masks,
                                 window_std_before)
 
 import learnkv.features as features  # noqa: E402
@@ -232,8 +238,9 @@ def rkv_cases(g) -> list:
     return cases
 
 
-def model_keys_cases() -> list:
-    """The ``--rkv-model`` case: R-KV's redundancy of every layer as it compresses SmolLM2's prefill."""
+def model_keys_cases(event: bool = False) -> list:
+    """The ``--rkv-model`` case: R-KV's redundancy of every layer as it compresses SmolLM2's prefill; with ``event``
+    (``--rkv-event``) the cases of 1 and 2 of those rows, by head against folded."""
     from learnkv import generate, load_model  # the model only in this mode (transformers: seconds to import)
     from learnkv.decode import encode_prompts
     from learnkv.prompts import load_prompts
@@ -264,10 +271,20 @@ def model_keys_cases() -> list:
     print(f"SmolLM2, batch {len(lengths)} of prompts of {min(lengths)}-{max(lengths)} tokens, {len(seen)} layers: "
           f"{first / newest:.1%} of valid rows have a near-duplicate among the newest 64 slots")
 
-    def every_layer(fn):
-        return lambda: [fn(keys, valid, threshold) for keys, valid, threshold in seen]
+    def every_layer(fn, rows=None):
+        return lambda: [fn(keys[:rows], valid[:rows], threshold) for keys, valid, threshold in seen]
 
     shape = list(seen[0][0].shape)
+    if event:
+        cases = []
+        for rows in (1, 2):
+            for keys, valid, threshold in seen:
+                assert torch.equal(rkv.redundancy(keys[:rows], valid[:rows], threshold).view(torch.int32),
+                                   redundancy_by_head(keys[:rows], valid[:rows], threshold).view(torch.int32))
+            cases.append((f"rkv redundancy of {rows} row(s) of SmolLM2's {len(seen)} layers {[rows, *shape[1:]]}: by "
+                          "head (before), heads folded (after)", every_layer(redundancy_by_head, rows),
+                          every_layer(rkv.redundancy, rows), 3))
+        return cases
     return [(f"rkv redundancy of SmolLM2's {len(seen)} layers {shape}", every_layer(redundancy_dense),
              every_layer(rkv.redundancy), 1)]
 
@@ -676,8 +693,8 @@ def main() -> None:
     if "--profile" in args:
         profile(g)
         return
-    if "--rkv-model" in args:
-        run(model_keys_cases())
+    if "--rkv-model" in args or "--rkv-event" in args:
+        run(model_keys_cases(event="--rkv-event" in args))
         return
     if "--refresh-model" in args:
         rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 3

@@ -218,11 +218,12 @@ def _newest_near(k: Tensor, valid: Tensor | None, threshold: float, block: int, 
 def _newest_above(cos: Tensor, threshold: float, valid: Tensor | None, c0: int) -> tuple[Tensor, Tensor]:
     """In ``cos [B, R, C]``, the cosines of R rows with the slots ``c0 .. c0 + C`` (``valid [B, T]`` or None), each
     row's newest valid slot with cosine > ``threshold`` as a column of the block (0 where none), and whether it has
-    one: ``[B, R]`` long and bool. The largest of the columns' numbers 1..C where near (one pass to compare, one to
-    take the maximum), where a flip and an ``argmax`` over bytes took three."""
+    one: ``[B, R]`` long and bool. The largest of the columns' numbers 1..C where near, in int16 (a 64-slot block of
+    ~1.3k rows: ~0.17 ms against ~0.65 for the same maximum in fp32 and ~0.6 for a flip and an ``argmax`` over
+    bytes; int32 beyond 32,767 slots)."""
     C = cos.shape[-1]
-    number = torch.arange(1, C + 1, dtype=cos.dtype, device=cos.device)  # exact in fp32 up to 2**24 slots
+    number = torch.arange(1, C + 1, dtype=torch.int16 if C < 2**15 else torch.int32, device=cos.device)
     if valid is not None:
         number = number * valid[:, None, c0 : c0 + C]  # a padding slot is never near
-    newest = torch.where(cos > threshold, number, 0.0).amax(dim=-1)
+    newest = torch.mul(cos > threshold, number).amax(dim=-1)
     return (newest.long() - 1).clamp_min(0), newest > 0
