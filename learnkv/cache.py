@@ -328,7 +328,7 @@ class BudgetCache(Cache):
             self.keep = [p.keep_target(b, steps_left) for p, b in zip(self.row_policies, self.budgets)]
         policy = self.decode_policy
         self._stack_step = (self.step >= 1 and positions.shape[1] == 1 and policy.evicts and policy.rowwise
-                            and not self._lagged(self.row_policies) and self.shared_block is None
+                            and self.shared_block is None
                             and not kernels.use_triton(self.step_positions)
                             and self.allocation.mode == "uniform")  # fmt: skip
 

@@ -6,7 +6,7 @@ The tracker's cached norms are computed once per token (the prefill, each decode
 stacked decode steps, which do not show the policy one layer's keys, at the next refresh) and moved by the cache
 with the slots like any state. `test_cached_norms_follow_the_slots` checks, after every step of padded batch-2
 decodes (compaction and marking dead with slack, refresh 1 with its due rows, a prefill policy whose state is
-dropped, one and several refreshes between evictions, lagged schedules that run layer by layer, sliding-window
+dropped, one and several refreshes between evictions, lagged schedules, a decode run layer by layer, sliding-window
 layers dropping tokens by age), that every live slot's cached norm is its key's and value's norm;
 `test_cached_norms_in_a_padded_batch`, on a batch padded as the benchmark's chain prompts are, that each is
 computed once (no padding or filler slot is left unknown, to be recomputed at every refresh).
@@ -21,16 +21,19 @@ from learnkv.features import NORMS, SPARE_ROWS, STATE, WINDOW, FeatureTracker, g
 from learnkv.policies import learned
 from learnkv.scorer.model import Scorer
 
-DECODES = [  # slack, refresh, prefill policy, interval (2, 3: lagged, so the cache runs layer by layer; else one
-    # stacked update for every layer)
-    pytest.param(0, 8, None, 1, id="slack0-refresh8"),
-    pytest.param(4, 8, None, 1, id="slack4-refresh8"),
-    pytest.param(0, 1, None, 1, id="slack0-refresh1"),
-    pytest.param(3, 1, None, 1, id="slack3-refresh1"),
-    pytest.param(4, 3, "snapkv", 1, id="slack4-refresh3-prefill-snapkv"),
-    pytest.param(0, 1, None, 2, id="slack0-refresh1-interval2"),
-    pytest.param(3, 4, None, 3, id="slack3-refresh4-interval3"),
+DECODES = [  # slack, refresh, prefill policy, interval (2, 3: lagged, scored on the due rows), allocation (uniform:
+    # one stacked update for every layer; head: the cache runs layer by layer)
+    pytest.param(0, 8, None, 1, "uniform", id="slack0-refresh8"),
+    pytest.param(4, 8, None, 1, "uniform", id="slack4-refresh8"),
+    pytest.param(0, 1, None, 1, "uniform", id="slack0-refresh1"),
+    pytest.param(3, 1, None, 1, "uniform", id="slack3-refresh1"),
+    pytest.param(4, 3, "snapkv", 1, "uniform", id="slack4-refresh3-prefill-snapkv"),
+    pytest.param(0, 1, None, 2, "uniform", id="slack0-refresh1-interval2"),
+    pytest.param(3, 4, None, 3, "uniform", id="slack3-refresh4-interval3"),
 ]
+#: a decode run layer by layer: heads of a layer hold different counts, so a compaction leaves filler (dead) slots
+#: in some heads, whose state is zeroed while their keys and values are another slot's
+LAYER_BY_LAYER = pytest.param(3, 4, None, 3, "head", id="slack3-refresh4-interval3-head")
 
 
 def before_tracker(n_layers, cache_norms=False, spare_rows=0):
@@ -39,7 +42,7 @@ def before_tracker(n_layers, cache_norms=False, spare_rows=0):
 
 
 def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_norms=False, vocab=256, budget=24,
-           pads=(0, 7)):
+           pads=(0, 7), allocation="uniform"):
     """Every layer's slot positions after every step of a left-padded decode (one row per entry of ``pads``, its
     left padding), and every feature tensor the policy computed (in order), one per layer (a read-out of several
     layers' rows, `Learned.score_layers`, split into each layer's)."""
@@ -75,7 +78,7 @@ def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_
         mask[row, :pad] = 0
     generate(model, input_ids=ids, attention_mask=mask, policy="learned", budget=budget, max_new_tokens=40, slack=slack,
              stop_at_eos=False, policy_params={**params_for("learned", 2), "refresh": refresh, "interval": interval},
-             observer=observe, **({"prefill_policy": prefill} if prefill else {}))
+             observer=observe, allocation=allocation, **({"prefill_policy": prefill} if prefill else {}))
     monkeypatch.undo()
     if check_norms:
         assert sum(checked) > 0
@@ -84,10 +87,11 @@ def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_
     return slots, [layer for f in feats for layer in f.split(len(pads))]
 
 
-@pytest.mark.parametrize("slack, refresh, prefill, interval", DECODES)
-def test_cached_norms_keep_the_same_features_and_slots(tiny, monkeypatch, slack, refresh, prefill, interval):
-    slots, feats = decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=True)
-    slots_before, feats_before = decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=False)
+@pytest.mark.parametrize("slack, refresh, prefill, interval, allocation", [*DECODES, LAYER_BY_LAYER])
+def test_cached_norms_keep_the_same_features_and_slots(tiny, monkeypatch, slack, refresh, prefill, interval, allocation):
+    slots, feats = decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=True, allocation=allocation)
+    slots_before, feats_before = decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=False,
+                                        allocation=allocation)
     assert len(slots) == len(slots_before) == 40
     assert all(torch.equal(a, b) for step_a, step_b in zip(slots, slots_before) for a, b in zip(step_a, step_b))
     assert len(feats) == len(feats_before) > 0
@@ -96,9 +100,9 @@ def test_cached_norms_keep_the_same_features_and_slots(tiny, monkeypatch, slack,
     assert any(layer.shape[-1] < 80 for layer in slots[-1])  # it did evict
 
 
-@pytest.mark.parametrize("slack, refresh, prefill, interval", DECODES)
-def test_cached_norms_follow_the_slots(tiny, monkeypatch, slack, refresh, prefill, interval):
-    decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=True, check_norms=True)
+@pytest.mark.parametrize("slack, refresh, prefill, interval, allocation", [*DECODES, LAYER_BY_LAYER])
+def test_cached_norms_follow_the_slots(tiny, monkeypatch, slack, refresh, prefill, interval, allocation):
+    decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=True, check_norms=True, allocation=allocation)
 
 
 #: a batch like the benchmark's chain prompts (`bench/scoring_ab.py --refresh-model`): every row padded differently,
@@ -161,7 +165,7 @@ def tracker_case(g, B, H, G, T, D, pad, dtype):
 def test_the_cache_tells_the_policy_whether_it_scores_next(tiny, monkeypatch, refresh, interval):
     """`LayerView.scored`, which lets the learned policy's kernel path skip its feature read-out: True at exactly the
     steps where its `score` follows the update (refresh 1: the steps that evict, once the cache outgrows its budget;
-    refresh 3: the prefill and every third step; lagged: the due steps, layer by layer), False at the others."""
+    refresh 3: the prefill and every third step; lagged: the due steps), False at the others."""
     updates, scored_at = {}, set()
     real_update, real_score, real_layers = learned.Learned.update, learned.Learned.score, learned.Learned.score_layers
 
@@ -291,12 +295,14 @@ def test_scorer_inference_path_keeps_the_scores(shape, content):
             assert torch.equal(half, feats.bfloat16())  # not fp32: not its own to overwrite
 
 
-@pytest.mark.parametrize("slack, refresh, prefill, interval", DECODES)
-def test_cached_content_keeps_the_same_scores_and_slots(tiny, monkeypatch, slack, refresh, prefill, interval):
+@pytest.mark.parametrize("slack, refresh, prefill, interval, allocation", DECODES)
+def test_cached_content_keeps_the_same_scores_and_slots(tiny, monkeypatch, slack, refresh, prefill, interval,
+                                                        allocation):
     """A scorer with content features keeps each token's content term as state (`learned.CONTENT`, computed at its
     first score): every score the scorer gives and every layer's slots after every step of a padded decode are bit
     for bit those of the scorer's content term of every slot at every score (the code before), and after every step
-    each live slot's cached term is its value vector's."""
+    each live slot's cached term is its value vector's. (Not `LAYER_BY_LAYER`: there a filler slot's score, never
+    kept, is its zeroed cached term's, where the code before computed it from the values the slot was filled with.)"""
     scorer = scorer_for(2, content_dim=tiny.config.head_dim)
     runs = []
     for cached in (True, False):
@@ -326,7 +332,7 @@ def test_cached_content_keeps_the_same_scores_and_slots(tiny, monkeypatch, slack
         mask[1, :7] = 0
         with torch.no_grad():
             generate(tiny, input_ids=ids, attention_mask=mask, policy="learned", budget=24, max_new_tokens=40,
-                     slack=slack, stop_at_eos=False, observer=observe,
+                     slack=slack, stop_at_eos=False, observer=observe, allocation=allocation,
                      policy_params={"scorer": scorer, "refresh": refresh, "interval": interval},
                      **({"prefill_policy": prefill} if prefill else {}))  # fmt: skip
         monkeypatch.undo()
