@@ -87,7 +87,7 @@ scores when it compresses a batch of 8 held-out chain prompts (~1k tokens, left-
 bundled SmolLM2 (budget 50%), all 30 layers per round; it also prints the share of valid rows whose newest
 near-duplicate is among the newest 64 slots (the blockwise search's first block). ``--rkv-event``: the same keys'
 first 1 and 2 rows, all 30 layers per round, as an eviction of a decode scores them (at batch 16 the rows reach
-their budgets at different steps, ~1.6 rows an eviction at goal 2's 50%): head by head with a flip and an ``argmax``
+their budgets at different steps, ~1.3 rows an eviction at goal 2's 50%): head by head with a flip and an ``argmax``
 (before, its code until d68a139, `test_scoring_speed.redundancy_by_head`) against the heads folded into the batch
 and each block's newest near slot by a maximum (after; the same bits, checked). ``--refresh-model``: the learned
 policy (a random-init scorer bound to SmolLM2: the timing does not depend on its weights) decoding 48 tokens after 8
