@@ -17,11 +17,11 @@ Batching: the cache alone decides how a policy's calls are batched, from what th
 row's state and scores do not depend on which rows share its view; `Policy.reads_layer`). A layer's eviction at a
 step is first read by that layer's attention at the next step, so the update and eviction of every layer may wait
 for the end of the forward pass. For a rowwise policy, on the torch path, a decode step does exactly that ("stacked
-layers"): `end_step` hands the policy one view of every layer's rows (the
-layers' positions and state are views of one stacked buffer each; `LayerView.layers` names them), scores it in one
-call (one per layer where it reads a layer's keys or scorer) and selects and marks dead slots once for the whole
-model. In a dense cache (block eviction, R-KV) the rows that evict are scored and select once for every layer, and
-are moved in place, every layer's positions and state at once (`learnkv.slots.keep_moved_rows_of_layers`). On a
+layers"): `end_step` hands the policy one view of every layer's rows (the layers' positions and state are views of
+one stacked buffer each; `LayerView.layers` names them), scores it in one call (one per layer where it reads a
+layer's keys or scorer) and selects and marks dead slots once for the whole model. In a dense cache (block
+eviction, R-KV) the rows that evict are scored and select once for every layer, and are moved in place, every
+layer's positions and state at once (`learnkv.slots.keep_moved_rows_of_layers`). On a
 CPU at batch 1 a small tensor op costs more in dispatch than in arithmetic: per layer, the learned policy's ~60 ops
 per step cost ~20% of the decode; stacked, ~6% (bench/RESULTS.md, "Stacked layers"). A rowwise
 lagged policy (interval > 1) is scored on the rows that evict only, of every layer at once: its rows come due at

@@ -422,6 +422,22 @@ def test_redundancy_is_the_code_before(B, H, T, D, pad, threshold, block, shared
     assert same_bits(new, before) and same_bits(sliced, before)
 
 
+
+@pytest.mark.parametrize("C", [1, 64, 2**15 - 1, 2**15, 40_000])  # int16 column numbers below 2**15, int32 from it
+def test_newest_above_is_the_last_near_column(C):
+    """`rkv._newest_above`: each row's newest valid column with cosine above the threshold, the brute-force answer,
+    in blocks as wide as a long cache's (the column numbers change dtype at 2**15)."""
+    g = torch.Generator().manual_seed(C)
+    cos = torch.rand(2, 3, C, generator=g) * 2 - 1
+    cos[1, 2] = -1.0  # a row with none
+    valid = torch.rand(2, C + 5, generator=g) > 0.3
+    for v in (None, valid):
+        col, hit = rkv._newest_above(cos, 0.5, v, 5)
+        near = (cos > 0.5) & (True if v is None else v[:, None, 5:])
+        want = torch.tensor([[max((i for i in range(C) if near[b, r, i]), default=-1) for r in range(3)]
+                             for b in range(2)])
+        assert torch.equal(hit, want >= 0) and torch.equal(col, want.clamp_min(0))
+
 @pytest.mark.parametrize("T,D", [(40, 8), (300, 64), (700, 64)])
 @pytest.mark.parametrize("shared", [0.0, 0.7, 2.0])
 @pytest.mark.parametrize("window", [1, 8])

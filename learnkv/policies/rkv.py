@@ -63,8 +63,8 @@ class RKV(Policy):
     `learnkv.sliding_rows`, as SnapKV's is); the scores only when the cache evicts (every ``buffer`` steps). The
     redundancy is O(T D) for the column sums plus the search for each key's newest near-duplicate, newest slots
     first (`redundancy`): O(T * 64 * D) per KV head and batch row where near-duplicates are recent (most of SmolLM2's
-    keys), O(T^2 D) where a key has none. At batch 8 and ~780 slots an eviction step costs ~300-450 ms over the
-    others, ~200 of them the redundancy (bench/RESULTS.md).
+    keys), O(T^2 D) where a key has none. At batch 16 and ~1.2k slots an eviction of ~1.8 rows (each row evicts on
+    its own phase) costs ~160 ms, ~77 of them the redundancy (bench/RESULTS.md, "R-KV at batch 16").
 
     Compared across heads and layers (``allocation=head|global``) its scores are ``rank``
     (`learnkv.allocation.normalisation_for`).
