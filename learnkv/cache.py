@@ -21,12 +21,12 @@ layers"): `end_step` hands the policy one view of every layer's rows (the layers
 one stacked buffer each; `LayerView.layers` names them), scores it in one call (one per layer where it reads a
 layer's keys or scorer) and selects and marks dead slots once for the whole model. In a dense cache (block
 eviction, R-KV) the rows that evict are scored and select once for every layer, and are moved in place, every
-layer's positions and state at once (`learnkv.slots.keep_moved_rows_of_layers`). On a
-CPU at batch 1 a small tensor op costs more in dispatch than in arithmetic: per layer, the learned policy's ~60 ops
-per step cost ~20% of the decode; stacked, ~6% (bench/RESULTS.md, "Stacked layers"). A rowwise
-lagged policy (interval > 1) is scored on the rows that evict only, of every layer at once: its rows come due at
-different steps, each on its own phase, so most of a batch's scoring is saved (bench/RESULTS.md, "Lagged policies
-score only the rows that evict"). The decisions are the same, bit for bit, either way.
+layer's positions and state at once (`learnkv.slots.keep_moved_rows_of_layers`). On a CPU at batch 1 a small
+tensor op costs more in dispatch than in arithmetic: per layer, the learned policy's ~60 ops per step cost ~20% of
+the decode; stacked, ~6% (bench/RESULTS.md, "Stacked layers"). A rowwise lagged policy (interval > 1) is scored on
+the rows that evict only, of every layer at once: its rows come due at different steps, each on its own phase, so
+most of a batch's scoring is saved (bench/RESULTS.md, "Lagged policies score only the rows that evict"). The
+decisions are the same, bit for bit, either way.
 
 Refresh: a policy whose scores are computed every ``refresh`` steps (`Policy.refresh`, the learned policy's) is
 scored by the cache at those steps, every row; on a stacked step through `Policy.score_layers`, which the learned

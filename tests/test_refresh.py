@@ -88,7 +88,8 @@ def decode(model, monkeypatch, slack, refresh, prefill, interval, cached, check_
 
 
 @pytest.mark.parametrize("slack, refresh, prefill, interval, allocation", [*DECODES, LAYER_BY_LAYER])
-def test_cached_norms_keep_the_same_features_and_slots(tiny, monkeypatch, slack, refresh, prefill, interval, allocation):
+def test_cached_norms_keep_the_same_features_and_slots(tiny, monkeypatch, slack, refresh, prefill, interval,
+                                                       allocation):
     slots, feats = decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=True, allocation=allocation)
     slots_before, feats_before = decode(tiny, monkeypatch, slack, refresh, prefill, interval, cached=False,
                                         allocation=allocation)

@@ -282,7 +282,6 @@ def test_window_std_is_the_replaced_code(B, H, W, T, kind, threads):
         torch.set_num_threads(old)
 
 
-
 def redundancy_by_head(keys: Tensor, valid: Tensor, threshold: float, block: int = 64) -> Tensor:
     """`learnkv.policies.rkv.redundancy` before its KV heads were folded into the batch (commit d68a139), verbatim
     but for its docstring."""
@@ -307,7 +306,8 @@ def redundancy_by_head(keys: Tensor, valid: Tensor, threshold: float, block: int
     return out
 
 
-def newest_near_before(k: Tensor, valid: Tensor | None, threshold: float, block: int, first: Tensor) -> tuple[Tensor, Tensor]:
+def newest_near_before(k: Tensor, valid: Tensor | None, threshold: float, block: int,
+                       first: Tensor) -> tuple[Tensor, Tensor]:
     """`learnkv.policies.rkv._newest_near` before the first block compared every row by its diagonal and
     each block took its newest near slot by a maximum (commit d68a139), verbatim but for its docstring."""
     B, T, D = k.shape
@@ -341,6 +341,7 @@ def newest_near_before(k: Tensor, valid: Tensor | None, threshold: float, block:
     fallback[torch.arange(B, device=k.device), first] = 0.0
     return torch.where(nobody, first[:, None], last), torch.where(nobody, fallback, value)
 
+
 def same_bits(a, b):
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
@@ -368,6 +369,18 @@ def near_keys(B, H, T, D, g, shared):
     return keys
 
 
+def redundancy_case(B, H, T, D, pad, shared):
+    """Keys (`near_keys`, seeded by the shape) and their validity for the redundancy's tests: ``pad`` slots of left
+    padding in the first row only, the third row (if any) with nothing cached."""
+    g = torch.Generator().manual_seed(B * 1000 + T * 10 + D)
+    keys = near_keys(B, H, T, D, g, shared)
+    valid = torch.ones(B, H, T, dtype=torch.bool)
+    valid[0, :, : min(pad, T - 1)] = False  # left padding in the first row only (others unpadded)
+    if B > 2:
+        valid[2] = False  # a row with nothing cached
+    return keys, valid
+
+
 @pytest.mark.parametrize("B,H,T,D", [(1, 1, 1, 4), (1, 1, 2, 4), (2, 3, 9, 4), (3, 2, 130, 8), (1, 3, 257, 64),
                                      (2, 2, 300, 64)])
 @pytest.mark.parametrize("pad", [0, 1, 5])
@@ -376,12 +389,7 @@ def near_keys(B, H, T, D, g, shared):
 def test_redundancy_matches_the_dense_code(B, H, T, D, pad, threshold, block, shared):
     """The blockwise redundancy zeroes the dense code's entries (the same fp32 cosines decide "near"), and its scores
     differ from the dense code's by the column sums' rounding only: relative < 1e-6 (~3e-7 seen)."""
-    g = torch.Generator().manual_seed(B * 1000 + T * 10 + D)
-    keys = near_keys(B, H, T, D, g, shared)
-    valid = torch.ones(B, H, T, dtype=torch.bool)
-    valid[0, :, : min(pad, T - 1)] = False  # left padding in the first row only (others unpadded)
-    if B > 2:
-        valid[2] = False  # a row with nothing cached
+    keys, valid = redundancy_case(B, H, T, D, pad, shared)
     new, dense = rkv.redundancy(keys, valid, threshold, block=block), redundancy_dense(keys, valid, threshold)
     torch.testing.assert_close(new, dense, rtol=1e-6, atol=0.0)
     assert same_bits(redundancy_dense(keys, valid, threshold), redundancy_before(keys, valid, threshold))
@@ -395,7 +403,6 @@ def test_redundancy_matches_the_dense_code(B, H, T, D, pad, threshold, block, sh
         assert torch.equal(got[v], want[:, h][v]), f"head {h}"
 
 
-
 @pytest.mark.parametrize("B,H,T,D", [(1, 1, 1, 4), (2, 3, 9, 4), (3, 2, 130, 8), (2, 3, 300, 64), (2, 3, 1100, 64)])
 @pytest.mark.parametrize("pad", [0, 5])
 @pytest.mark.parametrize("threshold", [0.0, 0.5, 1.0])
@@ -405,12 +412,7 @@ def test_redundancy_is_the_code_before(B, H, T, D, pad, threshold, block, shared
     """The redundancy with its KV heads folded into the batch and each block's newest near slot taken by a maximum:
     the same bits as head by head with a flip and an ``argmax`` (kept above), at one and two threads, with
     left padding, a row with nothing cached, keys with and without near-duplicates and an exact duplicate."""
-    g = torch.Generator().manual_seed(B * 1000 + T * 10 + D)
-    keys = near_keys(B, H, T, D, g, shared)
-    valid = torch.ones(B, H, T, dtype=torch.bool)
-    valid[0, :, : min(pad, T - 1)] = False
-    if B > 2:
-        valid[2] = False
+    keys, valid = redundancy_case(B, H, T, D, pad, shared)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -420,7 +422,6 @@ def test_redundancy_is_the_code_before(B, H, T, D, pad, threshold, block, shared
     finally:
         torch.set_num_threads(old)
     assert same_bits(new, before) and same_bits(sliced, before)
-
 
 
 @pytest.mark.parametrize("C", [1, 64, 2**15 - 1, 2**15, 40_000])  # int16 column numbers below 2**15, int32 from it
@@ -437,6 +438,7 @@ def test_newest_above_is_the_last_near_column(C):
         want = torch.tensor([[max((i for i in range(C) if near[b, r, i]), default=-1) for r in range(3)]
                              for b in range(2)])
         assert torch.equal(hit, want >= 0) and torch.equal(col, want.clamp_min(0))
+
 
 @pytest.mark.parametrize("T,D", [(40, 8), (300, 64), (700, 64)])
 @pytest.mark.parametrize("shared", [0.0, 0.7, 2.0])
