@@ -261,11 +261,15 @@ def window_std_before(win):
 @pytest.mark.parametrize("B, H, W, T", [(1, 1, 1, 1), (2, 3, 16, 17), (8, 3, 16, 790), (40, 3, 16, 790)])
 @pytest.mark.parametrize("kind", ["attention", "wide", "signed-zeros"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_window_std_is_the_replaced_code(B, H, W, T, kind, threads):
-    """`learnkv.features.window_std` with ``addcdiv_`` and ``addcmul_``: the values of the replaced code bit for bit
-    (each rounds its division, product and sum as the separate ops did: no fused multiply-add), one thread and two,
-    at one layer's rows and at the learned refresh's few layers at once (`READ_OUT_SLOTS`)."""
-    from learnkv.features import window_std
+@pytest.mark.parametrize("layout", ["contiguous", "among spare rows"])
+def test_window_std_is_the_replaced_code(B, H, W, T, kind, threads, layout):
+    """`learnkv.features.window_std` with ``addcdiv_`` and ``addcmul_``, each row read into float64 alone: the
+    values of the replaced code bit for bit (each rounds its division, product and sum as the separate ops did: no
+    fused multiply-add), one thread and two, at one layer's rows and at the learned refresh's few layers at once
+    (`READ_OUT_SLOTS`), on a contiguous window and on the learned policy's own (its rows a view among spare rows of
+    a buffer with room past the slots in use, `learnkv.sliding_rows.window_view`)."""
+    from learnkv.features import SPARE_ROWS, window_std
+    from learnkv.sliding_rows import window_view
 
     g = torch.Generator().manual_seed(B * 100 + W + T)
     win = torch.rand(B, H, W, T, generator=g) ** 4 / T
@@ -274,6 +278,11 @@ def test_window_std_is_the_replaced_code(B, H, W, T, kind, threads):
     elif kind == "signed-zeros":
         win[..., ::2] = 0.0
         win[..., 1::3] = -0.0
+    if layout == "among spare rows":
+        step = 5  # the window starts at row 5 of W + SPARE_ROWS
+        buf = torch.rand(B, H, W + SPARE_ROWS, T + 9, generator=g)  # rows and slots outside the window: not read
+        buf[:, :, step : step + W, :T] = win
+        win = window_view(buf[..., :T], W, SPARE_ROWS, step)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
