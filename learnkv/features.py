@@ -329,9 +329,9 @@ def window_std(win: Tensor) -> Tensor:
     (CUDA reduces in float32, in its own order)."""
     if win.device.type != "cpu" or win.dtype != torch.float32:
         return win.std(dim=2, unbiased=False)
-    # each row in float64 as the update reads it (exact), into one buffer: the whole window's float64 copy (the
-    # learned policy's, a strided view among its spare rows) took twice the time of the updates themselves,
-    # ~11 of ~17 ms at 192 rows x 16 x 552 slots (a fresh 41 MB tensor, page-faulted in at every call)
+    # each row widened to float64 (exactly) as the fold reaches it, into one buffer: a float64 copy of the whole
+    # window (the learned policy's is a strided view among its spare rows) into a fresh tensor took ~11 of the
+    # function's ~17 ms at 192 rows x 16 x 552 slots (bench/RESULTS.md, "The window std row by row")
     x = torch.empty(win[:, :, 0].shape, dtype=torch.float64, device=win.device)
     mean = torch.zeros_like(x)
     m2, d, e = torch.zeros_like(mean), torch.empty_like(mean), torch.empty_like(mean)

@@ -665,6 +665,58 @@ def test_snapkv_running_sum_is_the_window_mean(tiny, monkeypatch, window, slack,
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: other slots kept"
 
 
+def snapkv_update_growing_window(self, view):
+    """`SnapKV.update` before a filling decode window was laid out at its full size (commit 324fc9d), verbatim: the
+    exact mean's window grew a row a step, a new tensor each step, until it held its ``W`` rows."""
+    rows = view.attn  # [B, H, W, T]; the cache zero-padded old rows for new slots (causally exact)
+    W, buf = self.obs_window, view.state.get("window_attn")
+    if self.running_sum and not self.row_windows and rows.shape[2] == 1 and view.step >= 1:
+        self._running_update(view, buf, rows[:, :, 0])
+        return
+    window = snapkv.slid(buf, rows, W, snapkv.SPARE_ROWS, view.step)
+    if window is not buf:
+        view.state.pop(snapkv.WINDOW_SUM, None)  # a window laid out anew: averaged from its rows
+        view.state["window_attn"] = window
+
+
+@pytest.mark.parametrize("window, slack, prefill, budget", [(8, 0, "snapkv", 24), (8, 4, "snapkv", 24),
+                                                             (44, 2, None, 44), (None, 3, "snapkv", 0.5),
+                                                             (None, 0, "snapkv", 0.5)])
+def test_snapkv_filling_window_at_full_size_is_the_growing_window(tiny, monkeypatch, window, slack, prefill, budget):
+    """SnapKV's exact mean with its decode window laid out at its full size while it fills (zero rows before the
+    rows seen, the rows seen averaged) scores every slot and keeps every slot, in every layer at every step, bit
+    for bit as the window that grew a row a step (`snapkv_update_growing_window`): a prefill policy whose state is
+    dropped (the window fills from empty while the policy evicts), a window of 44 over a 40-token prompt within the
+    budget (it fills from the prompt's 40 rows), and a budget fraction, whose rows of different lengths get windows
+    of their own (`row_windows`: each row's last rows seen, up to its window); padded batch, slack 0 to 4."""
+    ids = torch.cat([random_ids(40, seed=21), random_ids(40, seed=22)])
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    params = {} if window is None else {"window": window}
+    runs, real_score, real_update = {}, snapkv.SnapKV.score, snapkv.SnapKV.update
+    for growing in (True, False):
+        kept, scores, shapes = [], [], set()
+        monkeypatch.setattr(snapkv.SnapKV, "update", snapkv_update_growing_window if growing else real_update)
+        monkeypatch.setattr(snapkv.SnapKV, "score",
+                            lambda self, view: scores.append(real_score(self, view)) or scores[-1])
+
+        def observe(cache):
+            kept.append([layer.positions.clone() for layer in cache.layers])
+            shapes.update(tuple(layer.state["window_attn"].shape[:3]) for layer in cache.layers
+                          if "window_attn" in layer.state)
+
+        generate(tiny, input_ids=ids, attention_mask=mask, policy="snapkv", budget=budget, max_new_tokens=40,
+                 stop_at_eos=False, slack=slack, prefill_policy=prefill, observer=observe, policy_params=params)
+        runs[growing] = kept, scores, shapes
+    (kept_before, scores_before, shapes_before), (kept_now, scores_now, shapes_now) = runs[True], runs[False]
+    assert len(shapes_before) > 2 and len(shapes_now) <= 2  # the window grew before; now it holds one row count
+    assert len(scores_now) == len(scores_before) >= 20
+    assert all(same_bits(a, b) for a, b in zip(scores_now, scores_before))
+    assert len(kept_now) == len(kept_before) == 40
+    for step, (a, b) in enumerate(zip(kept_now, kept_before)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: other slots kept"
+
+
 def test_snapkv_params_hold_its_settings_not_its_decode_state():
     """The records' parameters (`Policy.params`) name `running_sum`, not the divisor SnapKV keeps while it decodes."""
     params = snapkv.SnapKV(running_sum=True).params()

@@ -28,7 +28,9 @@ class SnapKV(Policy):
     the window's own tokens are always kept.
     At prefill the window is the prompt's last queries. During decoding the window slides: the attention rows
     of the last ``window`` queries are kept as state and the cache is rescored whenever it overflows (how
-    kvpress's DecodingPress applies SnapKV at decode time).
+    kvpress's DecodingPress applies SnapKV at decode time). A decode window still filling (a prefill policy's
+    state dropped, a prompt shorter than the window) is kept at its full size, zero rows standing for the steps
+    not seen, and the rows seen are averaged.
     Compared across heads and layers (``allocation=head|global``) its scores are ``mass``
     (`learnkv.allocation.normalisation_for`): each head's divided by its live total.
 
@@ -46,8 +48,7 @@ class SnapKV(Policy):
         rows (4 bytes each) at every step; the same mean within float64 rounding, not bit for bit: torch's mean
         sums the rows in a cascade. Off by default, so the tables measured before it stay reproducible. The prefill
         averages the rows as without it, and so do rows of one batch with windows of their own; a window still
-        filling (a prefill policy's state dropped, a prompt shorter than the window) is kept at its full size, zero
-        rows standing for the steps not seen, its sum divided by the rows seen.
+        filling divides its sum by the rows seen.
     """
 
     name = "snapkv"
@@ -87,49 +88,72 @@ class SnapKV(Policy):
     def update(self, view: LayerView) -> None:
         rows = view.attn  # [B, H, W, T]; the cache zero-padded old rows for new slots (causally exact)
         W, buf = self.obs_window, view.state.get("window_attn")
-        if self.running_sum and not self.row_windows and rows.shape[2] == 1 and view.step >= 1:
-            self._running_update(view, buf, rows[:, :, 0])
+        if rows.shape[2] == 1 and view.step >= 1:  # a decode step: one row pushed into a window at its full size
+            if self.running_sum and not self.row_windows:
+                self._running_update(view, buf, rows[:, :, 0])
+            else:
+                push_row(self._full_size(view, buf)[0], rows[:, :, 0], W, SPARE_ROWS, view.step)
+                self._count_row(view.step)
             return
         window = slid(buf, rows, W, SPARE_ROWS, view.step)
         if window is not buf:
             view.state.pop(WINDOW_SUM, None)  # a window laid out anew: averaged from its rows
             view.state["window_attn"] = window
 
+    def _full_size(self, view: LayerView, buf: Tensor | None) -> tuple[Tensor, int]:
+        """The window of the step before ``view.step`` laid out at its full size among the spare rows, and the rows
+        of it seen: ``buf`` itself where it is so, else its rows so far (none, or at most ``W``: a prefill policy's
+        state dropped, a prompt shorter than the window) after zero rows standing for the steps not seen, into the
+        state. At its full size it never changes shape: a window growing a row a step would be a new tensor, and
+        every layer's state stacked anew by the cache (`learnkv.slots.link_layers`), at each of its first ``W``
+        decode steps (~50 ms a step at batch 16 and ~600 slots, bench/RESULTS.md)."""
+        W, step = self.obs_window, view.step
+        if buf is not None and buf.shape[2] == W + SPARE_ROWS:
+            # a window this decode laid out counts its rows (`_window_rows`); another is full
+            return buf, self._window_rows[1] if self._window_rows[0] >= step - 1 else W
+        B, H, _, T = view.attn.shape
+        n_seen = 0 if buf is None else buf.shape[2]
+        zeros = view.attn.new_zeros(B, H, W - n_seen, T)
+        rows = zeros if buf is None else torch.cat([zeros, buf], dim=2)
+        buf = view.state["window_attn"] = laid_out(rows, SPARE_ROWS, step - 1)
+        self._window_rows = (step - 1, n_seen)
+        return buf, n_seen
+
+    def _count_row(self, step: int) -> None:
+        """The step's row counted into the rows seen (`_window_rows`, at most the window), once per step, whether
+        the cache updates layer by layer or all at once."""
+        if self._window_rows[0] != step:
+            seen = self._window_rows[1] if self._window_rows[0] == step - 1 else self.obs_window
+            self._window_rows = (step, min(seen + 1, self.obs_window))
+
     def _running_update(self, view: LayerView, buf: Tensor | None, row: Tensor) -> None:
-        """A decode step with ``running_sum``: ``row [B, H, T]`` pushed into the window, in place, and into its sum
-        (plus the row, minus the row that leaves). Where the sum starts, the window so far (none where the state
-        starts at this step) is laid out at its full size, zero rows before its rows seen, so it never changes shape
-        (a window growing a row a step would be laid out anew, and every layer's state relinked, at each step)."""
+        """A decode step with ``running_sum``: ``row [B, H, T]`` pushed into the window (at its full size,
+        `_full_size`), in place, and into its sum (plus the row, minus the row that leaves)."""
         W, step, state = self.obs_window, view.step, view.state
         total = state.get(WINDOW_SUM)
         if total is None:
-            if buf is not None and buf.shape[2] == W + SPARE_ROWS:  # a full window, laid out already
-                n_seen = W
-            else:  # its rows so far in order (none, or at most W), zero rows standing for the steps not seen
-                B, H, T = row.shape
-                n_seen = 0 if buf is None else buf.shape[2]
-                zeros = row.new_zeros(B, H, W - n_seen, T)
-                rows = zeros if buf is None else torch.cat([zeros, buf], dim=2)
-                buf = state["window_attn"] = laid_out(rows, SPARE_ROWS, step - 1)
+            buf, n_seen = self._full_size(view, buf)
             total = state[WINDOW_SUM] = window_view(buf, W, SPARE_ROWS, step - 1).sum(dim=2, dtype=torch.float64)
             self._window_rows = (step - 1, n_seen)
         leaving = window_view(buf, W, SPARE_ROWS, step - 1)[:, :, 0]  # before the push moves or overwrites it
         total.add_(row.double().sub_(leaving))
         push_row(buf, row, W, SPARE_ROWS, step)
-        if self._window_rows[0] != step:  # once per step, whether the cache updates layer by layer or all at once
-            self._window_rows = (step, min(self._window_rows[1] + 1, W))
+        self._count_row(step)
 
     def score(self, view: LayerView) -> Tensor:
         attn = window_view(view.state["window_attn"], self.obs_window, SPARE_ROWS, view.step)
+        # a window this decode laid out while it fills holds zero rows before the rows seen: those alone are averaged
+        # (a view of them reduces as the contiguous rows of a growing window would, bit for bit)
+        seen = self._window_rows[1] if self._window_rows[0] == view.step else attn.shape[2]
         positions = view.positions
         if not self.row_windows:
             total = view.state.get(WINDOW_SUM)
-            mean = attn.mean(dim=2) if total is None else total.div(self._window_rows[1]).float()
+            mean = attn[:, :, -seen:].mean(dim=2) if total is None else total.div(seen).float()
             return self._score(mean, self.obs_window, positions)
         scores = attn.new_empty(attn.shape[0], attn.shape[1], attn.shape[3])
         for w in sorted(set(self.row_windows)):  # each row exactly as alone: its own last w query rows
             rows = [b for b, x in enumerate(self.row_windows) if x == w]
-            scores[rows] = self._score(attn[rows][:, :, -w:].mean(dim=2), w, positions[rows])
+            scores[rows] = self._score(attn[rows][:, :, -min(w, seen):].mean(dim=2), w, positions[rows])
         return scores
 
     def _score(self, s: Tensor, window: int, positions: Tensor) -> Tensor:
