@@ -39,12 +39,19 @@ from learnkv.cli import thread_count  # noqa: E402
 from learnkv.decode import encode_prompts  # noqa: E402
 from learnkv.policies.params import parse_policy  # noqa: E402
 from learnkv.prompts import load_prompts  # noqa: E402
+from learnkv import features as features_module  # noqa: E402
+from learnkv.features import FeatureTracker  # noqa: E402
+from learnkv.policies.learned import Learned  # noqa: E402
+from learnkv.scorer.model import Scorer  # noqa: E402
 
 
 #: what ``--timers`` times: (owner, attribute name), outermost first
 TIMED = [(BudgetCache, "_step"), (BudgetCache, "_evict"), (BudgetCache, "_score"), (BudgetCache, "_select_due_rows"),
          (kernels, "select_keep"), (BudgetCache, "_keep_slots"), (cache_module, "keep_moved_rows_of_layers"),
-         (BudgetLayer, "keep_slots"), (BudgetLayer, "_move_keys_values")]
+         (BudgetLayer, "keep_slots"), (BudgetLayer, "_move_keys_values"),
+         # the learned policy's update and refresh, and the parts of them that cost the most (printed where called)
+         (Learned, "update"), (FeatureTracker, "_update_decode"), (Learned, "score_layers"),
+         (FeatureTracker, "features"), (features_module, "window_std"), (Scorer, "forward")]
 
 
 @contextlib.contextmanager
