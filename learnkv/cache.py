@@ -462,6 +462,7 @@ class BudgetCache(Cache):
         view = self._view(order, stats, linked, keep)
         refreshing = policy.refresh > 1 and (_REFRESHED not in view.state or self.step % policy.refresh == 0)
         view.scored = refreshing if policy.refresh > 1 else due  # `score` follows the update (else a refresh's scores)
+        view.victims_only = self._victims_only(first, keep)
         t0 = time.perf_counter()
         if linked is not None and policy.reads_layer:
             policy.update_layers(view, self._layer_views(order, stats, view, keep))
@@ -496,6 +497,15 @@ class BudgetCache(Cache):
                             [p.n_recent for p in rows], policy.block_size_at(self.step), rows=scored_rows)
         # host time; on CUDA this measures launch cost, not kernel time (the benchmark syncs for that)
         self.eviction_s += time.perf_counter() - t0
+
+    def _victims_only(self, layer: BudgetLayer, keep: list[int]) -> bool:
+        """Whether this step's scores of ``layer`` (or of the layers stacked with it) name each row's one victim and
+        nothing else (`LayerView.victims_only`): no row drops more than one live slot of ``keep``, at token
+        granularity, and the scores are neither kept (a refresh), nor pooled into one shared decision, nor compared
+        across heads and layers (allocation ``head`` or ``global``)."""
+        policy = self.policy
+        return (policy.refresh == 1 and self.shared_block is None and self.allocation.mode not in ("head", "global")
+                and policy.block_size_at(self.step) == 1 and all(n - k <= 1 for k, n in zip(keep, layer.live)))
 
     def _view(self, order: list[int], stats: list[tuple], linked: tuple | None, keep: list[int]) -> LayerView:
         """The policy's view of the layers ``order`` with the step's statistics ``stats`` (one tuple per layer); of

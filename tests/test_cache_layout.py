@@ -524,3 +524,41 @@ def test_roco_in_place_decode_steps_keep_the_state_and_slots(tiny, monkeypatch, 
             for name in sa[layer]:
                 assert torch.equal(sa[layer][name], sb[layer][name]), f"step {step}, layer {layer}: {name} differs"
     assert all("s1" in layer for layer in states[-1])  # its statistics were compared
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("slack, prefill, allocation", [(0, None, "uniform"), (4, None, "uniform"),
+                                                        (3, "snapkv", "uniform"), (4, None, "pyramid"),
+                                                        (4, None, "head")])
+def test_roco_victims_alone_keep_the_same_slots(tiny, monkeypatch, stacked, slack, prefill, allocation):
+    """Where the cache reads one victim a row (`LayerView.victims_only`: every row over its budget by one at most,
+    its scores neither kept nor compared across heads), RoCo scores that victim alone (`roco.victim_scores`): after
+    every step of a padded batch, the same tokens and every layer's live positions as with its full scores, stacked
+    and layer by layer, at the allocations that compare within a row (where some steps ask for the victim alone)
+    and across heads (where none does)."""
+    from learnkv.policies import roco
+
+    if not stacked:
+        _layer_by_layer(monkeypatch, "roco")
+    ids, mask = padded_batch()
+    real_score, asked = roco.RoCo.score, []
+
+    def score(self, view):
+        asked.append(view.victims_only)
+        return real_score(self, view)
+
+    monkeypatch.setattr(roco.RoCo, "score", score)
+    runs = []
+    for alone in (True, False):
+        if not alone:
+            monkeypatch.setattr(BudgetCache, "_victims_only", lambda self, layer, keep: False)
+        live = []
+        result = generate(tiny, input_ids=ids, attention_mask=mask, policy="roco", budget=12, max_new_tokens=16,
+                          stop_at_eos=False, slack=slack, prefill_policy=prefill, allocation=allocation,
+                          observer=lambda cache: live.append([live_positions(layer) for layer in cache.layers]))
+        runs.append((result.tokens.tolist(), live))
+    assert runs[0][0] == runs[1][0] and len(runs[0][1]) == len(runs[1][1]) == 16
+    for step, (a, b) in enumerate(zip(runs[0][1], runs[1][1])):
+        for layer in range(len(a)):
+            assert torch.equal(a[layer], b[layer]), f"step {step}, layer {layer}: other tokens kept"
+    assert any(asked) == (allocation != "head")

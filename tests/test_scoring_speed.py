@@ -166,6 +166,49 @@ def test_roco_score_with_float_masks_is_the_replaced_code(R, H, T, statistics):
     assert any(mixed) or T == 1  # some trial had slots in scope and out of it
 
 
+@pytest.mark.parametrize("B, H, T", [(1, 1, 1), (3, 2, 17), (8, 3, 130), (240, 3, 790)])
+@pytest.mark.parametrize("statistics", ["continuous", "tied", "nan"])
+def test_roco_victim_scores_drop_the_victim_of_the_full_scores(B, H, T, statistics):
+    """RoCo's scores where the cache reads one victim a row (`LayerView.victims_only`, `roco.victim_scores`): the
+    cache's selection keeps the same slots as with its full scores (`roco.scope_means`), by its one-drop marking and
+    by its general selection, on rows with dead slots anywhere, each over its budget by one or not at all, with
+    protected slots, statistics that tie (the scope's boundary and the lowest mean among ties) and NaN statistics.
+    Rows whose lowest mean is out of scope are scored in full (bit for bit); the others hold the victim's mean alone;
+    both kinds occur."""
+    g = torch.Generator().manual_seed(B * 10 + T)
+    kinds = set()
+    for trial in range(4):
+        _, pos, keep, live = one_drop_case(B, H, T, g, "random")
+        count = (torch.rand(B, H, T, generator=g) * 40).floor() + 1
+        if statistics == "tied":  # means and stds of three values each, exactly (sums of quarters)
+            mean, std = (torch.randint(0, 3, (B, H, T), generator=g) / 4 for _ in range(2))
+            s1, s2 = mean * count, (std * std + mean * mean) * count
+        else:
+            s1 = torch.rand(B, H, T, generator=g) * count / T
+            s2 = s1 * s1 / count + torch.rand(B, H, T, generator=g) / T
+        if statistics == "nan":  # the same slots of both sums, as a NaN attention makes them
+            bad = torch.rand(B, H, T, generator=g) < 0.001
+            s1[bad], s2[bad] = float("nan"), float("nan")
+        policy = roco.RoCo(n_sink=[0, 4, 1, 0][trial], n_recent=[10, 0, 3, T][trial])
+        views = [LayerView(layer=0, step=9, keys=None, values=None, positions=pos, n_new=1, keep=keep,
+                           state={"s1": s1, "s2": s2, "count": count}, live=live, victims_only=alone)
+                 for alone in (False, True)]
+        full, alone = (policy.score(v) for v in views)
+        kept = [kernels.select_keep(s, pos, keep, policy.n_sink, policy.n_recent, 1, live=live) for s in (full, alone)]
+        assert torch.equal(*kept), f"trial {trial}: other slots kept"
+        marked = [pos.clone(), pos.clone()]
+        done = [kernels.mark_one_drop(s, p, keep, policy.n_sink, policy.n_recent, live)
+                for s, p in zip((full, alone), marked)]
+        assert done[0] == done[1] and torch.equal(*marked), f"trial {trial}: other victims marked"
+        for f, a in zip(full.flatten(0, 1), alone.flatten(0, 1)):
+            if torch.equal(f.view(torch.int32), a.view(torch.int32)):
+                kinds.add("in full")
+            else:
+                assert int(a.isfinite().sum()) == 1 and float(a.min()) == float(f.min()), f"trial {trial}"
+                kinds.add("the victim alone")
+    assert kinds == {"in full", "the victim alone"} or B < 240
+
+
 def lazy_update_with_bool_mask(self, view):
     """`LazyEviction.update` before its float mask (commit 4aac568), verbatim."""
     st, t = view.state, view.step

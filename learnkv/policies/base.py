@@ -59,6 +59,12 @@ class LayerView:
         Whether the cache reads this view's scores after `Policy.update` (an eviction or a refresh in this step).
         Where False, ``update`` may skip what only ``score`` reads (the learned policy's feature read-out on the
         kernel path); ``score`` must still work if called (True unless the cache knows better).
+    victims_only : bool
+        Whether the cache reads nothing of this view's scores but each row and KV head's lowest score over its live
+        unprotected slots (the first slot among ties), the one slot it drops: every row drops at most one, and the
+        scores are neither kept nor compared across heads or layers. A policy may then return any scores with that
+        same lowest slot, +inf elsewhere say (RoCo, which then skips the selection of its scope). False unless the
+        cache knows (`BudgetCache`); a caller that reads the scores themselves leaves it so.
 
     layers : tuple[int, ...] or None
         The layers of a view that holds the rows of several (see below), in the order of their rows; None for one
@@ -83,6 +89,7 @@ class LayerView:
     state: dict[str, Tensor] = field(default_factory=dict)
     live: list[int] | None = None
     scored: bool = True
+    victims_only: bool = False
     layers: tuple[int, ...] | None = None
 
     @property
@@ -134,7 +141,8 @@ class LayerView:
                          attn_sum=pick(self.attn_sum), attn_sq_sum=pick(self.attn_sq_sum),
                          keep=self.keep if isinstance(self.keep, int) else list_rows(self.keep),
                          state={name: pick(t) for name, t in self.state.items()},
-                         live=None if self.live is None else list_rows(self.live), scored=self.scored, **fields)
+                         live=None if self.live is None else list_rows(self.live), scored=self.scored,
+                         victims_only=self.victims_only, **fields)
 
 
 def exact_map(fn: Callable[..., Tensor], *keys: Tensor) -> Tensor:
