@@ -34,6 +34,12 @@ policy uses to read out the features of a few layers' rows at once (each op then
 CPU) before each layer's scorer. The scores are kept as per-token state, and every eviction in between uses the
 latest (the tokens cached since have none, and are kept).
 
+Victims alone: at a step of token eviction where no row drops more than one live slot, and the scores are neither
+kept (a refresh), nor pooled into one decision (the layer-shared block mode), nor compared across heads (allocation
+``head`` or ``global``), all the cache reads of the scores is each row's lowest slot. It says so
+(`LayerView.victims_only`), and a policy whose full scores cost more than that victim may score the victim alone
+(RoCo: the selection of its scope).
+
 When it evicts: only at a step where a row would otherwise end over its budget, and then down to the policy's
 keep target (`Policy.keep_target`: the budget, or ``budget - interval + 1`` for a lagged policy, which thus evicts
 every ``interval`` steps once full and observes the steps in between). A prompt within the budget is never
