@@ -75,6 +75,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from learnkv import kernels
+from learnkv.kernels.cpu import one_drop_rows
 from learnkv.kernels.reference import mark_dead, protected_slots
 from learnkv.allocation import (Allocation, allocate, as_allocation, head_budgets, keep_slots, normalisation_for,
                                 normalise_scores)
@@ -507,11 +508,13 @@ class BudgetCache(Cache):
     def _victims_only(self, layer: BudgetLayer, keep: list[int]) -> bool:
         """Whether this step's scores of ``layer`` (or of the layers stacked with it) name each row's one victim and
         nothing else (`LayerView.victims_only`): no row drops more than one live slot of ``keep``, at token
-        granularity, and the scores are neither kept (a refresh), nor pooled into one shared decision, nor compared
-        across heads and layers (allocation ``head`` or ``global``)."""
+        granularity (`kernels.cpu.one_drop_rows`, the case of the one-drop marking), and the scores are neither kept
+        (a refresh), nor pooled into one shared decision, nor compared across heads and layers (allocation ``head``
+        or ``global``)."""
         policy = self.policy
         return (policy.refresh == 1 and self.shared_block is None and self.allocation.mode not in ("head", "global")
-                and policy.block_size_at(self.step) == 1 and all(n - k <= 1 for k, n in zip(keep, layer.live)))
+                and policy.block_size_at(self.step) == 1
+                and one_drop_rows(keep, layer.live, len(keep), 1, layer.n_slots) is not None)
 
     def _view(self, order: list[int], stats: list[tuple], linked: tuple | None, keep: list[int]) -> LayerView:
         """The policy's view of the layers ``order`` with the step's statistics ``stats`` (one tuple per layer); of
