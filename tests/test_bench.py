@@ -490,3 +490,39 @@ def test_profile_eviction_timers(small, tmp_path):
         BudgetCache._select_due_rows(torch.rand(1, 1, 4), None, torch.arange(4).view(1, 1, 4), [2], [0], [0], 1, [4])
     assert {name: len(calls) for name, calls in spent.items()} == {"_select_due_rows": 1, "select_keep": 1}
     assert [vars(owner)[name] for owner, name in module.TIMED] == before
+
+
+def test_profile_eviction_bytes_counts_every_decode_step(small, tmp_path):
+    """`bench/profile_eviction.py --bytes` on the tiny model: every decode step's ops counted (each reads every
+    linear layer's weights), the eviction path's apart (none for the full cache), and the cache's step restored."""
+    import importlib.util
+
+    from learnkv.cache import BudgetCache
+
+    model, tok = small
+    spec = importlib.util.spec_from_file_location("bench_profile", ROOT / "bench" / "profile_eviction.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ids = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    weights = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    real_step = BudgetCache._step
+    for policy, evicts in (("full", False), ("h2o", True)):
+        run = dict(input_ids=ids, attention_mask=torch.ones_like(ids), policy=policy, budget=24, max_new_tokens=12,
+                   stop_at_eos=False, slack=2)  # fmt: skip
+        r, steps, by_op = module.decode_traffic(model, run)
+        assert steps == 11 and len(r.tokens[0]) == 12
+        assert weights * steps <= by_op["model"]["mm"].read < 1.1 * weights * steps
+        assert by_op["model"]["mm"].flops >= 2 * 2 * weights // 4 * steps  # two rows, 2 FLOPs a weight
+        assert bool(by_op["eviction"]) == evicts and BudgetCache._step is real_step
+        if evicts:
+            assert sum(t.read + t.written for t in by_op["eviction"].values()) > 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "bench/profile_eviction.py", "--model", str(saved_model(small, tmp_path)),
+                          "--policies", "full,h2o", "--batch", "2", "--new-tokens", "12", "--budget", "24", "--bytes"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in res.stdout.splitlines()
+            if line.startswith("| full") or line.startswith("| h2o")}  # fmt: skip
+    assert rows["full"][4] == "0" and float(rows["h2o"][4]) > 0 and float(rows["h2o"][6].replace(",", "")) > 0
+    assert rows["full"][7] == "1.000 |" and float(rows["h2o"][7].rstrip(" |")) > 0  # the full cache's bytes / these
+    assert "GB/s" in res.stdout
