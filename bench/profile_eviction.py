@@ -127,8 +127,8 @@ def main(argv=None) -> None:
               f"and values over all layers: {token_kv:,} bytes\n")
         print("| policy | budgets | tokens held a row, mean | model: MB a step (read + written) | "
               "model: GFLOP a step | eviction: ops a step | eviction: MB a step (read + written) | "
-              "eviction: bytes a held token | the full cache's bytes a step / these |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "eviction: MFLOP a step | eviction: bytes a held token | the full cache's bytes a step / these |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         full_bytes = None
     for item in args.policies.split(","):
         name, params = parse_policy(item)  # NAME[:key=value]...
@@ -193,8 +193,9 @@ def decode_traffic(model, run: dict):
 def print_traffic(item: str, r, steps: int, by_op: dict[str, dict[str, Traffic]], top: int,
                   full_bytes: float | None) -> float | None:
     """One row of ``--bytes``' table, per decode step: the tokens held, the model's and the eviction path's ops, MB
-    and FLOPs, and the full cache's bytes a step (``full_bytes``, once a "full" row has run) over this policy's;
-    then the ``top`` ops of the eviction path by bytes. Returns the full cache's bytes a step (this row's if full)."""
+    and FLOPs, the eviction's bytes per token held (a row's, over all layers), and the full cache's bytes a step
+    (``full_bytes``, once a "full" row has run) over this policy's; then the ``top`` ops of the eviction path by
+    bytes. Returns the full cache's bytes a step (this row's if full)."""
     held = "full" if r.budgets is None else f"{min(r.budgets)}-{max(r.budgets)}"
     m, e = total(by_op["model"].values()), total(by_op["eviction"].values())
     per = max(steps, 1)
@@ -207,10 +208,10 @@ def print_traffic(item: str, r, steps: int, by_op: dict[str, dict[str, Traffic]]
     print(f"| {item} | {held} | {tokens / len(r.prompt_lengths):.0f} | {(m.read + m.written) / per / 1e6:.0f} "
           f"({m.read / per / 1e6:.0f} + {m.written / per / 1e6:.0f}) | {m.flops / per / 1e9:.2f} | {e.ops / per:.0f} | "
           f"{(e.read + e.written) / per / 1e6:.1f} ({e.read / per / 1e6:.1f} + {e.written / per / 1e6:.1f}) | "
-          f"{(e.read + e.written) / per / max(tokens, 1):,.0f} | {vs_full} |")
+          f"{e.flops / per / 1e6:.1f} | {(e.read + e.written) / per / max(tokens, 1):,.0f} | {vs_full} |")
     heaviest = sorted(by_op["eviction"].items(), key=lambda kv: -(kv[1].read + kv[1].written))[:top]
     print("|  | its heaviest ops: " + ", ".join(f"{op} {(t.read + t.written) / per / 1e6:.1f} MB ({t.ops / per:.0f})"
-                                              for op, t in heaviest if t.ops) + " ||||||||")  # fmt: skip
+                                              for op, t in heaviest if t.ops) + " |||||||||")  # fmt: skip
     return full_bytes
 
 
