@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ NO_TRAFFIC = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, a
 
 @dataclass
 class Traffic:
-    """One bucket's totals."""
+    """What some ops moved: how many, their bytes read and written, their FLOPs."""
 
     ops: int = 0
     read: int = 0  # bytes
@@ -55,10 +56,6 @@ class Traffic:
         self.read += other.read
         self.written += other.written
         self.flops += other.flops
-
-    def minus(self, other: Traffic) -> Traffic:
-        return Traffic(self.ops - other.ops, self.read - other.read, self.written - other.written,
-                       self.flops - other.flops)  # fmt: skip
 
 
 def total(counts) -> Traffic:
@@ -129,8 +126,6 @@ class OpTraffic(TorchDispatchMode):
 def stream_rate(n_bytes: int = 1 << 27, repeats: int = 5) -> float:
     """This machine's rate for a streaming op (bytes/s): ``torch.add(a, b, out=c)`` over three float32 tensors of
     ``n_bytes`` each (larger than the caches), the best of ``repeats``."""
-    import time
-
     a, b, c = (torch.ones(n_bytes // 4) for _ in range(3))
     best = float("inf")
     for _ in range(repeats):

@@ -122,7 +122,8 @@ def main(argv=None) -> None:
           f"new, {held}, slack {args.slack}, threads {args.threads}")
     if args.bytes:
         cfg = model.config
-        token_kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        token_kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
         print(f"streaming rate (torch.add of 128 MB float32 tensors): {stream_rate() / 1e9:.1f} GB/s; a token's keys "
               f"and values over all layers: {token_kv:,} bytes\n")
         print("| policy | budgets | tokens held a row, mean | model: MB a step (read + written) | "
