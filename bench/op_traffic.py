@@ -112,7 +112,7 @@ class OpTraffic(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in flop_registry:  # a composite op (inference mode leaves them whole): count what it runs
+        if func.overloadpacket not in flop_registry:  # a composite op (inference mode leaves them whole): its parts
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
