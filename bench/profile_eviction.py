@@ -62,28 +62,42 @@ TIMED = [(BudgetCache, "_step"), (BudgetCache, "_evict"), (BudgetCache, "_score"
 
 
 @contextlib.contextmanager
-def timers(targets=TIMED):
-    """Within the block, each of ``targets`` is wrapped to record its wall time per call: yields ``{name: [s]}``."""
-    spent: dict[str, list[float]] = {}
+def wrapped(targets, around):
+    """Within the block, every call of each of ``targets`` ((owner, attribute name)) runs inside ``around(name)``, a
+    context manager; the real functions are back afterwards."""
     saved = []
     for owner, name in targets:
         real = vars(owner)[name]  # a staticmethod stays one
         fn = real.__func__ if isinstance(real, staticmethod) else real
 
-        def timed(*args, _fn=fn, _name=name, **kwargs):
-            t0 = time.perf_counter()
-            try:
+        def inside(*args, _fn=fn, _name=name, **kwargs):
+            with around(_name):
                 return _fn(*args, **kwargs)
-            finally:
-                spent.setdefault(_name, []).append(time.perf_counter() - t0)
 
-        setattr(owner, name, staticmethod(timed) if isinstance(real, staticmethod) else timed)
+        setattr(owner, name, staticmethod(inside) if isinstance(real, staticmethod) else inside)
         saved.append((owner, name, real))
     try:
-        yield spent
+        yield
     finally:
         for owner, name, real in saved:
             setattr(owner, name, real)
+
+
+@contextlib.contextmanager
+def timers(targets=TIMED):
+    """Within the block, each of ``targets`` is wrapped to record its wall time per call: yields ``{name: [s]}``."""
+    spent: dict[str, list[float]] = {}
+
+    @contextlib.contextmanager
+    def timing(name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent.setdefault(name, []).append(time.perf_counter() - t0)
+
+    with wrapped(targets, timing):
+        yield spent
 
 
 def random_scorer(model, name: str) -> str:
@@ -174,19 +188,11 @@ def decode_traffic(model, run: dict):
         if len(forwards) == 2:
             traffic.by_op.clear()
 
-    real_step = BudgetCache._step
-
-    def step(self, *args, **kwargs):
-        with traffic.bucket("eviction"):
-            return real_step(self, *args, **kwargs)
-
     hook = model.register_forward_pre_hook(from_the_first_decode_step)
-    BudgetCache._step = step
     try:
-        with traffic.bucket("model"), traffic:
+        with wrapped([(BudgetCache, "_step")], lambda _: traffic.bucket("eviction")), traffic.bucket("model"), traffic:
             r = generate(model, **run)
     finally:
-        BudgetCache._step = real_step
         hook.remove()
     return r, len(forwards) - 1, {name: traffic.by_op[name] for name in ("model", "eviction")}
 
